@@ -1,0 +1,31 @@
+//===- ir/error.h - Errors a user can act on ---------------------*- C++ -*-===//
+//
+// Every layer of fragments reports bad input (a file, a location, a rule, a
+// rank that disagrees) with one exception type. The CLI prints its message on
+// one line and exits non-zero; library users catch it. Internal invariants use
+// TORCH_INTERNAL_ASSERT instead.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace frag {
+
+/// Bad input or a failed run, described so that a user can act on it.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+};
+
+/// Throws frag::Error with a fmt-formatted message.
+template <typename... Args>
+[[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(fmt::format(format, std::forward<Args>(args)...));
+}
+
+}  // namespace frag

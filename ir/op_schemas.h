@@ -1,0 +1,43 @@
+//===- ir/op_schemas.h - The frag:: op schemas: the pass/runtime contract -*- C++ -*-===//
+//
+// Exported models call frag::all_reduce and frag::all_gather for their own
+// tensor-parallel communication. The fragment pass inserts frag::gather,
+// frag::intervene and frag::split around module boundaries; the runtime
+// implements all five. The schemas are registered once, here (op_schemas.cpp,
+// schema only, no kernels), so a process that only rewrites or inspects
+// graphs can save and load them; runtime/ registers the kernels.
+// tools/fragkit/ops.py defines the same model ops for Python.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+namespace frag::ir {
+
+/// Sum over a named group, out of place.
+inline constexpr const char* kAllReduceSchema = "frag::all_reduce(Tensor x, str group) -> Tensor";
+/// Concatenation of every rank's tensor along `dim`, in group-rank order.
+inline constexpr const char* kAllGatherSchema =
+    "frag::all_gather(Tensor x, int dim, str group) -> Tensor";
+/// At a fragmented location: the whole tensor if an intervention waits on
+/// this visit, else `piece` itself (no collective, no copy). `rule` is the
+/// location's fragment rule as JSON.
+inline constexpr const char* kGatherSchema =
+    "frag::gather(Tensor(a) piece, str location, str rule) -> Tensor(a)";
+/// Runs the interventions waiting at `location` on this visit. `fragmented`
+/// says whether a frag::gather came first (it opens the visit) or not (this
+/// op opens it).
+inline constexpr const char* kInterveneSchema =
+    "frag::intervene(Tensor(a) value, str location, bool fragmented) -> Tensor(a)";
+/// At a fragmented location: `piece` itself if nothing was edited on this
+/// visit, else this rank's piece of the edited whole `value`.
+inline constexpr const char* kSplitSchema =
+    "frag::split(Tensor value, Tensor(a) piece, str location, str rule) -> Tensor(a)";
+
+/// Qualified names, for building and matching nodes.
+inline constexpr const char* kAllReduceOp = "frag::all_reduce";
+inline constexpr const char* kAllGatherOp = "frag::all_gather";
+inline constexpr const char* kGatherOp = "frag::gather";
+inline constexpr const char* kInterveneOp = "frag::intervene";
+inline constexpr const char* kSplitOp = "frag::split";
+
+}  // namespace frag::ir

@@ -1,0 +1,350 @@
+//===- passes/classify_parallel_layers.cpp - Find what is sharded --------===//
+//
+// One function per layer kind turns the layer's config into fragment rules,
+// following ../shared/reference/fragment-rules.md row by row.
+//
+//===----------------------------------------------------------------------===//
+#include "passes/classify_parallel_layers.h"
+
+#include "ir/error.h"
+
+#include <fstream>
+#include <numeric>
+
+namespace frag::passes {
+namespace {
+
+using ir::FragmentedSide;
+using ir::FragmentRule;
+using ir::LayerEntry;
+
+const std::vector<std::string> kKnownKinds = {
+    "ReplicatedLinear",   "ColumnParallelLinear",   "MergedColumnParallelLinear",
+    "QKVParallelLinear",  "RowParallelLinear",      "VocabParallelEmbedding",
+    "ParallelLMHead",     "LogitsProcessor",        "FusedMoE",
+};
+
+/// Reads one layer's config attributes, with errors that name the layer.
+class LayerConfig {
+ public:
+  LayerConfig(const torch::jit::Module& module, const std::string& source, const std::string& path,
+              const std::string& class_name)
+      : module_(module), source_(source), path_(path), class_name_(class_name) {}
+
+  int64_t integer(const char* name) const {
+    auto value = get(name);
+    if (!value.isInt()) wrong_type(name, "int", value);
+    return value.toInt();
+  }
+
+  bool boolean(const char* name) const {
+    auto value = get(name);
+    if (!value.isBool()) wrong_type(name, "bool", value);
+    return value.toBool();
+  }
+
+  std::vector<int64_t> integers(const char* name) const {
+    auto value = get(name);
+    if (!value.isIntList()) wrong_type(name, "List[int]", value);
+    return value.toIntVector();
+  }
+
+  /// Size of a parameter's dim, if the parameter exists.
+  std::optional<int64_t> param_size(const char* name, int64_t dim) const {
+    if (!module_.hasattr(name)) return std::nullopt;
+    auto value = module_.attr(name);
+    if (!value.isTensor()) return std::nullopt;
+    const auto& t = value.toTensor();
+    if (t.dim() <= dim) return std::nullopt;
+    return t.size(dim);
+  }
+
+  [[noreturn]] void inconsistent(const std::string& problem) const {
+    fail("{}: {} ({}): {}", source_, path_, class_name_, problem);
+  }
+
+  void require(bool ok, const std::string& problem) const {
+    if (!ok) inconsistent(problem);
+  }
+
+ private:
+  c10::IValue get(const char* name) const {
+    if (!module_.hasattr(name))
+      fail("{}: {} ({}): missing config attribute '{}'; export the layer with fragkit or keep "
+           "vLLM's attribute names",
+           source_, path_, class_name_, name);
+    return module_.attr(name);
+  }
+
+  [[noreturn]] void wrong_type(const char* name, const char* expected, const c10::IValue& found) const {
+    fail("{}: {} ({}): config attribute '{}' should be {}, found {}", source_, path_, class_name_,
+         name, expected, found.tagKind());
+  }
+
+  const torch::jit::Module& module_;
+  const std::string& source_;
+  const std::string& path_;
+  const std::string& class_name_;
+};
+
+int64_t checked_tp(const LayerConfig& config) {
+  const int64_t tp = config.integer("tp_size");
+  const int64_t rank = config.integer("tp_rank");
+  config.require(tp >= 1, fmt::format("tp_size {} is not positive", tp));
+  config.require(rank >= 0 && rank < tp, fmt::format("tp_rank {} is outside [0, {})", rank, tp));
+  return tp;
+}
+
+void check_divides(const LayerConfig& config, int64_t tp, int64_t value, const char* what) {
+  config.require(value % tp == 0, fmt::format("{} = {} is not divisible by tp_size {}", what, value, tp));
+}
+
+FragmentedSide side(FragmentRule rule, std::optional<int64_t> whole_width) {
+  ir::validate(rule);
+  return FragmentedSide{std::move(rule), whole_width};
+}
+
+void column_output(const LayerConfig& config, LayerEntry& entry, int64_t tp, FragmentRule rule,
+                   int64_t whole_width) {
+  const int64_t per_rank = whole_width / tp;
+  if (auto rows = config.param_size("weight", 0))
+    config.require(*rows == per_rank || entry.kind == "QKVParallelLinear",
+                   fmt::format("weight has {} rows, expected {} (output width {} / tp_size {})", *rows,
+                               per_rank, whole_width, tp));
+  if (tp == 1) {
+    entry.notes.push_back("tp_size=1: not sharded");
+  } else if (config.boolean("gather_output")) {
+    entry.notes.push_back("gather_output=True: the layer gathers its output itself");
+  } else {
+    entry.output = side(std::move(rule), whole_width);
+  }
+}
+
+void classify_column(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = checked_tp(config);
+  const int64_t width = config.integer("output_size");
+  check_divides(config, tp, width, "output_size");
+  column_output(config, entry, tp, FragmentRule::shard(-1, ir::kTpGroup, tp), width);
+}
+
+void classify_merged(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = checked_tp(config);
+  auto sizes = config.integers("output_sizes");
+  config.require(!sizes.empty(), "output_sizes is empty");
+  const int64_t width = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  config.require(width == config.integer("output_size"),
+                 fmt::format("output_sizes sum to {} but output_size is {}", width,
+                             config.integer("output_size")));
+  for (auto s : sizes) check_divides(config, tp, s, "an entry of output_sizes");
+  // vLLM fuses [gate | up] in its MLPs; other merged layers get neutral names.
+  std::vector<std::string> names;
+  const bool gate_up = sizes.size() == 2 && entry.path.size() >= 12 &&
+                       entry.path.compare(entry.path.size() - 12, 12, "gate_up_proj") == 0;
+  if (gate_up) names = {"gate", "up"};
+  column_output(config, entry, tp, FragmentRule::segments(sizes, names, ir::kTpGroup, tp), width);
+}
+
+void classify_qkv(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = checked_tp(config);
+  const int64_t heads = config.integer("total_num_heads");
+  const int64_t kv_heads = config.integer("total_num_kv_heads");
+  const int64_t head_size = config.integer("head_size");
+  const int64_t v_head_size = config.integer("v_head_size");
+  config.require(heads > 0 && kv_heads > 0 && head_size > 0 && v_head_size > 0,
+                 "head counts and sizes must be positive");
+  config.require(heads % tp == 0,
+                 fmt::format("total_num_heads {} is not divisible by tp_size {}", heads, tp));
+  config.require(tp >= kv_heads ? tp % kv_heads == 0 : kv_heads % tp == 0,
+                 fmt::format("total_num_kv_heads {} neither divides nor is divisible by tp_size {}",
+                             kv_heads, tp));
+  const int64_t kv_per_rank = tp >= kv_heads ? 1 : kv_heads / tp;
+  const int64_t per_rank = heads / tp * head_size + kv_per_rank * (head_size + v_head_size);
+  if (auto rows = config.param_size("weight", 0))
+    config.require(*rows == per_rank,
+                   fmt::format("weight has {} rows, expected {} for {} q / {} kv heads at tp_size {}",
+                               *rows, per_rank, heads, kv_heads, tp));
+  const int64_t whole = heads * head_size + kv_heads * (head_size + v_head_size);
+  column_output(config, entry, tp,
+                FragmentRule::qkv(heads, kv_heads, head_size, v_head_size, ir::kTpGroup, tp), whole);
+}
+
+void classify_row(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = checked_tp(config);
+  const int64_t input = config.integer("input_size");
+  check_divides(config, tp, input, "input_size");
+  if (auto columns = config.param_size("weight", 1))
+    config.require(*columns == input / tp,
+                   fmt::format("weight has {} columns, expected {} (input_size {} / tp_size {})",
+                               *columns, input / tp, input, tp));
+  if (tp == 1) {
+    entry.notes.push_back("tp_size=1: not sharded");
+    return;
+  }
+  if (config.boolean("input_is_parallel"))
+    entry.input = side(FragmentRule::shard(-1, ir::kTpGroup, tp), input);
+  else
+    entry.notes.push_back("input_is_parallel=False: the layer splits its whole input itself");
+  if (config.boolean("reduce_results"))
+    entry.notes.push_back("reduce_results=True: the layer all-reduces its output itself");
+  else
+    entry.output = side(FragmentRule::partial_sum(ir::kTpGroup, tp), config.integer("output_size"));
+}
+
+void classify_vocab_embedding(const LayerConfig& config, LayerEntry& entry) {
+  checked_tp(config);
+  config.integer("num_embeddings_padded");
+  entry.notes.push_back("ids in are whole; the layer all-reduces its masked lookup, so its output is whole");
+}
+
+void classify_lm_head(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = checked_tp(config);
+  const int64_t org = config.integer("org_vocab_size");
+  const int64_t padded = config.integer("num_embeddings_padded");
+  config.require(org <= padded, fmt::format("org_vocab_size {} exceeds num_embeddings_padded {}", org, padded));
+  check_divides(config, tp, padded, "num_embeddings_padded");
+  if (tp == 1) {
+    entry.notes.push_back("tp_size=1: not sharded");
+    return;
+  }
+  entry.output = side(FragmentRule::vocab_shard(org, padded, ir::kTpGroup, tp), org);
+}
+
+void classify_logits_processor(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = config.integer("tp_size");
+  config.require(tp >= 1, fmt::format("tp_size {} is not positive", tp));
+  const int64_t org = config.integer("org_vocab_size");
+  const int64_t vocab = config.integer("vocab_size");
+  if (tp == 1) {
+    entry.notes.push_back("tp_size=1: not sharded");
+    return;
+  }
+  const int64_t padded = FragmentRule::padded_vocab_size(vocab, tp);
+  entry.input = side(FragmentRule::vocab_shard(org, padded, ir::kTpGroup, tp), org);
+  entry.notes.push_back("the layer gathers the vocab shards and drops the padding: its output is whole");
+}
+
+void classify_fused_moe(const LayerConfig& config, LayerEntry& entry) {
+  const int64_t tp = checked_tp(config);
+  const int64_t ep = config.integer("ep_size");
+  const int64_t ep_rank = config.integer("ep_rank");
+  config.require(ep >= 1 && ep_rank >= 0 && ep_rank < ep,
+                 fmt::format("ep_rank {} is outside [0, ep_size {})", ep_rank, ep));
+  config.require(tp == 1 || ep == 1,
+                 fmt::format("tp_size {} and ep_size {} are both above 1; vLLM shards experts one way", tp, ep));
+  check_divides(config, tp, config.integer("intermediate_size"), "intermediate_size");
+  const int64_t group = tp * ep;
+  if (group == 1) {
+    entry.notes.push_back("tp_size=ep_size=1: not sharded");
+  } else if (config.boolean("reduce_results")) {
+    entry.notes.push_back("reduce_results=True: the layer all-reduces its output itself");
+  } else {
+    // The partial sum spans the flat expert group: tp_size·ep_size, not tp_size alone.
+    entry.output = side(FragmentRule::partial_sum(ir::kTpEpGroup, group), config.integer("hidden_size"));
+  }
+}
+
+void classify_replicated(const LayerConfig&, LayerEntry& entry) {
+  entry.notes.push_back("replicated: every rank holds the whole weight");
+}
+
+using Classifier = void (*)(const LayerConfig&, LayerEntry&);
+
+Classifier classifier_for(const std::string& kind) {
+  static const std::map<std::string, Classifier> table = {
+      {"ReplicatedLinear", classify_replicated},
+      {"ColumnParallelLinear", classify_column},
+      {"MergedColumnParallelLinear", classify_merged},
+      {"QKVParallelLinear", classify_qkv},
+      {"RowParallelLinear", classify_row},
+      {"VocabParallelEmbedding", classify_vocab_embedding},
+      {"ParallelLMHead", classify_lm_head},
+      {"LogitsProcessor", classify_logits_processor},
+      {"FusedMoE", classify_fused_moe},
+  };
+  auto it = table.find(kind);
+  return it == table.end() ? nullptr : it->second;
+}
+
+}  // namespace
+
+const std::vector<std::string>& known_layer_kinds() { return kKnownKinds; }
+
+std::string plain_class_name(const std::string& qualified_name) {
+  std::string last;
+  size_t start = 0;
+  while (start <= qualified_name.size()) {
+    size_t end = qualified_name.find('.', start);
+    if (end == std::string::npos) end = qualified_name.size();
+    std::string part = qualified_name.substr(start, end - start);
+    if (part.rfind("___torch_mangle_", 0) != 0) last = part;
+    start = end + 1;
+  }
+  return last;
+}
+
+LayerAliases LayerAliases::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("{}: cannot open the rules file", path);
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    fail("{}: rules file is not valid JSON: {}", path, e.what());
+  }
+  if (!json.is_object() || !json.contains("layers") || !json["layers"].is_object())
+    fail("{}: rules file must be an object with \"layers\": {{\"ClassName\": \"KnownKind\", …}}", path);
+  LayerAliases aliases;
+  for (const auto& [name, kind] : json["layers"].items()) {
+    if (!kind.is_string() || classifier_for(kind.get<std::string>()) == nullptr)
+      fail("{}: class '{}' is declared as unknown kind {}; known kinds: {}", path, name, kind.dump(),
+           fmt::join(kKnownKinds, ", "));
+    aliases.kind_of_class[name] = kind.get<std::string>();
+  }
+  return aliases;
+}
+
+ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
+                                           const LayerAliases& aliases, const std::string& source) {
+  ir::FragmentTable table;
+  for (const auto& named : root.named_modules()) {
+    const std::string class_name = plain_class_name(named.value.type()->name()->qualifiedName());
+    auto alias = aliases.kind_of_class.find(class_name);
+    const std::string kind = alias != aliases.kind_of_class.end() ? alias->second : class_name;
+    Classifier classify = classifier_for(kind);
+    if (classify == nullptr) continue;
+    LayerEntry entry{named.name, class_name, kind, std::nullopt, std::nullopt, {}};
+    LayerConfig config(named.value, source, named.name, class_name);
+    classify(config, entry);
+    // The model's tensor-parallel size: every sharded layer spans the same
+    // ranks (layers built with tp_size 1 are allowed, as vLLM's disable_tp).
+    int64_t group = config.integer("tp_size");
+    if (kind == "FusedMoE") group *= config.integer("ep_size");
+    if (group > 1) {
+      if (table.tp_size > 1 && group != table.tp_size)
+        config.inconsistent(fmt::format("spans {} ranks but earlier layers span {}", group, table.tp_size));
+      table.tp_size = group;
+    }
+    table.layers.push_back(std::move(entry));
+  }
+  return table;
+}
+
+void check_tables_agree(const std::vector<std::string>& sources,
+                        const std::vector<ir::FragmentTable>& tables) {
+  for (size_t r = 1; r < tables.size(); ++r) {
+    const auto& a = tables[0];
+    const auto& b = tables[r];
+    if (a.tp_size != b.tp_size)
+      fail("{} and {} disagree: tp_size {} vs {}", sources[0], sources[r], a.tp_size, b.tp_size);
+    if (a.layers.size() != b.layers.size())
+      fail("{} and {} disagree: {} vs {} parallel layers", sources[0], sources[r], a.layers.size(),
+           b.layers.size());
+    for (size_t i = 0; i < a.layers.size(); ++i)
+      if (!(a.layers[i] == b.layers[i]))
+        fail("{} and {} disagree at {}: {} vs {}", sources[0], sources[r], a.layers[i].path,
+             ir::to_json(a.layers[i].output ? a.layers[i].output->rule : ir::FragmentRule::replicated()).dump(),
+             ir::to_json(b.layers[i].output ? b.layers[i].output->rule : ir::FragmentRule::replicated()).dump());
+  }
+}
+
+}  // namespace frag::passes

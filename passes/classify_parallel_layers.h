@@ -1,0 +1,52 @@
+//===- passes/classify_parallel_layers.h - Find what is sharded --*- C++ -*-===//
+//
+// Walks a module tree and, for every module whose class is a known parallel
+// layer, reads the config attributes the export kit keeps (tp_size,
+// gather_output, output_sizes, head counts, …) and decides for each side
+// whether it is fragmented and by which fragment rule (ir/fragment_rule.h).
+// The decision depends on the layer's type and config only, never on the rank.
+//
+// TorchScript keeps no class hierarchy, so a layer is known by its class name
+// with `___torch_mangle_N` segments stripped; a user rules file can declare
+// more class names as a kind of a known layer:
+//     {"layers": {"MyFancyQKV": "QKVParallelLinear"}}
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "ir/fragment_table.h"
+
+#include <torch/script.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace frag::passes {
+
+/// Class names a user declares as a kind of a known layer.
+struct LayerAliases {
+  std::map<std::string, std::string> kind_of_class;
+
+  /// Reads a rules file; bad JSON or an unknown kind: frag::Error naming the file.
+  static LayerAliases from_file(const std::string& path);
+};
+
+/// The layer kinds the pass knows (vLLM's class names).
+const std::vector<std::string>& known_layer_kinds();
+
+/// "__torch__.fragkit.layers.___torch_mangle_3.QKVParallelLinear" -> "QKVParallelLinear".
+std::string plain_class_name(const std::string& qualified_name);
+
+/// Classifies every parallel layer under `root`. `source` (a file name) is
+/// used in errors: a missing config attribute or inconsistent sizes name the
+/// file, the module path and the problem.
+ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
+                                           const LayerAliases& aliases, const std::string& source);
+
+/// Checks that several rank files' tables agree (rank order as given); a
+/// difference is a frag::Error naming both files and the first differing layer.
+void check_tables_agree(const std::vector<std::string>& sources,
+                        const std::vector<ir::FragmentTable>& tables);
+
+}  // namespace frag::passes

@@ -1,0 +1,104 @@
+//===- runtime/gloo_communicator.cpp - CPU collectives over Gloo ---------===//
+//
+// Wraps c10d's ProcessGroupGloo, which runs Gloo's ring algorithms over TCP.
+// Built only where gloo headers exist (FRAG_WITH_GLOO): Debian's libgloo-dev
+// here; PyTorch's pip wheels ship none, so GPU builds use NCCL instead.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/error.h"
+#include "runtime/communicator.h"
+
+#ifdef FRAG_WITH_GLOO
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+
+namespace frag::runtime {
+
+#ifdef FRAG_WITH_GLOO
+namespace {
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
+                   int size, std::chrono::milliseconds timeout, const std::string& hostname)
+      : rank_(rank), size_(size), timeout_(timeout) {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    auto scoped = c10::make_intrusive<c10d::PrefixStore>(
+        prefix, store);
+    group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, size, options);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+
+ protected:
+  torch::Tensor do_all_reduce(const torch::Tensor& x) override {
+    std::vector<at::Tensor> tensors{x.contiguous().clone()};
+    wait(group_->allreduce(tensors), "all_reduce");
+    return tensors[0];
+  }
+
+  std::vector<torch::Tensor> do_all_gather(const torch::Tensor& x) override {
+    std::vector<at::Tensor> input{x.contiguous()};
+    std::vector<std::vector<at::Tensor>> output(1);
+    for (int r = 0; r < size_; ++r) output[0].push_back(torch::empty_like(input[0]));
+    wait(group_->allgather(output, input), "all_gather");
+    return output[0];
+  }
+
+ private:
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      fail("gloo {} failed on rank {} of {} (a peer died or timed out after {} ms): {}", what,
+           rank_, size_, timeout_.count(), first_line(e.what()));
+    }
+  }
+
+  static std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+};
+
+}  // namespace
+
+bool have_gloo() { return true; }
+
+std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& prefix, int rank, int size,
+                                                     std::chrono::milliseconds timeout,
+                                                     const std::string& hostname) {
+  try {
+    return std::make_shared<GlooCommunicator>(store, prefix, rank, size, timeout, hostname);
+  } catch (const frag::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string text = e.what();
+    fail("could not connect gloo group '{}' (rank {} of {}) within {} ms: {}", prefix, rank, size,
+         timeout.count(), text.substr(0, text.find('\n')));
+  }
+}
+
+#else
+
+bool have_gloo() { return false; }
+
+std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>&,
+                                                     const std::string&, int, int,
+                                                     std::chrono::milliseconds,
+                                                     const std::string&) {
+  fail("this build of fragments has no Gloo backend (built without gloo headers); "
+       "run CPU ranks with a build made against Debian's libtorch and libgloo-dev, "
+       "or put the model on CUDA to use NCCL");
+}
+
+#endif
+
+}  // namespace frag::runtime

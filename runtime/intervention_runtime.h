@@ -1,0 +1,116 @@
+//===- runtime/intervention_runtime.h - Once-per-visit interventions -*- C++ -*-===//
+//
+// Executes the frag::gather → frag::intervene → frag::split triples that the
+// fragment pass inserts. Per visit of a location (one call of one module in
+// one forward):
+//   - gather runs a collective only when an intervention waits on this visit;
+//     with nothing waiting the triple is a lookup: no collective, no copy;
+//   - every waiting intervention sees the same whole tensor (one collective,
+//     however many interventions);
+//   - split hands the model back its own original piece when nothing was
+//     edited (so reads are bit-identical to no intervention), else this rank's
+//     piece of the edited whole (ir::piece_of_whole; for partial sums rank 0
+//     takes the whole and the others -0.0, so the model's own all-reduce
+//     returns the edited whole exactly).
+// Whole locations have a lone frag::intervene, which opens the visit itself.
+//
+// Interventions must behave the same on every rank (they see the same whole
+// tensor): a hook that issues collectives under rank-dependent control flow
+// deadlocks, as in any SPMD program.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "ir/fragment_rule.h"
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace frag::runtime {
+
+/// What a hook learns about the visit it runs in.
+struct VisitInfo {
+  const std::string& location;
+  int64_t visit;                    ///< 0 for a module's first call in this forward, 1 for its second, …
+  const ir::FragmentRule* rule;     ///< nullptr at a whole location
+};
+
+/// An intervention. It gets the whole tensor and may read it, edit it in
+/// place, or return a replacement (same shape and dtype). Returning nullopt
+/// means "no replacement" (in-place edits are still noticed).
+using Hook = std::function<std::optional<torch::Tensor>(torch::Tensor& whole, const VisitInfo& visit)>;
+
+/// Interventions of one rank and the per-forward visit state.
+class InterventionRuntime {
+ public:
+  /// Registers `hook` at `location`, on every visit or only visit `visit`.
+  void add(const std::string& location, Hook hook, std::optional<int64_t> visit = std::nullopt);
+  /// Removes every hook.
+  void clear();
+  /// Starts a forward: visit counters go back to 0.
+  void begin_forward();
+
+  /// Whether any hook waits at `location` (on some visit).
+  bool has_hooks_at(const std::string& location) const;
+  /// Locations with hooks.
+  std::vector<std::string> hooked_locations() const;
+
+  /// Collectives the triples at `location` ran (since construction).
+  int64_t collectives_at(const std::string& location) const;
+  /// Visits of `location` in the current forward.
+  int64_t visits_at(const std::string& location) const;
+
+  // The op kernels (runtime/fragment_ops.cpp) call these.
+  torch::Tensor gather(const torch::Tensor& piece, const std::string& location, const std::string& rule_json);
+  torch::Tensor intervene(const torch::Tensor& value, const std::string& location, bool fragmented);
+  torch::Tensor split(const torch::Tensor& value, const torch::Tensor& piece, const std::string& location,
+                      const std::string& rule_json);
+
+ private:
+  struct Registered {
+    std::optional<int64_t> visit;
+    Hook hook;
+  };
+  struct OpenVisit {
+    int64_t visit = -1;
+    bool gathered = false;
+    bool edited = false;
+    const ir::FragmentRule* rule = nullptr;  ///< set by gather
+  };
+
+  bool waiting(const std::string& location, int64_t visit) const;
+  int64_t open_visit(const std::string& location);
+  const ir::FragmentRule& rule(const std::string& rule_json);
+
+  std::unordered_map<std::string, std::vector<Registered>> hooks_;
+  std::unordered_map<std::string, int64_t> visit_counts_;
+  std::unordered_map<std::string, OpenVisit> open_;
+  std::unordered_map<std::string, int64_t> collectives_;
+  std::unordered_map<std::string, ir::FragmentRule> rules_;
+};
+
+/// The runtime the ops use on this thread: a thread-local one when set, else
+/// the process-wide one, else none (then the triples pass values through).
+InterventionRuntime* current_intervention_runtime();
+void set_process_intervention_runtime(std::shared_ptr<InterventionRuntime> runtime);
+
+/// Makes `runtime` current on this thread while it lives.
+class ScopedInterventionRuntime {
+ public:
+  explicit ScopedInterventionRuntime(std::shared_ptr<InterventionRuntime> runtime);
+  ~ScopedInterventionRuntime();
+  ScopedInterventionRuntime(const ScopedInterventionRuntime&) = delete;
+  ScopedInterventionRuntime& operator=(const ScopedInterventionRuntime&) = delete;
+
+ private:
+  std::shared_ptr<InterventionRuntime> previous_;
+};
+
+}  // namespace frag::runtime

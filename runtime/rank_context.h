@@ -1,0 +1,98 @@
+//===- runtime/rank_context.h - This process's place among the ranks -*- C++ -*-===//
+//
+// A RankContext is what one rank knows about the run: its rank, the world size,
+// the rendezvous store and one Communicator per named group ("tp", "ep",
+// "world"). Ops find it through current_rank_context(): a thread-local one
+// when set (tests run several ranks as threads of one process), else the
+// process-wide one, else a single-rank context (world size 1).
+//
+// Groups: fragments runs pure tensor parallelism, so "tp", "ep", "tp×ep" (a
+// FusedMoE with expert parallelism spans the same flat group) and "world" are
+// the same ranks. Data and pipeline parallelism are not supported.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "runtime/communicator.h"
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace frag::runtime {
+
+/// How to meet the other ranks. Field names follow torchrun's variables.
+struct RendezvousOptions {
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  /// Bound on the rendezvous and on every collective.
+  std::chrono::milliseconds timeout{60000};
+  /// "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+  std::string backend = "gloo";
+
+  /// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a missing
+  /// variable keeps its default, a malformed one is an error.
+  static RendezvousOptions from_env();
+};
+
+/// One rank's view of the run.
+class RankContext {
+ public:
+  /// Meets the other ranks through a TCP store on master_addr:master_port
+  /// (rank 0 serves it) and connects every group. Fails within the timeout.
+  static std::shared_ptr<RankContext> connect(const RendezvousOptions& options);
+  /// World size 1, no store, no peers.
+  static std::shared_ptr<RankContext> single_rank();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const std::string& backend() const { return backend_; }
+
+  /// The communicator of a named group; an unknown name is an error.
+  Communicator& group(const std::string& name) const;
+
+  /// Every rank posts `value` under `step`; returns all ranks' values in rank
+  /// order. Goes through the store, not a collective, so ranks that have
+  /// failed locally can still report why.
+  std::vector<std::string> exchange(const std::string& step, const std::string& value);
+
+  /// Every rank reports its local error ("" for none); throws frag::Error on
+  /// every rank if any rank failed, naming the ranks and their messages. Used
+  /// before the first collective so that no rank enters one another skips.
+  void agree(const std::string& step, const std::string& local_error);
+
+ private:
+  RankContext() = default;
+
+  int rank_ = 0;
+  int world_size_ = 1;
+  std::chrono::milliseconds timeout_{60000};
+  std::string backend_ = "single";
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::map<std::string, std::shared_ptr<Communicator>> groups_;
+};
+
+/// The context ops use on this thread (see the file comment).
+RankContext& current_rank_context();
+/// Sets the process-wide context (nullptr: back to single rank).
+void set_process_rank_context(std::shared_ptr<RankContext> context);
+
+/// Makes `context` current on this thread while it lives.
+class ScopedRankContext {
+ public:
+  explicit ScopedRankContext(std::shared_ptr<RankContext> context);
+  ~ScopedRankContext();
+  ScopedRankContext(const ScopedRankContext&) = delete;
+  ScopedRankContext& operator=(const ScopedRankContext&) = delete;
+
+ private:
+  std::shared_ptr<RankContext> previous_;
+};
+
+}  // namespace frag::runtime

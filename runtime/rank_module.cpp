@@ -1,0 +1,94 @@
+//===- runtime/rank_module.cpp - One rank's exported module --------------===//
+#include "runtime/rank_module.h"
+
+#include "ir/error.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+namespace frag::runtime {
+namespace {
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+ExportInfo read_export_info(const std::string& path, const torch::jit::Module& module,
+                            const std::string& json_text) {
+  ExportInfo info;
+  if (!json_text.empty()) {
+    try {
+      auto json = nlohmann::json::parse(json_text);
+      info.export_id = json.value("export_id", "");
+      info.tp_size = json.at("tp_size").get<int64_t>();
+      info.tp_rank = json.at("tp_rank").get<int64_t>();
+      info.model = json.value("model", "");
+      return info;
+    } catch (const std::exception& e) {
+      fail("{}: extra file {} is malformed: {}", path, kExportInfoFile, e.what());
+    }
+  }
+  if (!module.hasattr("tp_size") || !module.hasattr("tp_rank"))
+    fail("{}: no {} and no tp_size/tp_rank attributes on the root module; export it with fragkit "
+         "(tools/export_model.py or fragkit.export.export)",
+         path, kExportInfoFile);
+  info.tp_size = module.attr("tp_size").toInt();
+  info.tp_rank = module.attr("tp_rank").toInt();
+  return info;
+}
+
+}  // namespace
+
+RankModule load_rank_module(const std::string& path, const torch::Device& device) {
+  if (!std::ifstream(path).good()) fail("{}: cannot open file", path);
+  RankModule result;
+  result.path = path;
+  torch::jit::ExtraFilesMap extra{{kExportInfoFile, ""}, {kRuleTableFile, ""}};
+  try {
+    result.module = torch::jit::load(path, device, extra);
+  } catch (const c10::Error& e) {
+    fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what()));
+  }
+  result.module.eval();
+  for (auto& [name, text] : extra)
+    if (!text.empty()) result.extra_files[name] = text;
+  result.info = read_export_info(path, result.module, extra[kExportInfoFile]);
+  return result;
+}
+
+RankModule load_and_check_rank_module(RankContext& context, const std::string& path,
+                                      const torch::Device& device) {
+  RankModule result;
+  std::string error;
+  try {
+    result = load_rank_module(path, device);
+    if (result.info.tp_size != context.world_size())
+      error = fmt::format("{} was exported for tp_size {} but the world size is {}", path,
+                          result.info.tp_size, context.world_size());
+    else if (result.info.tp_rank != context.rank())
+      error = fmt::format("{} holds tp_rank {} but was given to rank {}: pass the rank files in rank order",
+                          path, result.info.tp_rank, context.rank());
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  context.agree("load", error);
+  auto ids = context.exchange("export_id", result.info.export_id);
+  for (size_t r = 0; r < ids.size(); ++r)
+    if (ids[r] != ids[0])
+      fail("rank files come from different exports: rank 0 has export {} but rank {} has export {}",
+           ids[0].empty() ? "(none)" : ids[0], r, ids[r].empty() ? "(none)" : ids[r]);
+  return result;
+}
+
+torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids) {
+  torch::NoGradGuard no_grad;
+  auto output = rank_module.module.forward({input_ids});
+  if (output.isTensor()) return output.toTensor();
+  if (output.isTuple() && !output.toTuple()->elements().empty() &&
+      output.toTuple()->elements()[0].isTensor())
+    return output.toTuple()->elements()[0].toTensor();
+  fail("{}: forward returned {}, expected a logits tensor", rank_module.path, output.tagKind());
+}
+
+}  // namespace frag::runtime

@@ -1,0 +1,54 @@
+//===- runtime/rank_module.h - One rank's exported module --------*- C++ -*-===//
+//
+// Loads one rank's TorchScript file, reads what the export says about it
+// (fragkit.json: export id, tp_size, tp_rank; or the root's tp_size/tp_rank
+// attributes) and checks, across all ranks and before any collective, that
+// the files belong to one export and were given in rank order.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "runtime/rank_context.h"
+
+#include <torch/script.h>
+
+#include <map>
+#include <string>
+
+namespace frag::runtime {
+
+/// What an export says about one rank file.
+struct ExportInfo {
+  std::string export_id;  ///< same for every rank file of one export ("" if unknown)
+  int64_t tp_size = 1;
+  int64_t tp_rank = 0;
+  std::string model;  ///< e.g. "llama"; informational
+};
+
+/// A loaded rank file.
+struct RankModule {
+  std::string path;
+  torch::jit::Module module;
+  ExportInfo info;
+  /// Extra files stored beside the code (fragkit.json, the rule table, …).
+  std::map<std::string, std::string> extra_files;
+};
+
+/// Names of extra files fragments reads when present.
+inline constexpr const char* kExportInfoFile = "fragkit.json";
+inline constexpr const char* kRuleTableFile = "fragments/rules.json";
+
+/// Loads `path` onto `device`. Not TorchScript, truncated or missing: frag::Error naming the file.
+RankModule load_rank_module(const std::string& path, const torch::Device& device = torch::kCPU);
+
+/// Loads this rank's file and checks with every other rank that all files come
+/// from one export, that tp_size equals the world size, and that each rank got
+/// the file of its own tp_rank. Every rank throws the same frag::Error if any
+/// check fails anywhere, so no rank enters a collective alone.
+RankModule load_and_check_rank_module(RankContext& context, const std::string& path,
+                                      const torch::Device& device = torch::kCPU);
+
+/// Runs forward(input_ids) without autograd and returns the logits.
+torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids);
+
+}  // namespace frag::runtime

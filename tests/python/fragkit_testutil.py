@@ -1,0 +1,42 @@
+"""Shared helpers for the fragkit tests (not a test module)."""
+import os
+import sys
+
+_TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+if _TOOLS not in sys.path:
+    sys.path.insert(0, _TOOLS)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def submodule(m, path):
+    """m.a.b.0.c: works on eager and on scripted/loaded modules (whose ModuleList has no [])."""
+    for part in path.split("."):
+        m = getattr(m, part)
+    return m
+
+
+def arange_like(t, start=0):
+    return torch.arange(start, start + t.numel(), dtype=t.dtype).reshape(t.shape)
+
+
+@torch.no_grad()
+def set_arange(layer):
+    """Known weights: every parameter filled with distinct arange values (bias offset by 10000)."""
+    for name, p in layer.named_parameters():
+        p.copy_(arange_like(p, 10000 if name == "bias" else 0))
+
+
+def full_and_ranks(make, tp_size, arange=True, **rank_kw):
+    """make(tp_rank=..., tp_size=..., **) -> layer.  Returns (full layer, [rank layers loaded from it])."""
+    full = make(tp_rank=0, tp_size=1)
+    if arange:
+        set_arange(full)
+    ranks = []
+    for r in range(tp_size):
+        m = make(tp_rank=r, tp_size=tp_size, **rank_kw)
+        m.load_full_weights(full)
+        ranks.append(m)
+    return full, ranks

@@ -1,0 +1,92 @@
+//===- tests/support/test_support.cpp - Paths and subprocesses for tests -===//
+#include "tests/support/test_support.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <thread>
+
+namespace frag::testing {
+
+std::string data_path(const std::string& relative) {
+  const char* root = std::getenv("FRAG_TEST_DATA");
+  return (root != nullptr && *root != '\0') ? std::string(root) + "/" + relative : relative;
+}
+
+std::string frag_binary() {
+  if (const char* bin = std::getenv("FRAG_BIN"); bin != nullptr && *bin != '\0') return bin;
+  return std::filesystem::absolute(data_path("tools/frag")).string();
+}
+
+std::vector<std::string> model_files(const std::string& export_name) {
+  std::vector<std::string> files;
+  for (int r = 0;; ++r) {
+    std::string path = data_path("tests/models/" + export_name + "/rank" + std::to_string(r) + ".pt");
+    if (!std::filesystem::exists(path)) break;
+    files.push_back(std::filesystem::absolute(path).string());
+  }
+  if (files.empty()) throw std::runtime_error("no rank files for export " + export_name);
+  return files;
+}
+
+std::string temporary_folder() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/frag_test_XXXXXX";
+  if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return pattern;
+}
+
+CommandResult run_command(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& environment,
+                          std::chrono::seconds limit) {
+  CommandResult result;
+  std::string log = temporary_folder() + "/output.txt";
+  const auto start = std::chrono::steady_clock::now();
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    setpgid(0, 0);  // its own group, so a kill reaches the ranks it starts
+    for (const auto& [key, value] : environment) setenv(key.c_str(), value.c_str(), 1);
+    std::vector<char*> args;
+    std::vector<std::string> copy = argv;
+    for (auto& a : copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  int status = 0;
+  while (true) {
+    pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) {
+      result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      break;
+    }
+    if (std::chrono::steady_clock::now() - start > limit) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      result.exit_code = -1;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - start);
+  std::ifstream in(log);
+  result.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return result;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+}
+
+}  // namespace frag::testing

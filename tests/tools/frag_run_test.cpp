@@ -1,0 +1,162 @@
+//===- tests/tools/frag_run_test.cpp - `frag run` end to end ---------------===//
+//
+// Runs the frag binary on reference exports made by the Python kit and checks
+// that every tp=N run gives the tp=1 run's logits, on CPU over Gloo, and that
+// bad input ends with a one-line error and a non-zero exit, never a hang.
+//
+//===----------------------------------------------------------------------===//
+#include "runtime/safetensors.h"
+#include "tests/support/test_support.h"
+#include "tools/launcher.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace frag {
+namespace {
+
+using testing::frag_binary;
+using testing::model_files;
+using testing::run_command;
+using testing::temporary_folder;
+using testing::write_text;
+
+/// Absolute tolerance for fp32 logits of magnitude ~5: tp=N sums in another order.
+constexpr double kLogitTolerance = 1e-4;
+
+std::string ids_file(const std::string& folder) {
+  std::string path = folder + "/ids.txt";
+  write_text(path, "1 2 3 4 5 6 7 8\n999 17 42 63 64 65 500 0\n");
+  return path;
+}
+
+torch::Tensor run_logits(const std::vector<std::string>& files, int world, const std::string& folder) {
+  std::string out = folder + "/logits_" + std::to_string(world) + ".safetensors";
+  std::vector<std::string> argv{frag_binary(), "run", "--world", std::to_string(world),
+                                "--input", ids_file(folder), "--out", out, "--timeout", "60"};
+  argv.insert(argv.begin() + 2, files.begin(), files.end());
+  auto result = run_command(argv);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  return runtime::read_safetensors(out).at("logits");
+}
+
+struct Equivalence {
+  const char* whole;
+  const char* sharded;
+};
+
+class TpEquivalence : public ::testing::TestWithParam<Equivalence> {};
+
+TEST_P(TpEquivalence, ShardedLogitsEqualTheTp1Logits) {
+  auto folder = temporary_folder();
+  auto sharded_files = model_files(GetParam().sharded);
+  auto expected = run_logits(model_files(GetParam().whole), 1, folder);
+  auto actual = run_logits(sharded_files, static_cast<int>(sharded_files.size()), folder);
+  ASSERT_EQ(expected.sizes(), (std::vector<int64_t>{2, 8, 1000}));
+  ASSERT_EQ(actual.sizes(), expected.sizes());
+  EXPECT_GT(expected.abs().max().item<double>(), 0.5) << "logits should not be trivial";
+  EXPECT_LT((actual - expected).abs().max().item<double>(), kLogitTolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ReferenceModels, TpEquivalence,
+    ::testing::Values(Equivalence{"llama_tp1", "llama_tp2"}, Equivalence{"llama_tp1", "llama_tp4"},
+                      Equivalence{"llama_kv2_tp1", "llama_kv2_tp4"},
+                      Equivalence{"moe_tp1", "moe_tp2"}, Equivalence{"moe_tp1", "moe_tp4"},
+                      Equivalence{"moe_tp1", "moe_ep_tp2"}),
+    [](const auto& info) { return std::string(info.param.sharded); });
+
+/// Runs frag and expects a one-line error containing `expected` and no output file.
+void expect_failure(const std::vector<std::string>& arguments, const std::string& expected,
+                    const std::map<std::string, std::string>& environment = {}) {
+  auto folder = temporary_folder();
+  std::string out = folder + "/out.safetensors";
+  std::vector<std::string> argv{frag_binary(), "run"};
+  argv.insert(argv.end(), arguments.begin(), arguments.end());
+  argv.insert(argv.end(), {"--input", ids_file(folder), "--out", out});
+  auto result = run_command(argv, environment, std::chrono::seconds(90));
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.exit_code, -1) << "frag hung and was killed: " << result.output;
+  EXPECT_NE(result.output.find(expected), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("terminate called"), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("Segmentation"), std::string::npos) << result.output;
+  EXPECT_FALSE(std::filesystem::exists(out)) << "no output may be written on failure";
+}
+
+TEST(RunBadInput, AFileThatIsNotTorchScript) {
+  auto folder = temporary_folder();
+  write_text(folder + "/model.pt", "this is not a model");
+  expect_failure({folder + "/model.pt"}, folder + "/model.pt: not a loadable TorchScript file");
+}
+
+TEST(RunBadInput, ATruncatedFile) {
+  auto folder = temporary_folder();
+  auto source = model_files("llama_tp1")[0];
+  auto size = std::filesystem::file_size(source);
+  std::ifstream in(source, std::ios::binary);
+  std::string bytes(size / 2, '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  write_text(folder + "/half.pt", bytes);
+  expect_failure({folder + "/half.pt"}, "not a loadable TorchScript file");
+}
+
+TEST(RunBadInput, RankFilesInTheWrongOrder) {
+  auto files = model_files("llama_tp2");
+  expect_failure({"--world", "2", files[1], files[0], "--timeout", "20"},
+                 "holds tp_rank 1 but was given to rank 0");
+}
+
+TEST(RunBadInput, RankFilesFromDifferentExports) {
+  expect_failure({"--world", "2", model_files("llama_tp2")[0], model_files("llama_seed1_tp2")[1],
+                  "--timeout", "20"},
+                 "rank files come from different exports");
+}
+
+TEST(RunBadInput, AWorldSizeThatDoesNotMatchTpSize) {
+  expect_failure({model_files("llama_tp2")[0]}, "exported for tp_size 2 but the world size is 1");
+}
+
+TEST(RunBadInput, WrongNumberOfRankFiles) {
+  auto files = model_files("llama_tp2");
+  expect_failure({"--world", "3", files[0], files[1]}, "got 2 rank file(s) for a world of 3 ranks");
+}
+
+TEST(RunBadInput, MalformedTokenIds) {
+  auto folder = temporary_folder();
+  write_text(folder + "/ids.txt", "1 2 3\n4 five 6\n");
+  auto result = run_command({frag_binary(), "run", model_files("llama_tp1")[0], "--input",
+                             folder + "/ids.txt"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find(folder + "/ids.txt:2: 'five' is not a token id"), std::string::npos)
+      << result.output;
+}
+
+TEST(RunBadInput, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
+  // Rank 0 of 2 under an external launcher; rank 1 never starts.
+  auto start = std::chrono::steady_clock::now();
+  expect_failure({model_files("llama_tp2")[0], model_files("llama_tp2")[1], "--timeout", "2"},
+                 "within 2000 ms",
+                 {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                  {"MASTER_PORT", std::to_string(tools::find_free_port())}});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+TEST(RunBadInput, AnUnreachableRendezvous) {
+  expect_failure({model_files("llama_tp2")[0], model_files("llama_tp2")[1], "--timeout", "2"},
+                 "rank 1: error: rendezvous at 127.0.0.1:",
+                 {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                  {"MASTER_PORT", std::to_string(tools::find_free_port())}});
+}
+
+TEST(RunBadInput, ARankWhoseFileIsBadStopsEveryRankBeforeAnyCollective) {
+  auto folder = temporary_folder();
+  write_text(folder + "/bad.pt", "garbage");
+  auto files = model_files("llama_tp2");
+  expect_failure({"--world", "2", files[0], folder + "/bad.pt", "--timeout", "20"},
+                 "rank 0: error: rank 1: " + folder + "/bad.pt: not a loadable TorchScript file");
+}
+
+}  // namespace
+}  // namespace frag

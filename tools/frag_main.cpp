@@ -1,0 +1,151 @@
+//===- tools/frag_main.cpp - The frag command line ------------------------===//
+//
+// frag run:     run an exported (or rewritten) sharded model on N ranks.
+// frag inspect: list which locations are fragmented, and how.
+// frag rewrite: insert gather/intervene/split ops and save the rewritten files.
+// Errors print one line, "frag: error: …", and exit 1.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/error.h"
+#include "runtime/rank_context.h"
+#include "runtime/rank_module.h"
+#include "runtime/safetensors.h"
+#include "tools/fragment_commands.h"
+#include "tools/launcher.h"
+#include "tools/token_ids.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <iostream>
+
+namespace {
+
+using frag::fail;
+
+struct RunArguments {
+  std::vector<std::string> files;
+  std::string input;
+  std::string out;
+  int world = 0;
+  double timeout_s = 60;
+  std::string device = "cpu";
+};
+
+/// The file this rank runs: one per rank, or one pattern with "{rank}".
+std::string file_for_rank(const RunArguments& args, int rank, int world) {
+  if (static_cast<int>(args.files.size()) == world) return args.files[rank];
+  if (args.files.size() == 1) {
+    std::string file = args.files[0];
+    auto at = file.find("{rank}");
+    if (at != std::string::npos) return file.replace(at, 6, std::to_string(rank));
+    if (world == 1) return file;
+  }
+  fail("got {} rank file(s) for a world of {} ranks: give one file per rank in rank order, "
+       "or one path containing {{rank}}",
+       args.files.size(), world);
+}
+
+int run_rank(const RunArguments& args) {
+  auto options = frag::runtime::RendezvousOptions::from_env();
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+  options.backend = args.device == "cuda" ? "nccl" : "gloo";
+  torch::Device device = args.device == "cuda" ? torch::Device(torch::kCUDA, options.local_rank)
+                                               : torch::Device(torch::kCPU);
+  const std::string file = file_for_rank(args, options.rank, options.world_size);
+  auto ids = frag::tools::read_token_ids(args.input).to(device);
+  auto context = frag::runtime::RankContext::connect(options);
+  frag::runtime::set_process_rank_context(context);
+  auto rank_module = frag::runtime::load_and_check_rank_module(*context, file, device);
+  auto logits = frag::runtime::run_forward(rank_module, ids);
+  if (context->rank() == 0 && !args.out.empty())
+    frag::runtime::write_safetensors(args.out, {{"logits", logits}});
+  return 0;
+}
+
+int run_command(const RunArguments& args) {
+  if (args.device != "cpu" && args.device != "cuda")
+    fail("--device must be cpu or cuda, got '{}'", args.device);
+  if (args.world > 0 && std::getenv("FRAG_LAUNCHED") == nullptr) {
+    // Local launch: this process only starts and watches the ranks.
+    std::vector<std::string> child{"run"};
+    for (const auto& f : args.files) child.push_back(f);
+    child.insert(child.end(), {"--input", args.input, "--timeout", fmt::format("{}", args.timeout_s),
+                               "--device", args.device});
+    if (!args.out.empty()) child.insert(child.end(), {"--out", args.out});
+    setenv("FRAG_LAUNCHED", "1", 1);
+    return frag::tools::launch_local_ranks(
+        args.world, child, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
+  }
+  return run_rank(args);
+}
+
+std::string rank_prefix() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank == nullptr || world == nullptr || std::string(world) == "1") return "";
+  return fmt::format("rank {}: ", rank);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fragments: read and edit a tensor-parallel model's activations as whole tensors"};
+  app.require_subcommand(1);
+
+  RunArguments run;
+  auto* run_cmd = app.add_subcommand(
+      "run", "Run rank files on N ranks: locally with --world N, or one rank per process under a "
+             "launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun, srun, mpirun)");
+  run_cmd->add_option("files", run.files, "Rank files, rank 0 first (or one path with {rank})")
+      ->required();
+  run_cmd->add_option("--input", run.input, "Token ids: one sequence per line, ids separated by spaces")
+      ->required();
+  run_cmd->add_option("--out", run.out, "Write rank 0's logits here (safetensors, tensor 'logits')");
+  run_cmd->add_option("--world", run.world, "Start this many local ranks (processes)")
+      ->check(CLI::Range(1, 1024));
+  run_cmd->add_option("--timeout", run.timeout_s,
+                      "Seconds any rank waits for the rendezvous or a collective before failing")
+      ->check(CLI::PositiveNumber);
+  run_cmd->add_option("--device", run.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank)");
+
+  frag::tools::InspectArguments inspect;
+  auto* inspect_cmd = app.add_subcommand(
+      "inspect", "List the fragmented locations of an export (and the rank-local values)");
+  inspect_cmd->add_option("files", inspect.files, "Rank files of one export (one is enough)")->required()
+      ->check(CLI::ExistingFile);
+  inspect_cmd->add_flag("--json", inspect.json, "Print a JSON document (format fragments.inspect/1)");
+  inspect_cmd->add_flag("--all", inspect.all, "Also list the whole locations");
+  inspect_cmd->add_option("--rules", inspect.rules_file,
+                          "JSON file declaring more classes as known layers: {\"layers\": {\"Cls\": \"Kind\"}}");
+
+  frag::tools::RewriteArguments rewrite;
+  auto* rewrite_cmd = app.add_subcommand(
+      "rewrite", "Insert gather/intervene/split ops at every location and save the rewritten files");
+  rewrite_cmd->add_option("files", rewrite.files, "Rank files to rewrite")->required()->check(CLI::ExistingFile);
+  rewrite_cmd->add_option("-o,--output", rewrite.output, "Output file (one input) or existing folder")
+      ->required();
+  rewrite_cmd->add_option("--rules", rewrite.rules_file, "JSON file declaring more classes as known layers");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (run_cmd->parsed()) return run_command(run);
+    if (inspect_cmd->parsed()) return frag::tools::inspect_command(inspect);
+    if (rewrite_cmd->parsed()) return frag::tools::rewrite_command(rewrite);
+  } catch (const frag::Error& e) {
+    std::cerr << "frag: " << rank_prefix() << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const c10::Error& e) {
+    std::cerr << "frag: " << rank_prefix() << "error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "frag: " << rank_prefix() << "error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

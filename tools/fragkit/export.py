@@ -1,0 +1,121 @@
+"""Export one TorchScript file per tensor-parallel rank.
+
+``build(tp_rank, tp_size)`` returns an nn.Module made of kit layers and ordinary modules.  The tp_size 1
+build (with its random init, under ``seed``) is the whole model; each rank's module gets its slice of it:
+kit layers through ``load_full_weights`` (vLLM's weight-loader layout), every other module gets its own
+direct parameters and buffers copied whole (norms, routers, rotary caches...).
+
+Each file also carries ``fragkit.json`` (an extra file beside the code): ``{"export_id", "tp_size",
+"tp_rank", "model"}``.  The export id is a digest of the whole model's weights and tp_size, so every rank
+file of one export has the same id and the runner can refuse rank files mixed from different exports.
+"""
+import hashlib
+import json
+import os
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .layers import KIT_LAYERS
+
+Builder = Callable[[int, int], nn.Module]
+
+
+@torch.no_grad()
+def load_rank_from_full(module: nn.Module, full: nn.Module) -> None:
+    """Fill ``module`` (one rank) from ``full`` (the same model built at tp_size 1)."""
+    full_modules: Dict[str, nn.Module] = dict(full.named_modules())
+    rank_modules: Dict[str, nn.Module] = dict(module.named_modules())
+    if set(full_modules) != set(rank_modules):
+        only_full = sorted(set(full_modules) - set(rank_modules))[:5]
+        only_rank = sorted(set(rank_modules) - set(full_modules))[:5]
+        raise ValueError("module trees differ: only in full %s, only in rank %s" % (only_full, only_rank))
+    for name, mod in rank_modules.items():
+        src = full_modules[name]
+        if type(src) is not type(mod):
+            raise TypeError("%s: %s in the rank module, %s in the full one"
+                            % (name or "<root>", type(mod).__name__, type(src).__name__))
+        if isinstance(mod, KIT_LAYERS):
+            mod.load_full_weights(src)
+            continue
+        src_tensors = dict(src.named_parameters(recurse=False))
+        src_tensors.update(dict(src.named_buffers(recurse=False)))
+        dst_tensors = dict(mod.named_parameters(recurse=False))
+        dst_tensors.update(dict(mod.named_buffers(recurse=False)))
+        if set(src_tensors) != set(dst_tensors):
+            raise ValueError("%s: parameters/buffers differ: %s vs %s"
+                             % (name or "<root>", sorted(dst_tensors), sorted(src_tensors)))
+        for tname, dst in dst_tensors.items():
+            s = src_tensors[tname]
+            if s is None or dst is None:
+                if (s is None) != (dst is None):
+                    raise ValueError("%s.%s: None in one model only" % (name, tname))
+                continue
+            if s.shape != dst.shape:
+                raise ValueError("%s.%s: a non-kit module must hold the whole tensor on every rank "
+                                 "(%s here, %s in the full model)" % (name, tname, tuple(dst.shape), tuple(s.shape)))
+            dst.copy_(s)
+
+
+def stabilize_script_types(module: nn.Module) -> None:
+    """Give every module class in the tree its own ``__annotations__`` dict before scripting.
+
+    On Python >= 3.10 a class without annotations of its own first resolves ``__annotations__`` to a base
+    class's dict (nn.Module's), and later to an empty dict of its own that scripting creates on it.  The two
+    give different TorchScript module types, so the second rank file would get ``___torch_mangle_N`` class
+    names.  Creating the class's own dict first makes every scripting infer the same type."""
+    for sub in module.modules():
+        cls = type(sub)
+        if "__annotations__" not in cls.__dict__:
+            try:
+                cls.__annotations__  # noqa: B018  (creates the class's own empty dict on Python >= 3.10)
+            except AttributeError:
+                pass
+
+
+def shard_model(build: Builder, tp_size: int, seed: int = 0) -> Tuple[nn.Module, List[nn.Module]]:
+    """(full model, [rank modules]) in eval mode, not scripted."""
+    torch.manual_seed(seed)
+    full = build(0, 1).eval()
+    ranks = []
+    for r in range(tp_size):
+        m = build(r, tp_size).eval()
+        load_rank_from_full(m, full)
+        ranks.append(m)
+    return full, ranks
+
+
+def export(build: Builder, tp_size: int, out_dir: str, seed: int = 0) -> List[str]:
+    """Script and save ``out_dir/rank{r}.pt`` for r in range(tp_size).  Returns the paths."""
+    if tp_size < 1:
+        raise ValueError("tp_size must be >= 1")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    full = build(0, 1).eval()
+    export_id = _export_id(full, tp_size)
+    paths = []
+    for r in range(tp_size):
+        m = full if tp_size == 1 else build(r, tp_size).eval()
+        if m is not full:
+            load_rank_from_full(m, full)
+        stabilize_script_types(m)
+        scripted = torch.jit.script(m)
+        path = os.path.join(out_dir, "rank%d.pt" % r)
+        info = {"export_id": export_id, "tp_size": tp_size, "tp_rank": r, "model": type(full).__name__}
+        scripted.save(path, _extra_files={"fragkit.json": json.dumps(info, sort_keys=True)})
+        paths.append(path)
+    return paths
+
+
+def _export_id(full: nn.Module, tp_size: int) -> str:
+    """Digest of the whole model's weights and the tp size: equal for every rank file of one export."""
+    digest = hashlib.sha256(("tp_size=%d;" % tp_size).encode())
+    for name, tensor in sorted(full.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def export_full(build: Builder, out_dir: str, seed: int = 0) -> List[str]:
+    return export(build, 1, out_dir, seed)

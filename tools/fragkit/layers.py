@@ -1,0 +1,637 @@
+"""TorchScript-scriptable tensor-parallel layers laid out exactly like vLLM's.
+
+Each rank's module holds only its slice of the weights (vLLM's per-rank shapes).  Constructor keywords
+follow vLLM's, plus keyword-only ``tp_rank`` / ``tp_size`` (and ``ep_rank`` / ``ep_size`` for ``FusedMoE``)
+because there is no global parallel state here.
+
+The layer configuration is kept as plain module attributes (int / bool / List[int]); TorchScript keeps them
+as attributes of the scripted module, and the fragments C++ pass reads them with ``module.attr(name)``.
+Their names are a contract with the C++ side: see ``CONTRACT_ATTRIBUTES``.
+
+``load_full_weights(full)`` copies this rank's slice out of the same layer built at tp_size 1 (and
+ep_size 1), the way vLLM's weight loaders slice a checkpoint.  TorchScript never compiles it (forward does
+not call it).
+
+Layout rules: /work/shared/reference/fragment-rules.md.
+"""
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .distributed import (
+    expert_parallel_all_reduce,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+_LINEAR_ATTRS = [
+    "tp_size", "tp_rank", "input_size", "output_size", "input_size_per_partition",
+    "output_size_per_partition", "skip_bias_add",
+]
+_VOCAB_ATTRS = [
+    "tp_size", "tp_rank", "num_embeddings", "org_vocab_size", "num_embeddings_padded",
+    "num_embeddings_per_partition", "vocab_start_index", "vocab_end_index", "padding_size", "embedding_dim",
+]
+
+# Attribute names (and Python types) each layer class exposes to TorchScript.  The C++ pass relies on them.
+CONTRACT_ATTRIBUTES: Dict[str, Dict[str, type]] = {
+    "ReplicatedLinear": {a: (bool if a == "skip_bias_add" else int) for a in _LINEAR_ATTRS},
+    "ColumnParallelLinear": dict({a: (bool if a == "skip_bias_add" else int) for a in _LINEAR_ATTRS},
+                                 gather_output=bool),
+    "MergedColumnParallelLinear": dict({a: (bool if a == "skip_bias_add" else int) for a in _LINEAR_ATTRS},
+                                       gather_output=bool, output_sizes=list),
+    "QKVParallelLinear": dict({a: (bool if a == "skip_bias_add" else int) for a in _LINEAR_ATTRS},
+                              gather_output=bool, output_sizes=list, hidden_size=int, head_size=int,
+                              v_head_size=int, total_num_heads=int, total_num_kv_heads=int, num_heads=int,
+                              num_kv_heads=int, num_kv_head_replicas=int),
+    "RowParallelLinear": dict({a: (bool if a == "skip_bias_add" else int) for a in _LINEAR_ATTRS},
+                              input_is_parallel=bool, reduce_results=bool),
+    "VocabParallelEmbedding": {a: int for a in _VOCAB_ATTRS},
+    "ParallelLMHead": {a: int for a in _VOCAB_ATTRS},
+    "LogitsProcessor": {"vocab_size": int, "org_vocab_size": int, "tp_size": int},
+    "FusedMoE": {
+        "num_experts": int, "top_k": int, "hidden_size": int, "intermediate_size": int,
+        "intermediate_size_per_partition": int, "tp_size": int, "tp_rank": int, "ep_size": int,
+        "ep_rank": int, "local_num_experts": int, "expert_start": int, "reduce_results": bool,
+        "renormalize": bool,
+    },
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers (plain Python, never scripted)
+
+def divide(numerator: int, denominator: int) -> int:
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError("%d is not divisible by %d" % (numerator, denominator))
+    return numerator // denominator
+
+
+def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
+    return ((vocab_size + pad_to - 1) // pad_to) * pad_to
+
+
+def _check_rank(name: str, rank: int, size: int) -> None:
+    if size < 1 or not (0 <= rank < size):
+        raise ValueError("invalid %s rank %d for size %d" % (name, rank, size))
+
+
+def _check_quant(quant_config) -> None:
+    if quant_config is not None:
+        raise NotImplementedError("fragkit layers support unquantized weights only")
+
+
+def _dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
+    return params_dtype if params_dtype is not None else torch.get_default_dtype()
+
+
+def _normal_(t: Tensor, std: float) -> None:
+    with torch.no_grad():
+        t.normal_(0.0, std)
+
+
+def _new_param(shape: Sequence[int], dtype: torch.dtype, std: float) -> nn.Parameter:
+    # Drawn in float32 whatever params_dtype is, so a bfloat16 build is the float32 one rounded.
+    t = torch.empty(*shape, dtype=torch.float32)
+    _normal_(t, std)
+    return nn.Parameter(t.to(dtype), requires_grad=False)
+
+
+def _check_full(self: nn.Module, full: nn.Module, keys: Sequence[str]) -> None:
+    """``full`` must be the same layer class, unsharded, with the same global configuration."""
+    if type(full) is not type(self):
+        raise TypeError("load_full_weights: expected a %s, got %s" % (type(self).__name__, type(full).__name__))
+    if getattr(full, "tp_size", 1) != 1 or getattr(full, "ep_size", 1) != 1:
+        raise ValueError("load_full_weights: the source layer must be built with tp_size=1 (and ep_size=1)")
+    for k in keys:
+        if getattr(full, k) != getattr(self, k):
+            raise ValueError("load_full_weights(%s): %s differs (%r here, %r in the full layer)"
+                             % (type(self).__name__, k, getattr(self, k), getattr(full, k)))
+    if (getattr(full, "bias", None) is None) != (getattr(self, "bias", None) is None):
+        raise ValueError("load_full_weights(%s): bias presence differs" % type(self).__name__)
+
+
+# --------------------------------------------------------------------------------------------------------
+# linear layers
+
+class _LinearBase(nn.Module):
+    """Common construction of the linear layers (vLLM's LinearBase).  Not a kit layer by itself."""
+
+    # Class-level annotations: the attribute contract, and a stable ``__annotations__`` dict per class so
+    # TorchScript infers the same module type every time it scripts one (no ``___torch_mangle_N`` names).
+    tp_size: int
+    tp_rank: int
+    input_size: int
+    output_size: int
+    input_size_per_partition: int
+    output_size_per_partition: int
+    skip_bias_add: bool
+
+    def _init_linear(self, input_size: int, output_size: int, input_size_per_partition: int,
+                     output_size_per_partition: int, bias: bool, skip_bias_add: bool,
+                     params_dtype: Optional[torch.dtype], quant_config, tp_rank: int, tp_size: int,
+                     bias_size: int) -> None:
+        _check_quant(quant_config)
+        _check_rank("tp", tp_rank, tp_size)
+        self.tp_size = int(tp_size)
+        self.tp_rank = int(tp_rank)
+        self.input_size = int(input_size)
+        self.output_size = int(output_size)
+        self.input_size_per_partition = int(input_size_per_partition)
+        self.output_size_per_partition = int(output_size_per_partition)
+        self.skip_bias_add = bool(skip_bias_add)
+        dtype = _dtype(params_dtype)
+        # Init scaled by the *whole* fan-in, so the sharded and full layers agree in scale.
+        self.weight = _new_param((self.output_size_per_partition, self.input_size_per_partition), dtype,
+                                 1.0 / math.sqrt(self.input_size))
+        if bias:
+            self.bias = _new_param((bias_size,), dtype, 0.1)
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return "in=%d, out=%d, in_p=%d, out_p=%d, tp=%d/%d, bias=%s" % (
+            self.input_size, self.output_size, self.input_size_per_partition, self.output_size_per_partition,
+            self.tp_rank, self.tp_size, self.bias is not None)
+
+
+class ReplicatedLinear(_LinearBase):
+    """Every rank holds the whole weight.  Never fragmented."""
+
+    tp_size: int
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, skip_bias_add: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, quant_config=None, prefix: str = "",
+                 *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self._init_linear(input_size, output_size, input_size, output_size, bias, skip_bias_add,
+                          params_dtype, quant_config, tp_rank, tp_size, output_size)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        bias = self.bias
+        if self.skip_bias_add:
+            out = F.linear(x, self.weight)
+            return out, bias
+        out = F.linear(x, self.weight, bias)
+        return out, None
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "ReplicatedLinear") -> None:
+        _check_full(self, full, ["input_size", "output_size"])
+        self.weight.copy_(full.weight)
+        if self.bias is not None:
+            self.bias.copy_(full.bias)
+
+
+class ColumnParallelLinear(_LinearBase):
+    """Weight [N, K]; rank r holds rows [r*N/P, (r+1)*N/P) and that bias slice.  Output S(-1)."""
+
+    gather_output: bool
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, params_dtype: Optional[torch.dtype] = None, quant_config=None,
+                 output_sizes: Optional[List[int]] = None, prefix: str = "",
+                 *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        out_p = divide(output_size, tp_size)
+        if output_sizes is not None:
+            for s in output_sizes:
+                divide(s, tp_size)
+        self._init_linear(input_size, output_size, input_size, out_p, bias, skip_bias_add, params_dtype,
+                          quant_config, tp_rank, tp_size, out_p)
+        self.gather_output = bool(gather_output)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        bias = self.bias
+        if self.skip_bias_add:
+            out = F.linear(x, self.weight)
+        else:
+            out = F.linear(x, self.weight, bias)
+        if self.gather_output and self.tp_size > 1:
+            out = tensor_model_parallel_all_gather(out, -1)
+        if self.skip_bias_add:
+            return out, bias
+        return out, None
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "ColumnParallelLinear") -> None:
+        _check_full(self, full, ["input_size", "output_size"])
+        n, r = self.output_size_per_partition, self.tp_rank
+        self.weight.copy_(full.weight[r * n:(r + 1) * n])
+        if self.bias is not None:
+            self.bias.copy_(full.bias[r * n:(r + 1) * n])
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column layer of several outputs fused on the output dim (e.g. gate_up = [I, I]).
+
+    Rank r holds cat_k(sub_k[r*s_k/P : (r+1)*s_k/P]), i.e. [gate_r | up_r]."""
+
+    output_sizes: List[int]
+
+    def __init__(self, input_size: int, output_sizes: List[int], bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, params_dtype: Optional[torch.dtype] = None, quant_config=None,
+                 prefix: str = "", *, tp_rank: int = 0, tp_size: int = 1):
+        sizes = [int(s) for s in output_sizes]
+        super().__init__(input_size, sum(sizes), bias=bias, gather_output=gather_output,
+                         skip_bias_add=skip_bias_add, params_dtype=params_dtype, quant_config=quant_config,
+                         output_sizes=sizes, prefix=prefix, tp_rank=tp_rank, tp_size=tp_size)
+        self.output_sizes: List[int] = sizes
+
+    def _row_slices(self) -> List[Tuple[int, int]]:
+        """(start, stop) rows of the full weight, in this rank's order."""
+        out, off, r, p = [], 0, self.tp_rank, self.tp_size
+        for s in self.output_sizes:
+            sp = s // p
+            out.append((off + r * sp, off + (r + 1) * sp))
+            off += s
+        return out
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "MergedColumnParallelLinear") -> None:
+        _check_full(self, full, ["input_size", "output_size", "output_sizes"])
+        idx = torch.cat([torch.arange(a, b) for a, b in self._row_slices()])
+        self.weight.copy_(full.weight.index_select(0, idx))
+        if self.bias is not None:
+            self.bias.copy_(full.bias.index_select(0, idx))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection.  Rank r holds [q_r | k_r | v_r]; kv heads replicated when tp > kv heads."""
+
+    hidden_size: int
+    head_size: int
+    v_head_size: int
+    total_num_heads: int
+    total_num_kv_heads: int
+    num_heads: int
+    num_kv_heads: int
+    num_kv_head_replicas: int
+    output_sizes: List[int]
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: Optional[int] = None, bias: bool = True, skip_bias_add: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, quant_config=None, prefix: str = "",
+                 v_head_size: Optional[int] = None, *, tp_rank: int = 0, tp_size: int = 1):
+        if total_num_kv_heads is None:
+            total_num_kv_heads = total_num_heads
+        if v_head_size is None:
+            v_head_size = head_size
+        num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            num_kv_heads = 1
+            num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            num_kv_heads = divide(total_num_kv_heads, tp_size)
+            num_kv_head_replicas = 1
+        # vLLM's output_size counts the kv replicas (it is NOT the whole width when replicas > 1).
+        output_size = (num_heads * head_size + num_kv_heads * head_size + num_kv_heads * v_head_size) * tp_size
+        super().__init__(hidden_size, output_size, bias=bias, gather_output=False, skip_bias_add=skip_bias_add,
+                         params_dtype=params_dtype, quant_config=quant_config, prefix=prefix,
+                         tp_rank=tp_rank, tp_size=tp_size)
+        self.hidden_size = int(hidden_size)
+        self.head_size = int(head_size)
+        self.v_head_size = int(v_head_size)
+        self.total_num_heads = int(total_num_heads)
+        self.total_num_kv_heads = int(total_num_kv_heads)
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(num_kv_heads)
+        self.num_kv_head_replicas = int(num_kv_head_replicas)
+        self.output_sizes: List[int] = [
+            num_heads * head_size * tp_size,
+            num_kv_heads * head_size * tp_size,
+            num_kv_heads * v_head_size * tp_size,
+        ]
+
+    def _row_slices(self) -> List[Tuple[int, int]]:
+        """(start, stop) rows of the whole [Q | K | V] weight that make up this rank's [q_r | k_r | v_r]."""
+        r, hs, vs = self.tp_rank, self.head_size, self.v_head_size
+        nh, nkv = self.num_heads, self.num_kv_heads
+        kv_shard = r // self.num_kv_head_replicas
+        k_off = self.total_num_heads * hs
+        v_off = k_off + self.total_num_kv_heads * hs
+        return [
+            (r * nh * hs, (r + 1) * nh * hs),
+            (k_off + kv_shard * nkv * hs, k_off + (kv_shard + 1) * nkv * hs),
+            (v_off + kv_shard * nkv * vs, v_off + (kv_shard + 1) * nkv * vs),
+        ]
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "QKVParallelLinear") -> None:
+        _check_full(self, full, ["hidden_size", "head_size", "v_head_size", "total_num_heads",
+                                 "total_num_kv_heads"])
+        idx = torch.cat([torch.arange(a, b) for a, b in self._row_slices()])
+        self.weight.copy_(full.weight.index_select(0, idx))
+        if self.bias is not None:
+            self.bias.copy_(full.bias.index_select(0, idx))
+
+
+class RowParallelLinear(_LinearBase):
+    """Weight [N, K]; rank r holds columns [r*K/P, (r+1)*K/P) and the whole bias (added on rank 0 only)."""
+
+    input_is_parallel: bool
+    reduce_results: bool
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 reduce_results: bool = True, quant_config=None, prefix: str = "",
+                 *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        in_p = divide(input_size, tp_size)
+        self._init_linear(input_size, output_size, in_p, output_size, bias, skip_bias_add, params_dtype,
+                          quant_config, tp_rank, tp_size, output_size)
+        self.input_is_parallel = bool(input_is_parallel)
+        self.reduce_results = bool(reduce_results)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.input_is_parallel:
+            x_parallel = x
+        else:
+            x_parallel = x.narrow(-1, self.tp_rank * self.input_size_per_partition,
+                                  self.input_size_per_partition)
+        bias = self.bias
+        if bias is not None and not self.skip_bias_add and self.tp_rank == 0:
+            out = F.linear(x_parallel, self.weight, bias)
+        else:
+            out = F.linear(x_parallel, self.weight)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        if self.skip_bias_add:
+            return out, bias
+        return out, None
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "RowParallelLinear") -> None:
+        _check_full(self, full, ["input_size", "output_size"])
+        k, r = self.input_size_per_partition, self.tp_rank
+        self.weight.copy_(full.weight[:, r * k:(r + 1) * k])
+        if self.bias is not None:
+            self.bias.copy_(full.bias)  # whole bias on every rank, as vLLM loads it
+
+
+# --------------------------------------------------------------------------------------------------------
+# vocab-parallel embedding / lm head / logits
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocab split in padded ranges: rank r owns padded ids [r*Vp/P, (r+1)*Vp/P); padded rows are zero."""
+
+    tp_size: int
+    tp_rank: int
+    num_embeddings: int
+    org_vocab_size: int
+    num_embeddings_padded: int
+    num_embeddings_per_partition: int
+    vocab_start_index: int
+    vocab_end_index: int
+    padding_size: int
+    embedding_dim: int
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: Optional[torch.dtype] = None,
+                 org_num_embeddings: Optional[int] = None, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+                 quant_config=None, prefix: str = "", *, tp_rank: int = 0, tp_size: int = 1,
+                 init_std: float = 1.0):
+        super().__init__()
+        _check_quant(quant_config)
+        _check_rank("tp", tp_rank, tp_size)
+        org = int(org_num_embeddings or num_embeddings)
+        if num_embeddings != org:
+            # vLLM shards added (LoRA) vocab separately after the padded org vocab; not supported here.
+            raise NotImplementedError("fragkit: added vocabulary (num_embeddings != org_num_embeddings) "
+                                      "is not supported")
+        self.tp_size = int(tp_size)
+        self.tp_rank = int(tp_rank)
+        self.num_embeddings = int(num_embeddings)
+        self.org_vocab_size = org
+        self.padding_size = int(padding_size)
+        org_padded = pad_vocab_size(org, self.padding_size)
+        self.num_embeddings_padded = pad_vocab_size(org_padded + self.num_embeddings - org, self.padding_size)
+        if self.num_embeddings_padded % self.tp_size != 0:
+            raise ValueError("padded vocab size %d is not divisible by tp_size %d"
+                             % (self.num_embeddings_padded, self.tp_size))
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.embedding_dim = int(embedding_dim)
+        self.weight = _new_param((self.num_embeddings_per_partition, self.embedding_dim), _dtype(params_dtype),
+                                 init_std)
+        self._zero_padding_rows()
+
+    @torch.no_grad()
+    def _zero_padding_rows(self) -> None:
+        n_valid = min(max(self.org_vocab_size - self.vocab_start_index, 0), self.num_embeddings_per_partition)
+        self.weight[n_valid:].zero_()
+        bias = getattr(self, "bias", None)
+        if bias is not None:
+            bias[n_valid:].zero_()
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp_size > 1:
+            mask = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+            masked_ids = (input_ids - self.vocab_start_index).masked_fill(~mask, 0)
+            out = F.embedding(masked_ids, self.weight)
+            out = out.masked_fill(~mask.unsqueeze(-1), 0.0)
+            return tensor_model_parallel_all_reduce(out)
+        return F.embedding(input_ids, self.weight)
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "VocabParallelEmbedding") -> None:
+        _check_full(self, full, ["num_embeddings", "org_vocab_size", "num_embeddings_padded", "embedding_dim",
+                                 "padding_size"])
+        a, b = self.vocab_start_index, self.vocab_end_index
+        self.weight.copy_(full.weight[a:b])
+        bias = getattr(self, "bias", None)
+        if bias is not None:
+            bias.copy_(full.bias[a:b])
+        self._zero_padding_rows()
+
+    def extra_repr(self) -> str:
+        return "V=%d, V0=%d, Vp=%d, per_rank=%d, range=[%d, %d), dim=%d, tp=%d/%d" % (
+            self.num_embeddings, self.org_vocab_size, self.num_embeddings_padded,
+            self.num_embeddings_per_partition, self.vocab_start_index, self.vocab_end_index,
+            self.embedding_dim, self.tp_rank, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-sharded output projection.  forward returns this rank's logits shard [..., Vp/P]."""
+
+    tp_size: int
+    tp_rank: int
+    num_embeddings: int
+    org_vocab_size: int
+    num_embeddings_padded: int
+    num_embeddings_per_partition: int
+    vocab_start_index: int
+    vocab_end_index: int
+    padding_size: int
+    embedding_dim: int
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, org_num_embeddings: Optional[int] = None,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE, quant_config=None, prefix: str = "",
+                 *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype,
+                         org_num_embeddings=org_num_embeddings, padding_size=padding_size,
+                         quant_config=quant_config, prefix=prefix, tp_rank=tp_rank, tp_size=tp_size,
+                         init_std=1.0 / math.sqrt(embedding_dim))
+        if bias:
+            self.bias = _new_param((self.num_embeddings_per_partition,), _dtype(params_dtype), 0.1)
+        else:
+            self.register_parameter("bias", None)
+        self._zero_padding_rows()
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return F.linear(hidden_states, self.weight, self.bias)
+
+
+class LogitsProcessor(nn.Module):
+    """Gathers the vocab shards (AG(-1), only if tp_size > 1) and drops the padding: [..., :org_vocab_size].
+
+    Positional arguments follow vLLM's (vocab_size, org_vocab_size, scale); tp_size is keyword-only."""
+
+    vocab_size: int
+    org_vocab_size: int
+    tp_size: int
+    scale: float
+
+    def __init__(self, vocab_size: int, org_vocab_size: Optional[int] = None, scale: float = 1.0,
+                 *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        _check_rank("tp", tp_rank, tp_size)
+        self.vocab_size = int(vocab_size)
+        self.org_vocab_size = int(org_vocab_size or vocab_size)
+        self.tp_size = int(tp_size)
+        self.scale = float(scale)
+
+    def forward(self, logits: Tensor) -> Tensor:
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, -1)
+        logits = logits[..., :self.org_vocab_size]
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits
+
+    def load_full_weights(self, full: "LogitsProcessor") -> None:
+        _check_full(self, full, ["vocab_size", "org_vocab_size"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# mixture of experts
+
+class FusedMoE(nn.Module):
+    """Experts with softmax top-k routing and SiLU-gated MLPs.
+
+    TP (ep_size == 1): each rank holds a slice [r*I/P, (r+1)*I/P) of every expert's intermediate dim.
+    EP (tp_size == 1 for the layer): each rank holds a contiguous block of whole experts
+    (base = E // ep, the first E % ep ranks get one more).  The output per rank is a partial sum; with
+    reduce_results it is all-reduced over group "ep" (ep_size > 1) else "tp"."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    intermediate_size_per_partition: int
+    tp_size: int
+    tp_rank: int
+    ep_size: int
+    ep_rank: int
+    local_num_experts: int
+    expert_start: int
+    reduce_results: bool
+    renormalize: bool
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 params_dtype: Optional[torch.dtype] = None, reduce_results: bool = False,
+                 renormalize: bool = True, use_grouped_topk: bool = False, num_expert_group: Optional[int] = None,
+                 topk_group: Optional[int] = None, quant_config=None, tp_size: Optional[int] = None,
+                 ep_size: Optional[int] = None, dp_size: Optional[int] = None, prefix: str = "",
+                 custom_routing_function=None, scoring_func: str = "softmax", e_score_correction_bias=None,
+                 apply_router_weight_on_input: bool = False, activation: str = "silu",
+                 *, tp_rank: int = 0, ep_rank: int = 0):
+        super().__init__()
+        _check_quant(quant_config)
+        if use_grouped_topk or custom_routing_function is not None or e_score_correction_bias is not None:
+            raise NotImplementedError("fragkit FusedMoE: only plain softmax top-k routing is supported")
+        if scoring_func != "softmax" or activation != "silu" or apply_router_weight_on_input:
+            raise NotImplementedError("fragkit FusedMoE: only softmax scoring and SiLU experts are supported")
+        if dp_size not in (None, 1):
+            raise NotImplementedError("fragkit FusedMoE: data parallelism (dp_size > 1) is not supported")
+        tp_size = 1 if tp_size is None else int(tp_size)
+        ep_size = 1 if ep_size is None else int(ep_size)
+        _check_rank("tp", tp_rank, tp_size)
+        _check_rank("ep", ep_rank, ep_size)
+        if ep_size > num_experts:
+            raise ValueError("ep_size %d > num_experts %d" % (ep_size, num_experts))
+        self.num_experts = int(num_experts)
+        self.top_k = int(top_k)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.intermediate_size_per_partition = divide(intermediate_size, tp_size)
+        self.tp_size = tp_size
+        self.tp_rank = int(tp_rank)
+        self.ep_size = ep_size
+        self.ep_rank = int(ep_rank)
+        base, rem = divmod(self.num_experts, ep_size)
+        self.local_num_experts = base + (1 if self.ep_rank < rem else 0)
+        self.expert_start = self.ep_rank * base + min(self.ep_rank, rem)
+        self.reduce_results = bool(reduce_results)
+        self.renormalize = bool(renormalize)
+        dtype = _dtype(params_dtype)
+        ip = self.intermediate_size_per_partition
+        self.w13_weight = _new_param((self.local_num_experts, 2 * ip, self.hidden_size), dtype,
+                                     1.0 / math.sqrt(self.hidden_size))
+        self.w2_weight = _new_param((self.local_num_experts, self.hidden_size, ip), dtype,
+                                    1.0 / math.sqrt(self.intermediate_size))
+
+    def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
+        orig_shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        logits = router_logits.reshape(-1, self.num_experts)
+        probs = torch.softmax(logits.float(), dim=-1)
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        ip = self.intermediate_size_per_partition
+        out = torch.zeros_like(x)
+        for i in range(self.local_num_experts):
+            sel = topk_ids == (self.expert_start + i)
+            tokens = torch.nonzero(sel.any(dim=-1)).squeeze(-1)
+            if tokens.numel() == 0:
+                continue
+            weight = (topk_weights * sel.to(topk_weights.dtype)).sum(dim=-1).index_select(0, tokens)
+            xe = x.index_select(0, tokens)
+            gate_up = F.linear(xe, self.w13_weight[i])
+            act = F.silu(gate_up[:, :ip]) * gate_up[:, ip:]
+            ye = F.linear(act, self.w2_weight[i])
+            out.index_add_(0, tokens, ye * weight.to(ye.dtype).unsqueeze(-1))
+        if self.reduce_results and self.tp_size * self.ep_size > 1:
+            if self.ep_size > 1:
+                out = expert_parallel_all_reduce(out)
+            else:
+                out = tensor_model_parallel_all_reduce(out)
+        return out.reshape(orig_shape)
+
+    @torch.no_grad()
+    def load_full_weights(self, full: "FusedMoE") -> None:
+        _check_full(self, full, ["num_experts", "top_k", "hidden_size", "intermediate_size"])
+        e0, ne = self.expert_start, self.local_num_experts
+        ip, r, inter = self.intermediate_size_per_partition, self.tp_rank, self.intermediate_size
+        w13 = full.w13_weight[e0:e0 + ne]  # [ne, 2I, H] rows [gate | up]
+        self.w13_weight.copy_(torch.cat([w13[:, r * ip:(r + 1) * ip], w13[:, inter + r * ip:inter + (r + 1) * ip]],
+                                        dim=1))
+        self.w2_weight.copy_(full.w2_weight[e0:e0 + ne, :, r * ip:(r + 1) * ip])
+
+    def extra_repr(self) -> str:
+        return "E=%d, top_k=%d, H=%d, I=%d, I_p=%d, tp=%d/%d, ep=%d/%d, experts=[%d, %d)" % (
+            self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+            self.intermediate_size_per_partition, self.tp_rank, self.tp_size, self.ep_rank, self.ep_size,
+            self.expert_start, self.expert_start + self.local_num_experts)
+
+
+# Layer classes whose weights export loads with ``load_full_weights`` (subclasses included).
+KIT_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+              LogitsProcessor, FusedMoE)

@@ -1,0 +1,438 @@
+"""Tiny reference models built from the kit's layers plus ordinary scriptable torch modules.
+
+Module names follow vLLM / Hugging Face (model.embed_tokens, model.layers.N.self_attn.qkv_proj, ...).
+``forward(input_ids int64 [B, T]) -> logits [B, T, org_vocab]`` (gathered, padding dropped).
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .distributed import tensor_model_parallel_all_reduce
+from .layers import (
+    FusedMoE,
+    LogitsProcessor,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+# --------------------------------------------------------------------------------------------------------
+# configs
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 1000  # deliberately not a multiple of 64
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: Optional[int] = 8
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 512
+    attention_bias: bool = False
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class Qwen2MoeConfig:
+    vocab_size: int = 1000
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: Optional[int] = None  # hidden_size // num_attention_heads
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 64
+    intermediate_size: int = 128  # dense MLP of mlp_only_layers
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    num_hidden_layers: int = 2
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 512
+    dtype: torch.dtype = torch.float32
+
+
+def _head_dim(config) -> int:
+    return config.head_dim if config.head_dim else config.hidden_size // config.num_attention_heads
+
+
+# --------------------------------------------------------------------------------------------------------
+# ordinary (replicated) modules
+
+class RMSNorm(nn.Module):
+    hidden_size: int
+    variance_epsilon: float
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = float(eps)
+        w = torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype())
+        with torch.no_grad():
+            w.add_(0.1 * torch.randn(hidden_size).to(w.dtype))  # not all ones, so copying them is observable
+        self.weight = nn.Parameter(w, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        variance = h.pow(2).mean(dim=-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return h.to(dtype) * self.weight
+
+
+class SiluAndMul(nn.Module):
+    """[g | u] -> silu(g) * u."""
+
+    _fragkit_stable_annotations: int  # a class-level __annotations__ keeps TorchScript types stable
+
+    def forward(self, x: Tensor) -> Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, neox style (rotate halves) or GPT-J style (interleaved pairs)."""
+
+    head_size: int
+    rotary_dim: int
+    max_position_embeddings: int
+    base: float
+    is_neox_style: bool
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
+                 is_neox_style: bool = True):
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.base = float(base)
+        self.is_neox_style = is_neox_style
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        t = torch.arange(max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # x [B, T, n*hs]; cos/sin [T, rot/2]
+        shape = x.shape
+        new_shape: List[int] = []
+        for i in range(len(shape) - 1):
+            new_shape.append(shape[i])
+        new_shape.append(-1)
+        new_shape.append(self.head_size)
+        h = x.reshape(new_shape).float()
+        rot = h[..., :self.rotary_dim]
+        rest = h[..., self.rotary_dim:]
+        c = cos.unsqueeze(-2)
+        s = sin.unsqueeze(-2)
+        if self.is_neox_style:
+            half = self.rotary_dim // 2
+            x1 = rot[..., :half]
+            x2 = rot[..., half:]
+            rot = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        else:
+            x1 = rot[..., 0::2]
+            x2 = rot[..., 1::2]
+            rot = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+        return torch.cat([rot, rest], dim=-1).to(x.dtype).reshape(shape)
+
+    def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> Tuple[Tensor, Tensor]:
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        half = self.rotary_dim // 2
+        cos = cos_sin[..., :half]
+        sin = cos_sin[..., half:]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
+class Attention(nn.Module):
+    """Causal GQA attention over this rank's heads: q [B, T, nh*hs], k/v [B, T, nkv*hs] -> [B, T, nh*hs]."""
+
+    num_heads: int
+    head_size: int
+    scale: float
+    num_kv_heads: int
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b = q.shape[0]
+        t = q.shape[1]
+        qh = q.reshape(b, t, self.num_heads, self.head_size).transpose(1, 2).float()
+        kh = k.reshape(b, t, self.num_kv_heads, self.head_size).transpose(1, 2).float()
+        vh = v.reshape(b, t, self.num_kv_heads, -1).transpose(1, 2).float()
+        if self.num_heads != self.num_kv_heads:
+            rep = self.num_heads // self.num_kv_heads
+            kh = kh.repeat_interleave(rep, dim=1)
+            vh = vh.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * self.scale
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), vh)
+        return out.transpose(1, 2).reshape(b, t, -1).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Llama
+
+class LlamaMLP(nn.Module):
+    _fragkit_stable_annotations: int
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int,
+                 params_dtype: Optional[torch.dtype] = None, reduce_results: bool = True, prefix: str = ""):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                       params_dtype=params_dtype, prefix=prefix + ".gate_up_proj",
+                                                       tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, params_dtype=params_dtype,
+                                           reduce_results=reduce_results, prefix=prefix + ".down_proj",
+                                           tp_rank=tp_rank, tp_size=tp_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        x = self.act_fn(gate_up)
+        x, _ = self.down_proj(x)
+        return x
+
+
+class LlamaAttention(nn.Module):
+    hidden_size: int
+    total_num_heads: int
+    num_heads: int
+    total_num_kv_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_size: int
+    kv_size: int
+    scaling: float
+
+    def __init__(self, config, tp_rank: int, tp_size: int, bias: bool = False, prefix: str = ""):
+        super().__init__()
+        dtype = config.dtype
+        self.hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.num_heads = self.total_num_heads // tp_size
+        self.total_num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(self.hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, bias=bias, params_dtype=dtype,
+                                          prefix=prefix + ".qkv_proj", tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=False,
+                                        params_dtype=dtype, prefix=prefix + ".o_proj",
+                                        tp_rank=tp_rank, tp_size=tp_size)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, is_neox_style=True)
+        self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads)
+
+    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q = qkv[..., :self.q_size]
+        k = qkv[..., self.q_size:self.q_size + self.kv_size]
+        v = qkv[..., self.q_size + self.kv_size:]
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)
+        output, _ = self.o_proj(attn_output)
+        return output
+
+
+class LlamaDecoderLayer(nn.Module):
+    hidden_size: int
+
+    def __init__(self, config, tp_rank: int, tp_size: int, prefix: str = ""):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = LlamaAttention(config, tp_rank, tp_size, bias=config.attention_bias,
+                                        prefix=prefix + ".self_attn")
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
+                            params_dtype=config.dtype, prefix=prefix + ".mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    vocab_size: int
+
+    def __init__(self, config, tp_rank: int, tp_size: int, layer_cls=LlamaDecoderLayer, prefix: str = "model"):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=config.dtype,
+                                                   prefix=prefix + ".embed_tokens", tp_rank=tp_rank, tp_size=tp_size)
+        self.layers = nn.ModuleList([layer_cls(config, tp_rank, tp_size, prefix="%s.layers.%d" % (prefix, i))
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[-1], dtype=torch.long, device=input_ids.device)
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+class _CausalLMBase(nn.Module):
+    tp_size: int
+    tp_rank: int
+
+    def _init_head(self, config, tp_rank: int, tp_size: int) -> None:
+        self.tp_size = int(tp_size)
+        self.tp_rank = int(tp_rank)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=config.dtype,
+                                      org_num_embeddings=config.vocab_size, prefix="lm_head",
+                                      tp_rank=tp_rank, tp_size=tp_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, config.vocab_size, tp_rank=tp_rank,
+                                                tp_size=tp_size)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        hidden_states = self.model(input_ids)
+        return self.logits_processor(self.lm_head(hidden_states))
+
+
+class LlamaForCausalLM(_CausalLMBase):
+    tp_size: int
+    tp_rank: int
+
+    def __init__(self, config: Optional[LlamaConfig] = None, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        config = config or LlamaConfig()
+        self.model = LlamaModel(config, tp_rank, tp_size, LlamaDecoderLayer)
+        self._init_head(config, tp_rank, tp_size)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Qwen2-MoE
+
+class Qwen2MoeMLP(LlamaMLP):
+    _fragkit_stable_annotations: int
+
+
+class Qwen2MoeSparseMoeBlock(nn.Module):
+    tp_size: int
+
+    def __init__(self, config, tp_rank: int, tp_size: int, enable_expert_parallel: bool = False,
+                 prefix: str = ""):
+        super().__init__()
+        self.tp_size = int(tp_size)
+        if tp_size > config.num_experts:
+            raise ValueError("tensor parallel size %d is greater than the number of experts %d"
+                             % (tp_size, config.num_experts))
+        if enable_expert_parallel:
+            moe_tp = dict(tp_size=1, tp_rank=0, ep_size=tp_size, ep_rank=tp_rank)
+        else:
+            moe_tp = dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=1, ep_rank=0)
+        self.experts = FusedMoE(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                                hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size,
+                                params_dtype=config.dtype, reduce_results=False,
+                                renormalize=config.norm_topk_prob, prefix=prefix + ".experts", **moe_tp)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, params_dtype=config.dtype,
+                                     prefix=prefix + ".gate", tp_rank=tp_rank, tp_size=tp_size)
+        self.shared_expert = Qwen2MoeMLP(config.hidden_size, config.shared_expert_intermediate_size, tp_rank,
+                                         tp_size, params_dtype=config.dtype, reduce_results=False,
+                                         prefix=prefix + ".shared_expert")
+        self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False, params_dtype=config.dtype,
+                                                   prefix=prefix + ".shared_expert_gate",
+                                                   tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        orig_shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, orig_shape[-1])
+        shared_output = self.shared_expert(hidden_states)
+        shared_gate, _ = self.shared_expert_gate(hidden_states)
+        shared_output = torch.sigmoid(shared_gate) * shared_output
+        router_logits, _ = self.gate(hidden_states)
+        final_hidden_states = self.experts(hidden_states, router_logits)
+        final_hidden_states = final_hidden_states + shared_output
+        if self.tp_size > 1:
+            final_hidden_states = tensor_model_parallel_all_reduce(final_hidden_states)
+        return final_hidden_states.reshape(orig_shape)
+
+
+class Qwen2MoeAttention(LlamaAttention):
+    hidden_size: int
+
+
+class Qwen2MoeDecoderLayer(nn.Module):
+    hidden_size: int
+
+    def __init__(self, config, tp_rank: int, tp_size: int, prefix: str = "", enable_expert_parallel: bool = False):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = Qwen2MoeAttention(config, tp_rank, tp_size, bias=True, prefix=prefix + ".self_attn")
+        layer_idx = int(prefix.split(".")[-1]) if prefix else 0
+        sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
+                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        if sparse:
+            self.mlp = Qwen2MoeSparseMoeBlock(config, tp_rank, tp_size, enable_expert_parallel,
+                                              prefix=prefix + ".mlp")
+        else:
+            self.mlp = Qwen2MoeMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
+                                   params_dtype=config.dtype, prefix=prefix + ".mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class Qwen2MoeForCausalLM(_CausalLMBase):
+    tp_size: int
+    tp_rank: int
+    enable_expert_parallel: bool
+
+    def __init__(self, config: Optional[Qwen2MoeConfig] = None, tp_rank: int = 0, tp_size: int = 1,
+                 enable_expert_parallel: bool = False):
+        super().__init__()
+        config = config or Qwen2MoeConfig()
+        self.enable_expert_parallel = bool(enable_expert_parallel)
+
+        def layer_cls(cfg, r, p, prefix=""):
+            return Qwen2MoeDecoderLayer(cfg, r, p, prefix=prefix, enable_expert_parallel=enable_expert_parallel)
+
+        self.model = LlamaModel(config, tp_rank, tp_size, layer_cls)
+        self._init_head(config, tp_rank, tp_size)
+
+
+# --------------------------------------------------------------------------------------------------------
+# builders for fragkit.export.export
+
+def llama_builder(config: Optional[LlamaConfig] = None):
+    config = config or LlamaConfig()
+    return lambda tp_rank, tp_size: LlamaForCausalLM(config, tp_rank, tp_size)
+
+
+def qwen2_moe_builder(config: Optional[Qwen2MoeConfig] = None, enable_expert_parallel: bool = False):
+    config = config or Qwen2MoeConfig()
+    return lambda tp_rank, tp_size: Qwen2MoeForCausalLM(config, tp_rank, tp_size, enable_expert_parallel)

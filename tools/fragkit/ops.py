@@ -1,0 +1,129 @@
+"""Registration of the two collective ops ``frag::all_reduce`` and ``frag::all_gather``.
+
+The C++ runtime of *fragments* registers the same two ops (same schemas) in C++.  If that library was
+loaded into this process before ``fragkit`` is imported, the ops already exist and nothing is registered
+here.  Otherwise the ops are defined from Python with kernels that:
+
+* return ``x.clone()`` when ``torch.distributed`` is not initialized or the world size is 1;
+* otherwise run ``torch.distributed.all_reduce`` (sum) / ``all_gather`` + ``cat(dim)`` over the default
+  group.  The group names ``"tp"`` and ``"ep"`` both mean the whole world for now.
+
+NOTE: if the C++ library (``TORCH_LIBRARY(frag, m)``) is loaded *after* these Python definitions, the
+C++ registration will clash with the Python one; load the C++ library first.
+"""
+from typing import List
+
+import torch
+
+NAMESPACE = "frag"
+
+# Schemas without the namespace, as given to ``Library.define``.
+_DEFS = {
+    "all_reduce": "all_reduce(Tensor x, str group) -> Tensor",
+    "all_gather": "all_gather(Tensor x, int dim, str group) -> Tensor",
+}
+
+# Full schema strings, as ``str(torch.ops.frag.<op>.default._schema)`` prints them and as the C++
+# registration must declare them.
+OP_SCHEMAS: List[str] = [NAMESPACE + "::" + s for s in _DEFS.values()]
+
+KNOWN_GROUPS = ("tp", "ep")
+
+# Keeps the Python library (and so the registration) alive for the life of the process.
+_LIB = None
+# True when the ops were defined by this module (False: they came from elsewhere, e.g. C++).
+DEFINED_HERE = False
+
+
+def _op_registered(name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), name)
+        return True
+    except Exception:  # AttributeError on torch 2.x, RuntimeError on some older versions
+        return False
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def _check_group(group: str) -> None:
+    if group not in KNOWN_GROUPS:
+        raise RuntimeError("frag: unknown process group %r (known: %s)" % (group, ", ".join(KNOWN_GROUPS)))
+
+
+def _needs_fp32_transport(x: torch.Tensor) -> bool:
+    # gloo has no reduction for the 16-bit float types on older torch versions.
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return torch.distributed.get_backend() == "gloo"
+
+
+def _all_reduce_impl(x: torch.Tensor, group: str) -> torch.Tensor:
+    _check_group(group)
+    if _world_size() == 1:
+        return x.clone()
+    if _needs_fp32_transport(x):
+        y = x.float()  # always a copy for 16-bit inputs
+        torch.distributed.all_reduce(y)
+        return y.to(x.dtype)
+    y = x.clone(memory_format=torch.contiguous_format)
+    torch.distributed.all_reduce(y)
+    return y
+
+
+def _all_gather_impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    _check_group(group)
+    nd = x.dim()
+    if dim < -nd or dim >= max(nd, 1):
+        raise RuntimeError("frag::all_gather: dim %d out of range for a %d-d tensor" % (dim, nd))
+    if dim < 0:
+        dim += nd
+    ws = _world_size()
+    if ws == 1:
+        return x.clone()
+    src = x.contiguous()
+    if _needs_fp32_transport(src):
+        src = src.float()
+    parts = [torch.empty_like(src) for _ in range(ws)]
+    torch.distributed.all_gather(parts, src)
+    return torch.cat(parts, dim).to(x.dtype)
+
+
+_IMPLS = {"all_reduce": _all_reduce_impl, "all_gather": _all_gather_impl}
+
+
+def _register() -> None:
+    global _LIB, DEFINED_HERE
+    missing = [name for name in _DEFS if not _op_registered(name)]
+    if not missing:
+        return
+    try:
+        lib = torch.library.Library(NAMESPACE, "DEF")
+    except Exception:
+        # The namespace already has a DEF library (e.g. C++ defined only one of the ops).
+        lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # torch >= 2.0 only
+    for name in missing:
+        lib.define(_DEFS[name])
+        try:
+            lib.impl(name, _IMPLS[name], "CompositeExplicitAutograd")
+        except Exception:
+            lib.impl(name, _IMPLS[name], "CPU")
+            lib.impl(name, _IMPLS[name], "CUDA")
+    _LIB = lib
+    DEFINED_HERE = True
+
+
+def registered_schemas() -> List[str]:
+    """The schemas the dispatcher holds now for the frag ops (to compare with ``OP_SCHEMAS``)."""
+    out = []
+    for name in _DEFS:
+        packet = getattr(getattr(torch.ops, NAMESPACE), name)
+        out.append(str(packet.default._schema))
+    return out
+
+
+_register()

@@ -1,0 +1,183 @@
+//===- tools/fragment_commands.cpp - frag inspect and frag rewrite -------===//
+//
+// Both load every rank file given, run the pass on each (the decisions never
+// depend on the rank, so the tables must agree) and then report (inspect) or
+// save (rewrite). A rewrite is saved to a temporary file beside the target and
+// renamed into place, so a failure never leaves a half-written file; with
+// several inputs nothing is moved into place until every file was rewritten.
+//
+//===----------------------------------------------------------------------===//
+#include "tools/fragment_commands.h"
+
+#include "ir/error.h"
+#include "passes/insert_fragment_ops.h"
+#include "passes/rewrite_for_fragments.h"
+#include "runtime/rank_module.h"
+
+#include <fmt/format.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+namespace frag::tools {
+namespace {
+
+passes::LayerAliases load_aliases(const std::string& rules_file) {
+  return rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
+}
+
+/// One fragmented location, flattened for reports.
+struct Row {
+  std::string location, class_name, kind, side, layout, whole, group;
+  const ir::FragmentedSide* fragment;
+};
+
+std::vector<Row> fragmented_rows(const ir::FragmentTable& table) {
+  std::vector<Row> rows;
+  for (const auto& layer : table.layers) {
+    for (const auto* side : {&layer.input, &layer.output}) {
+      if (!*side) continue;
+      const bool input = side == &layer.input;
+      const auto& rule = (*side)->rule;
+      rows.push_back(Row{input ? ir::input_location(layer.path) : ir::output_location(layer.path),
+                         layer.class_name, layer.kind, input ? "input" : "output", ir::describe(rule),
+                         (*side)->whole_width ? fmt::format("[..., {}]", *(*side)->whole_width) : "?",
+                         fmt::format("{} ({} ranks)", rule.group, rule.group_size), &**side});
+    }
+  }
+  return rows;
+}
+
+std::vector<ir::FragmentTable> analyze_files(const std::vector<std::string>& files,
+                                             const passes::LayerAliases& aliases) {
+  std::vector<ir::FragmentTable> tables;
+  for (const auto& file : files) {
+    auto rank = runtime::load_rank_module(file);
+    if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
+      fail("{}: already rewritten by frag rewrite; inspect reads the original export", file);
+    tables.push_back(passes::analyze_fragments(rank.module, aliases, file));
+  }
+  passes::check_tables_agree(files, tables);
+  return tables;
+}
+
+std::string temporary_beside(const std::string& path) {
+  return fmt::format("{}.tmp.{}", path, getpid());
+}
+
+}  // namespace
+
+std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files,
+                         bool all) {
+  std::string out = fmt::format("{}: tp_size {}, {} parallel layers\n", fmt::join(files, ", "),
+                                table.tp_size, table.layers.size());
+  auto rows = fragmented_rows(table);
+  out += fmt::format("\nfragmented locations ({}): this rank holds a piece; frag shows the whole\n", rows.size());
+  size_t w_loc = 8, w_class = 5, w_layout = 6, w_whole = 5;
+  for (const auto& r : rows) {
+    w_loc = std::max(w_loc, r.location.size());
+    w_class = std::max(w_class, r.class_name.size());
+    w_layout = std::max(w_layout, r.layout.size());
+    w_whole = std::max(w_whole, r.whole.size());
+  }
+  if (!rows.empty())
+    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:<{}}  {}\n", "LOCATION", w_loc, "CLASS", w_class,
+                       "LAYOUT", w_layout, "WHOLE", w_whole, "GROUP");
+  for (const auto& r : rows)
+    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:<{}}  {}\n", r.location, w_loc, r.class_name,
+                       w_class, r.layout, w_layout, r.whole, w_whole, r.group);
+  out += fmt::format("\nrank-local values ({}): derived from a fragment, not whole on any rank\n",
+                     table.rank_local.size());
+  for (const auto& local : table.rank_local)
+    out += fmt::format("  {}  (from {})\n", local.location, local.derived_from);
+  out += fmt::format("\nwhole locations ({}): every rank holds the whole value{}\n", table.whole.size(),
+                     all ? "" : " (list them with --all)");
+  if (all)
+    for (const auto& location : table.whole) out += fmt::format("  {}\n", location);
+  return out;
+}
+
+nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files) {
+  nlohmann::json fragmented = nlohmann::json::array();
+  for (const auto& r : fragmented_rows(table)) {
+    fragmented.push_back({{"location", r.location},
+                          {"class", r.class_name},
+                          {"kind", r.kind},
+                          {"side", r.side},
+                          {"layout", r.layout},
+                          {"rule", ir::to_json(r.fragment->rule)},
+                          {"whole_width", r.fragment->whole_width ? nlohmann::json(*r.fragment->whole_width)
+                                                                  : nlohmann::json(nullptr)},
+                          {"group", r.fragment->rule.group},
+                          {"group_size", r.fragment->rule.group_size}});
+  }
+  nlohmann::json rank_local = nlohmann::json::array();
+  for (const auto& local : table.rank_local)
+    rank_local.push_back({{"location", local.location}, {"derived_from", local.derived_from}});
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& layer : table.layers)
+    layers.push_back({{"path", layer.path}, {"class", layer.class_name}, {"kind", layer.kind},
+                      {"notes", layer.notes}});
+  return {{"format", "fragments.inspect/1"}, {"files", files},     {"tp_size", table.tp_size},
+          {"fragmented", fragmented},        {"rank_local", rank_local}, {"whole", table.whole},
+          {"layers", layers}};
+}
+
+int inspect_command(const InspectArguments& args) {
+  auto tables = analyze_files(args.files, load_aliases(args.rules_file));
+  if (args.json)
+    std::cout << inspect_json(tables[0], args.files).dump(2) << "\n";
+  else
+    std::cout << inspect_text(tables[0], args.files, args.all);
+  return 0;
+}
+
+int rewrite_command(const RewriteArguments& args) {
+  const auto aliases = load_aliases(args.rules_file);
+  std::vector<std::string> targets;
+  if (args.files.size() == 1 && !std::filesystem::is_directory(args.output)) {
+    targets.push_back(args.output);
+  } else {
+    if (!std::filesystem::is_directory(args.output))
+      fail("-o {}: with {} input files, -o must be an existing folder", args.output, args.files.size());
+    for (const auto& file : args.files)
+      targets.push_back((std::filesystem::path(args.output) / std::filesystem::path(file).filename()).string());
+    std::vector<std::string> sorted = targets;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      fail("-o {}: two input files have the same name; rewrite them into separate folders", args.output);
+  }
+  std::vector<std::string> temporaries;
+  std::vector<ir::FragmentTable> tables;
+  try {
+    for (size_t i = 0; i < args.files.size(); ++i) {
+      const auto& file = args.files[i];
+      auto rank = runtime::load_rank_module(file);
+      if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
+        fail("{}: already rewritten by frag rewrite; give the original export", file);
+      auto table = passes::rewrite_for_fragments(rank.module, aliases, file);
+      tables.push_back(table);
+      passes::check_tables_agree(std::vector<std::string>(args.files.begin(), args.files.begin() + i + 1),
+                                 tables);
+      torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
+      extra[runtime::kRuleTableFile] = ir::to_json(table).dump(1);
+      temporaries.push_back(temporary_beside(targets[i]));
+      rank.module.save(temporaries.back(), extra);
+    }
+  } catch (...) {
+    for (const auto& t : temporaries) std::remove(t.c_str());
+    throw;
+  }
+  for (size_t i = 0; i < targets.size(); ++i)
+    if (std::rename(temporaries[i].c_str(), targets[i].c_str()) != 0)
+      fail("cannot move {} into place as {}", temporaries[i], targets[i]);
+  for (size_t i = 0; i < targets.size(); ++i)
+    std::cout << args.files[i] << " -> " << targets[i] << "\n";
+  return 0;
+}
+
+}  // namespace frag::tools

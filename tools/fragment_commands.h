@@ -1,0 +1,36 @@
+//===- tools/fragment_commands.h - frag inspect and frag rewrite -*- C++ -*-===//
+#pragma once
+
+#include "ir/fragment_table.h"
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace frag::tools {
+
+struct InspectArguments {
+  std::vector<std::string> files;
+  std::string rules_file;  ///< user layer aliases ("" for none)
+  bool json = false;
+  bool all = false;  ///< also list whole locations in text
+};
+
+struct RewriteArguments {
+  std::vector<std::string> files;
+  std::string output;  ///< a file for one input, a folder for several
+  std::string rules_file;
+};
+
+/// The inspect report of one export (all rank files agree; the first is shown).
+std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files, bool all);
+/// The same as a stable JSON document (format "fragments.inspect/1"; README documents it).
+nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files);
+
+/// `frag inspect`: prints the report; returns the exit code.
+int inspect_command(const InspectArguments& args);
+/// `frag rewrite`: writes each rewritten file atomically; returns the exit code.
+int rewrite_command(const RewriteArguments& args);
+
+}  // namespace frag::tools

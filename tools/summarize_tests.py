@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Counts test cases in Bazel's test logs and prints one line: "N passed, N failed, N skipped".
+
+GoogleTest logs end with "[  PASSED  ] N tests." / "[  FAILED  ] N tests," / "[  SKIPPED ] N tests,";
+unittest logs with "Ran N tests" and "FAILED (failures=F, errors=E, skipped=S)" or "OK (skipped=S)".
+A target whose log has neither (it did not build, crashed or timed out) counts as one failure.
+"""
+import pathlib
+import re
+import sys
+
+
+def count(log: str):
+    passed = failed = skipped = 0
+    found = False
+    for m in re.finditer(r"^\[  PASSED  \] (\d+) tests?", log, re.M):
+        passed += int(m.group(1)); found = True
+    for m in re.finditer(r"^\[  FAILED  \] (\d+) tests?,", log, re.M):
+        failed += int(m.group(1)); found = True
+    for m in re.finditer(r"^\[  SKIPPED \] (\d+) tests?,", log, re.M):
+        skipped += int(m.group(1)); found = True
+    ran = re.search(r"^Ran (\d+) tests? in", log, re.M)
+    if ran:
+        found = True
+        total = int(ran.group(1))
+        bad = sum(int(x) for x in re.findall(r"(?:failures|errors)=(\d+)", log))
+        skip = sum(int(x) for x in re.findall(r"skipped=(\d+)", log))
+        passed += total - bad - skip; failed += bad; skipped += skip
+    return found, passed, failed, skipped
+
+
+def main() -> int:
+    root = pathlib.Path(sys.argv[1])
+    expected = set(sys.argv[2:])  # labels that must have a log
+    totals = [0, 0, 0]
+    seen = set()
+    for log_path in sorted(root.rglob("test.log")):
+        label = str(log_path.parent.relative_to(root))
+        seen.add(label)
+        found, p, f, s = count(log_path.read_text(errors="replace"))
+        if not found:
+            print("summarize: %s: no test results in its log; counted as 1 failure" % label)
+            f = 1
+        totals[0] += p; totals[1] += f; totals[2] += s
+    for label in sorted(expected - seen):
+        print("summarize: %s: no log (did not build or run); counted as 1 failure" % label)
+        totals[1] += 1
+    print("%d passed, %d failed, %d skipped" % tuple(totals))
+    return 0 if totals[1] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

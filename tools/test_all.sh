@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The test command: builds everything with Bazel (and with CMake, so neither build rots),
+# runs every test with Bazel and ends with one line "N passed, N failed, N skipped".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PATH=/usr/bin:$PATH  # Debian's python3 has torch; a pyenv python3 first on PATH does not
+
+status=0
+echo "== bazel build //..."
+bazel build //... 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)' || status=1
+
+if [ "${FRAG_SKIP_CMAKE:-0}" != 1 ]; then
+  echo "== cmake build (LibTorch from find_package(Torch))"
+  mkdir -p build
+  if cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > build/cmake.log 2>&1 &&
+     cmake --build build/cmake -j2 >> build/cmake.log 2>&1; then
+    echo "cmake build OK (log: build/cmake.log)"
+  else
+    echo "cmake build FAILED (log: build/cmake.log):"; tail -40 build/cmake.log; status=1
+  fi
+fi
+
+echo "== bazel test //..."
+labels=$(bazel query 'tests(//...)' 2>/dev/null | sed 's|^//||; s|:|/|')
+bazel test //... --test_output=errors 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)'
+python3 tools/summarize_tests.py "$(bazel info bazel-testlogs 2>/dev/null)" $labels || status=1
+exit $status
