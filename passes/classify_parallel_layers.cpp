@@ -202,10 +202,12 @@ void classify_lm_head(const LayerConfig& config, LayerEntry& entry) {
   const int64_t padded = config.integer("num_embeddings_padded");
   config.require(org <= padded, fmt::format("org_vocab_size {} exceeds num_embeddings_padded {}", org, padded));
   check_divides(config, tp, padded, "num_embeddings_padded");
-  if (tp == 1) {
-    entry.notes.push_back("tp_size=1: not sharded");
+  if (tp == 1 && padded == org) {
+    entry.notes.push_back("tp_size=1 and no vocab padding: whole");
     return;
   }
+  // Also at tp_size 1 when padded: the whole logits are the org vocab, so a
+  // location reads the same at every tp size.
   entry.output = side(FragmentRule::vocab_shard(org, padded, ir::kTpGroup, tp), org);
 }
 
@@ -214,11 +216,11 @@ void classify_logits_processor(const LayerConfig& config, LayerEntry& entry) {
   config.require(tp >= 1, fmt::format("tp_size {} is not positive", tp));
   const int64_t org = config.integer("org_vocab_size");
   const int64_t vocab = config.integer("vocab_size");
-  if (tp == 1) {
-    entry.notes.push_back("tp_size=1: not sharded");
+  const int64_t padded = FragmentRule::padded_vocab_size(vocab, tp);
+  if (tp == 1 && padded == org) {
+    entry.notes.push_back("tp_size=1 and no vocab padding: whole");
     return;
   }
-  const int64_t padded = FragmentRule::padded_vocab_size(vocab, tp);
   entry.input = side(FragmentRule::vocab_shard(org, padded, ir::kTpGroup, tp), org);
   entry.notes.push_back("the layer gathers the vocab shards and drops the padding: its output is whole");
 }

@@ -26,8 +26,9 @@ void check_replacement(const torch::Tensor& original, const torch::Tensor& repla
 
 }  // namespace
 
-void InterventionRuntime::add(const std::string& location, Hook hook, std::optional<int64_t> visit) {
-  hooks_[location].push_back(Registered{visit, std::move(hook)});
+void InterventionRuntime::add(const std::string& location, Hook hook, std::optional<int64_t> visit,
+                              bool edits) {
+  hooks_[location].push_back(Registered{visit, std::move(hook), edits});
 }
 
 void InterventionRuntime::clear() { hooks_.clear(); }
@@ -111,10 +112,21 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, const s
   const int64_t visit = fragmented ? open_[location].visit : open_visit(location);
   if (!waiting(location, visit)) return value;
   VisitInfo info{location, visit, fragmented ? open_[location].rule : nullptr};
+  auto& hooks = hooks_[location];
   torch::Tensor current = value;
-  const auto version = value._version();
+  if (!fragmented) {
+    // A gathered whole is already a fresh tensor; a whole location's value is
+    // the model's own, shared with its other users: edit a copy.
+    for (const auto& registered : hooks)
+      if (registered.edits && (!registered.visit || *registered.visit == visit)) {
+        current = value.clone();
+        break;
+      }
+  }
+  const torch::Tensor start = current;
+  const auto version = start._version();
   bool replaced = false;
-  for (auto& registered : hooks_[location]) {
+  for (auto& registered : hooks) {
     if (registered.visit && *registered.visit != visit) continue;
     if (auto replacement = registered.hook(current, info)) {
       check_replacement(current, *replacement, location);
@@ -122,7 +134,7 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, const s
       replaced = true;
     }
   }
-  open_[location].edited = replaced || value._version() != version;
+  open_[location].edited = replaced || start._version() != version;
   return current;
 }
 

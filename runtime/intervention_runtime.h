@@ -51,7 +51,11 @@ using Hook = std::function<std::optional<torch::Tensor>(torch::Tensor& whole, co
 class InterventionRuntime {
  public:
   /// Registers `hook` at `location`, on every visit or only visit `visit`.
-  void add(const std::string& location, Hook hook, std::optional<int64_t> visit = std::nullopt);
+  /// `edits`: the hook may change the tensor. At a whole location the hooks
+  /// then work on a copy, so an edit reaches the module being called and not
+  /// other users of the same value (a residual, say).
+  void add(const std::string& location, Hook hook, std::optional<int64_t> visit = std::nullopt,
+           bool edits = true);
   /// Removes every hook.
   void clear();
   /// Starts a forward: visit counters go back to 0.
@@ -77,6 +81,7 @@ class InterventionRuntime {
   struct Registered {
     std::optional<int64_t> visit;
     Hook hook;
+    bool edits;
   };
   struct OpenVisit {
     int64_t visit = -1;

@@ -121,7 +121,9 @@ Communicator& RankContext::group(const std::string& name) const {
 
 std::vector<std::string> RankContext::exchange(const std::string& step, const std::string& value) {
   if (world_size_ == 1) return {value};
-  const std::string prefix = "exchange/" + step + "/";
+  // A sequence number keeps keys unique when a step name repeats; every rank
+  // exchanges in the same order, so the numbers match.
+  const std::string prefix = fmt::format("exchange/{}/{}/", exchanges_++, step);
   store_->set(prefix + std::to_string(rank_), to_bytes(value));
   std::vector<std::string> keys;
   for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + std::to_string(r));

@@ -76,6 +76,7 @@ class RankContext {
   std::string backend_ = "single";
   c10::intrusive_ptr<c10d::Store> store_;
   std::map<std::string, std::shared_ptr<Communicator>> groups_;
+  int64_t exchanges_ = 0;
 };
 
 /// The context ops use on this thread (see the file comment).

@@ -9,6 +9,7 @@
 #include "ir/error.h"
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
+#include "runtime/sharded_model.h"
 #include "runtime/safetensors.h"
 #include "tools/fragment_commands.h"
 #include "tools/launcher.h"
@@ -31,6 +32,9 @@ struct RunArguments {
   int world = 0;
   double timeout_s = 60;
   std::string device = "cpu";
+  std::string plan;
+  std::string rules_file;
+  int generate = 0;
 };
 
 /// The file this rank runs: one per rank, or one pattern with "{rank}".
@@ -57,10 +61,31 @@ int run_rank(const RunArguments& args) {
   auto ids = frag::tools::read_token_ids(args.input).to(device);
   auto context = frag::runtime::RankContext::connect(options);
   frag::runtime::set_process_rank_context(context);
-  auto rank_module = frag::runtime::load_and_check_rank_module(*context, file, device);
-  auto logits = frag::runtime::run_forward(rank_module, ids);
-  if (context->rank() == 0 && !args.out.empty())
-    frag::runtime::write_safetensors(args.out, {{"logits", logits}});
+  auto model = frag::runtime::ShardedModel::load(context, file, device, args.rules_file);
+  std::string plan_error;
+  try {
+    if (!args.plan.empty()) model.apply(frag::runtime::Plan::from_file(args.plan));
+  } catch (const frag::Error& e) {
+    plan_error = e.what();
+  }
+  context->agree("plan", plan_error);  // a bad plan stops every rank before any forward
+
+  frag::runtime::TensorMap outputs;
+  if (args.generate > 0) {
+    outputs["tokens"] = model.generate(ids, args.generate);
+  } else {
+    outputs["logits"] = model.forward(ids);
+  }
+  if (context->rank() == 0 && !args.out.empty()) {
+    for (const auto& [name, tensors] : model.saved()) {
+      if (tensors.size() == 1) {
+        outputs[name] = tensors[0];
+      } else {
+        for (size_t i = 0; i < tensors.size(); ++i) outputs[fmt::format("{}.{}", name, i)] = tensors[i];
+      }
+    }
+    frag::runtime::write_safetensors(args.out, outputs);
+  }
   return 0;
 }
 
@@ -74,6 +99,9 @@ int run_command(const RunArguments& args) {
     child.insert(child.end(), {"--input", args.input, "--timeout", fmt::format("{}", args.timeout_s),
                                "--device", args.device});
     if (!args.out.empty()) child.insert(child.end(), {"--out", args.out});
+    if (!args.plan.empty()) child.insert(child.end(), {"--plan", args.plan});
+    if (!args.rules_file.empty()) child.insert(child.end(), {"--rules", args.rules_file});
+    if (args.generate > 0) child.insert(child.end(), {"--generate", std::to_string(args.generate)});
     setenv("FRAG_LAUNCHED", "1", 1);
     return frag::tools::launch_local_ranks(
         args.world, child, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
@@ -109,6 +137,11 @@ int main(int argc, char** argv) {
                       "Seconds any rank waits for the rendezvous or a collective before failing")
       ->check(CLI::PositiveNumber);
   run_cmd->add_option("--device", run.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank)");
+  run_cmd->add_option("--plan", run.plan, "Interventions to apply (JSON; see README)")->check(CLI::ExistingFile);
+  run_cmd->add_option("--rules", run.rules_file, "JSON file declaring more classes as known layers");
+  run_cmd->add_option("--generate", run.generate,
+                      "Greedy-decode this many tokens; writes 'tokens' and per-step saves 'step{k}.name'")
+      ->check(CLI::Range(1, 100000));
 
   frag::tools::InspectArguments inspect;
   auto* inspect_cmd = app.add_subcommand(

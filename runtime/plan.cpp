@@ -1,0 +1,210 @@
+//===- runtime/plan.cpp - Intervention plans (JSON) ----------------------===//
+#include "runtime/plan.h"
+
+#include "ir/error.h"
+#include "runtime/safetensors.h"
+
+#include <fmt/ranges.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+namespace frag::runtime {
+namespace {
+
+using torch::indexing::Ellipsis;
+using torch::indexing::Slice;
+using torch::indexing::TensorIndex;
+
+std::optional<int64_t> parse_bound(const std::string& text, const std::string& whole) {
+  if (text.empty()) return std::nullopt;
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.find_first_of(" \t") != std::string::npos)
+    fail("index '{}': '{}' is not an integer", whole, text);
+  return value;
+}
+
+std::string trim(const std::string& s) {
+  auto begin = s.find_first_not_of(" \t");
+  if (begin == std::string::npos) return "";
+  return s.substr(begin, s.find_last_not_of(" \t") - begin + 1);
+}
+
+const std::set<std::string> kActions = {"save", "set", "add", "scale", "zero", "call"};
+
+}  // namespace
+
+WholeIndex WholeIndex::parse(const std::string& text) {
+  WholeIndex index{text, {}};
+  size_t start = 0;
+  bool ellipsis = false;
+  while (true) {
+    size_t comma = text.find(',', start);
+    std::string item = trim(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    IndexItem parsed;
+    if (item == "...") {
+      if (ellipsis) fail("index '{}': only one '...' is allowed", text);
+      ellipsis = true;
+      parsed.kind = IndexItem::Kind::kEllipsis;
+    } else if (item.find(':') != std::string::npos) {
+      parsed.kind = IndexItem::Kind::kSlice;
+      size_t first = item.find(':');
+      size_t second = item.find(':', first + 1);
+      parsed.start = parse_bound(trim(item.substr(0, first)), text);
+      parsed.stop = parse_bound(trim(item.substr(first + 1, second == std::string::npos ? std::string::npos
+                                                                                      : second - first - 1)),
+                                text);
+      if (second != std::string::npos) {
+        auto step = parse_bound(trim(item.substr(second + 1)), text);
+        parsed.step = step.value_or(1);
+        if (parsed.step <= 0) fail("index '{}': slice steps must be positive", text);
+      }
+    } else {
+      auto value = parse_bound(item, text);
+      if (!value) fail("index '{}': empty component", text);
+      parsed.kind = IndexItem::Kind::kInteger;
+      parsed.integer = *value;
+    }
+    index.items.push_back(parsed);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return index;
+}
+
+torch::Tensor WholeIndex::select(const torch::Tensor& whole, const std::string& location) const {
+  size_t fixed = 0;
+  for (const auto& item : items)
+    if (item.kind != IndexItem::Kind::kEllipsis) ++fixed;
+  if (fixed > static_cast<size_t>(whole.dim()))
+    fail("{}: index '{}' has {} components but the whole tensor has {} dims (shape [{}])", location, text,
+         fixed, whole.dim(), fmt::join(whole.sizes(), ", "));
+  std::vector<TensorIndex> indices;
+  int64_t dim = 0;
+  for (const auto& item : items) {
+    if (item.kind == IndexItem::Kind::kEllipsis) {
+      indices.emplace_back(Ellipsis);
+      dim += whole.dim() - static_cast<int64_t>(fixed);
+      continue;
+    }
+    const int64_t size = whole.size(dim);
+    if (item.kind == IndexItem::Kind::kInteger) {
+      if (item.integer < -size || item.integer >= size)
+        fail("{}: index '{}' selects {} on dim {} of size {} (whole shape [{}])", location, text, item.integer,
+             dim, size, fmt::join(whole.sizes(), ", "));
+      indices.emplace_back(item.integer);
+    } else {
+      for (auto bound : {item.start, item.stop})
+        if (bound && (*bound < -size || *bound > size))
+          fail("{}: index '{}' is out of range on dim {} of size {} (whole shape [{}])", location, text, dim,
+               size, fmt::join(whole.sizes(), ", "));
+      indices.emplace_back(Slice(item.start ? c10::optional<int64_t>(*item.start) : c10::nullopt,
+                                 item.stop ? c10::optional<int64_t>(*item.stop) : c10::nullopt, item.step));
+    }
+    ++dim;
+  }
+  return whole.index(indices);
+}
+
+void WholeIndex::check_last_dim(int64_t width, const std::string& location) const {
+  if (items.empty()) return;
+  // Only a component that certainly addresses the last dim can be checked now.
+  const bool aligned = items.front().kind == IndexItem::Kind::kEllipsis || items.size() == 1;
+  if (!aligned) return;
+  const IndexItem& last = items.back();
+  if (last.kind == IndexItem::Kind::kInteger && (last.integer < -width || last.integer >= width))
+    fail("{}: index '{}' selects {} on the last dim, whose whole width is {}", location, text, last.integer, width);
+  if (last.kind == IndexItem::Kind::kSlice)
+    for (auto bound : {last.start, last.stop})
+      if (bound && (*bound < -width || *bound > width))
+        fail("{}: index '{}' is out of range on the last dim, whose whole width is {}", location, text, width);
+}
+
+Plan Plan::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("{}: cannot open the plan", path);
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    fail("{}: plan is not valid JSON: {}", path, e.what());
+  }
+  return from_json(json, path, std::filesystem::path(path).parent_path().string());
+}
+
+Plan Plan::from_json(const nlohmann::json& json, const std::string& source, const std::string& base) {
+  const nlohmann::json* list = &json;
+  if (json.is_object()) {
+    if (!json.contains("interventions")) fail("{}: a plan needs \"interventions\": [...]", source);
+    list = &json["interventions"];
+  }
+  if (!list->is_array()) fail("{}: \"interventions\" must be a list", source);
+  Plan plan;
+  plan.source = source;
+  for (size_t i = 0; i < list->size(); ++i) {
+    const auto& j = (*list)[i];
+    const std::string where = fmt::format("{}: intervention {}", source, i);
+    if (!j.is_object()) fail("{} is not an object", where);
+    PlanStep step;
+    try {
+      step.at = j.at("at").get<std::string>();
+      step.action = j.at("do").get<std::string>();
+      if (!kActions.count(step.action))
+        fail("{}: unknown action \"{}\"; expected one of save, set, add, scale, zero, call", where, step.action);
+      for (const auto& [key, _] : j.items())
+        if (!std::set<std::string>{"at", "do", "as", "value", "by", "index", "visit", "modules"}.count(key))
+          fail("{}: unknown field \"{}\"", where, key);
+      if (step.action == "save" || step.action == "call") step.as = j.at("as").get<std::string>();
+      if (step.action == "set" || step.action == "add") step.value = j.at("value").get<std::string>();
+      if (step.action == "scale") step.by = j.at("by").get<double>();
+      if (step.action == "call") step.modules = j.at("modules").get<std::vector<std::string>>();
+      if (j.contains("index")) {
+        if (step.action == "save" || step.action == "call") fail("{}: \"index\" applies to edits only", where);
+        step.index = WholeIndex::parse(j.at("index").get<std::string>());
+      }
+      if (j.contains("visit")) {
+        step.visit = j.at("visit").get<int64_t>();
+        if (*step.visit < 0) fail("{}: \"visit\" must be non-negative", where);
+      }
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}: {}", where, e.what());
+    }
+    if (!step.value.empty()) {
+      auto colon = step.value.rfind(':');
+      if (colon == std::string::npos)
+        fail("{}: \"value\" must be \"file.safetensors:tensor\", got \"{}\"", where, step.value);
+      std::filesystem::path file = step.value.substr(0, colon);
+      if (file.is_relative() && !base.empty()) file = std::filesystem::path(base) / file;
+      auto tensors = read_safetensors(file.string());
+      auto it = tensors.find(step.value.substr(colon + 1));
+      if (it == tensors.end())
+        fail("{}: {} has no tensor \"{}\"", where, file.string(), step.value.substr(colon + 1));
+      step.value_tensor = it->second;
+    }
+    plan.steps.push_back(std::move(step));
+  }
+  return plan;
+}
+
+std::string Plan::fingerprint() const {
+  std::string text;
+  for (const auto& s : steps) {
+    text += fmt::format("{}|{}|{}|{}|{}|{}|{}|{};", s.at, s.action, s.as, s.value, s.by,
+                        s.index ? s.index->text : "", s.visit ? std::to_string(*s.visit) : "",
+                        fmt::join(s.modules, ","));
+    if (s.value_tensor.defined()) {
+      auto t = s.value_tensor.contiguous();
+      text.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+    }
+  }
+  return text;
+}
+
+}  // namespace frag::runtime

@@ -1,0 +1,77 @@
+//===- runtime/plan.h - Intervention plans (JSON) ----------------*- C++ -*-===//
+//
+// A plan is the same JSON file on every rank: a list of interventions.
+//   {"interventions": [
+//     {"at": "model.layers.0.mlp.down_proj.input", "do": "save", "as": "down_in"},
+//     {"at": "model.layers.1.output", "do": "add", "value": "steer.safetensors:v",
+//      "index": "...,0:64", "visit": 0},
+//     {"at": "model.layers.0.self_attn.qkv_proj.output", "do": "zero", "index": "...,0:8"},
+//     {"at": "model.layers.0.mlp.gate_up_proj.output", "do": "scale", "by": 0.5}]}
+// "do": save | set | add | scale | zero | call. "index" is a numpy-style basic
+// index of the whole tensor: comma-separated integers, slices a:b:c and one
+// "..."; "visit" restricts a step to the k-th call of that module in a
+// forward. A bare JSON list of steps is accepted too.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace frag::runtime {
+
+/// One component of a basic index: an integer, a slice or "...".
+struct IndexItem {
+  enum class Kind { kInteger, kSlice, kEllipsis } kind = Kind::kSlice;
+  int64_t integer = 0;
+  std::optional<int64_t> start, stop;
+  int64_t step = 1;
+};
+
+/// A parsed numpy-style basic index ("...,0:64", "0,:,3", ":").
+struct WholeIndex {
+  std::string text;
+  std::vector<IndexItem> items;
+
+  /// Parses `text`; bad syntax is a frag::Error quoting it.
+  static WholeIndex parse(const std::string& text);
+  /// The view of `whole` this index selects. Out of range: frag::Error naming
+  /// `location`, the index and the shape.
+  torch::Tensor select(const torch::Tensor& whole, const std::string& location) const;
+  /// Checks the index against a whole tensor whose last dim is `width` (other
+  /// dims unknown until run time).
+  void check_last_dim(int64_t width, const std::string& location) const;
+};
+
+/// One intervention of a plan.
+struct PlanStep {
+  std::string at;
+  std::string action;  ///< save, set, add, scale, zero, call
+  std::string as;      ///< name of the saved tensor (save, call)
+  std::string value;   ///< "file.safetensors:tensor" (set, add)
+  double by = 1.0;     ///< factor (scale)
+  std::optional<WholeIndex> index;
+  std::optional<int64_t> visit;
+  std::vector<std::string> modules;  ///< modules to run ad hoc (call)
+  torch::Tensor value_tensor;        ///< loaded from `value`
+};
+
+/// A whole plan.
+struct Plan {
+  std::string source;
+  std::vector<PlanStep> steps;
+
+  /// Reads a plan file and the tensors it names (paths relative to the plan's folder).
+  static Plan from_file(const std::string& path);
+  /// Parses a plan; `source` names it in errors; `base` is the folder value paths are relative to.
+  static Plan from_json(const nlohmann::json& json, const std::string& source, const std::string& base);
+  /// A canonical text of the plan and the bytes of its values (the cross-rank digest's input).
+  std::string fingerprint() const;
+};
+
+}  // namespace frag::runtime

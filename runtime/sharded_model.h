@@ -1,0 +1,102 @@
+//===- runtime/sharded_model.h - The C++ API: one rank of a sharded model -*- C++ -*-===//
+//
+// For servers that load rewritten graphs in their own C++ process: load this
+// rank's file (a plain export is rewritten in memory), register interventions
+// or callbacks at locations, run forward or greedy generation, read the saved
+// whole tensors. Every rank does the same calls in the same order.
+//
+//   auto context = RankContext::connect(RendezvousOptions::from_env());
+//   auto model = ShardedModel::load(context, "rank" + std::to_string(context->rank()) + ".pt");
+//   model.save("model.layers.0.mlp.down_proj.input", "down_in");
+//   model.on("model.layers.1.output", [](torch::Tensor& whole, const VisitInfo&) {
+//     whole.mul_(2);                  // edit in place …
+//     return std::nullopt;            // … or return a replacement
+//   });
+//   auto logits = model.forward(ids);
+//   torch::Tensor down_in = model.saved().at("down_in").at(0);   // whole, on every rank
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "ir/fragment_table.h"
+#include "runtime/intervention_runtime.h"
+#include "runtime/plan.h"
+#include "runtime/rank_context.h"
+#include "runtime/rank_module.h"
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace frag::passes {
+struct LayerAliases;
+}
+
+namespace frag::runtime {
+
+/// Saved whole tensors by name, in the order they were captured.
+using SavedTensors = std::map<std::string, std::vector<torch::Tensor>>;
+
+/// What kind of location a name is.
+enum class LocationKind { kFragmented, kWhole, kRankLocal, kUnknown };
+
+/// One rank of a sharded model, with interventions.
+class ShardedModel {
+ public:
+  /// Loads this rank's file onto `device` and checks it against the other
+  /// ranks' files (one export, rank order). A plain export is rewritten in
+  /// memory; `rules_file` declares extra layer classes (see frag inspect --rules).
+  static ShardedModel load(std::shared_ptr<RankContext> context, const std::string& path,
+                           const torch::Device& device = torch::kCPU, const std::string& rules_file = "");
+
+  const ir::FragmentTable& table() const { return table_; }
+  RankContext& context() const { return *context_; }
+  InterventionRuntime& interventions() { return *runtime_; }
+  torch::jit::Module& module() { return rank_.module; }
+
+  /// Classifies a location name.
+  LocationKind kind_of(const std::string& location) const;
+
+  /// Registers a callback. `label` describes it in the cross-rank check
+  /// (ranks must register the same labels at the same locations).
+  void on(const std::string& location, Hook hook, std::optional<int64_t> visit = std::nullopt,
+          const std::string& label = "hook", bool edits = true);
+  /// Saves the whole value at `location` under `name` on every visit (or one).
+  void save(const std::string& location, const std::string& name, std::optional<int64_t> visit = std::nullopt);
+  /// Registers every step of a plan, after checking it all (locations, indices, values).
+  void apply(const Plan& plan);
+  /// Removes every intervention.
+  void clear();
+
+  /// Runs forward(input_ids). Before the first forward after a change of
+  /// interventions the ranks compare digests of their interventions and rule
+  /// tables, and all refuse if any differs: no rank enters a collective another skips.
+  torch::Tensor forward(const torch::Tensor& input_ids);
+  /// Greedy decoding of `steps` tokens (the whole sequence is recomputed each
+  /// step); interventions apply at every step and saves are keyed "step{k}.{name}".
+  /// Returns the tokens, input included.
+  torch::Tensor generate(const torch::Tensor& input_ids, int64_t steps);
+
+  const SavedTensors& saved() const { return saved_; }
+  void clear_saved() { saved_.clear(); }
+
+ private:
+  ShardedModel() = default;
+  void check_location(const std::string& location, const std::string& what) const;
+  void agree_on_interventions();
+  void register_step(const PlanStep& step);
+
+  std::shared_ptr<RankContext> context_;
+  RankModule rank_;
+  ir::FragmentTable table_;
+  std::shared_ptr<InterventionRuntime> runtime_ = std::make_shared<InterventionRuntime>();
+  std::vector<std::string> descriptors_;
+  bool agreed_ = false;
+  int64_t exchanges_ = 0;
+  std::string save_prefix_;
+  SavedTensors saved_;
+};
+
+}  // namespace frag::runtime
