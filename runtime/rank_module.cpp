@@ -81,9 +81,28 @@ RankModule load_and_check_rank_module(RankContext& context, const std::string& p
   return result;
 }
 
+/// The user-facing message inside an error raised through the TorchScript
+/// interpreter (which wraps it in a traceback).
+std::string interpreter_message(const std::string& text) {
+  const std::string marker = "RuntimeError: ";
+  auto at = text.rfind(marker);
+  std::string message = at == std::string::npos ? text : text.substr(at + marker.size());
+  while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
+  return message.substr(0, message.find('\n'));
+}
+
 torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids) {
   torch::NoGradGuard no_grad;
-  auto output = rank_module.module.forward({input_ids});
+  c10::IValue output;
+  try {
+    output = rank_module.module.forward({input_ids});
+  } catch (const c10::Error& e) {
+    fail("{}: forward failed: {}", rank_module.path, interpreter_message(e.what_without_backtrace()));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("{}: forward failed: {}", rank_module.path, interpreter_message(e.what()));
+  }
   if (output.isTensor()) return output.toTensor();
   if (output.isTuple() && !output.toTuple()->elements().empty() &&
       output.toTuple()->elements()[0].isTensor())

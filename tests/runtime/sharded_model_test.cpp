@@ -1,0 +1,316 @@
+//===- tests/runtime/sharded_model_test.cpp - Interventions vs the tp=1 model ===//
+//
+// Ranks run as threads, each a ShardedModel over real Gloo. The tp=1 export of
+// the same weights is the ground truth: every saved value must equal its
+// value, and every edit must change the tp=N logits exactly as the same edit
+// changes the tp=1 logits.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/error.h"
+#include "runtime/safetensors.h"
+#include "runtime/sharded_model.h"
+#include "tests/support/test_support.h"
+#include "tools/launcher.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <thread>
+
+namespace frag::runtime {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::model_files;
+using testing::temporary_folder;
+
+/// Tolerances for fp32: a tp=N run sums in another order than tp=1.
+constexpr double kValueTolerance = 2e-5;
+constexpr double kLogitTolerance = 1e-4;
+
+torch::Tensor token_ids() {
+  return torch::tensor({1, 2, 3, 4, 5, 6, 7, 8, 999, 17, 42, 63, 64, 65, 500, 0}, torch::kLong).reshape({2, 8});
+}
+
+/// Runs body(model) on every rank of an export (threads; tp=1 runs inline).
+/// Returns each rank's error ("" for none).
+std::vector<std::string> on_ranks(const std::string& export_name,
+                                  const std::function<void(int, ShardedModel&)>& body,
+                                  std::chrono::milliseconds timeout = 30s) {
+  auto files = model_files(export_name);
+  const int world = static_cast<int>(files.size());
+  const int port = tools::find_free_port();
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        RendezvousOptions options;
+        options.rank = rank;
+        options.world_size = world;
+        options.master_port = port;
+        options.timeout = timeout;
+        auto model = ShardedModel::load(RankContext::connect(options), files[rank]);
+        body(rank, model);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+void expect_no_errors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+/// Logits and saves of rank 0 after applying `plan_json` (or no plan when empty).
+struct Result {
+  torch::Tensor logits;
+  SavedTensors saved;
+};
+
+Result run_plan(const std::string& export_name, const nlohmann::json& plan_json, const std::string& base) {
+  Result result;
+  expect_no_errors(on_ranks(export_name, [&](int rank, ShardedModel& model) {
+    if (!plan_json.is_null()) model.apply(Plan::from_json(plan_json, "test plan", base));
+    auto logits = model.forward(token_ids());
+    if (rank == 0) {
+      result.logits = logits;
+      result.saved = model.saved();
+    }
+  }));
+  return result;
+}
+
+struct Pair {
+  const char* whole;
+  const char* sharded;
+};
+
+class Equivalence : public ::testing::TestWithParam<Pair> {};
+
+/// Every location kind the model has: whole, fragmented of each layout.
+std::vector<std::string> save_locations(const std::string& name) {
+  std::vector<std::string> locations = {
+      "model.embed_tokens.output",                  // whole
+      "model.layers.0.output",                      // whole
+      "model.layers.0.self_attn.qkv_proj.output",   // QKV segments
+      "model.layers.0.self_attn.o_proj.input",      // row input shard
+      "model.layers.1.self_attn.qkv_proj.output",
+      "lm_head.output",                             // vocab shard
+  };
+  if (name.rfind("llama", 0) == 0) {
+    locations.push_back("model.layers.0.mlp.gate_up_proj.output");  // merged segments
+    locations.push_back("model.layers.1.mlp.down_proj.input");
+  } else {
+    locations.push_back("model.layers.0.mlp.experts.output");                      // MoE partial sum
+    locations.push_back("model.layers.0.mlp.shared_expert.gate_up_proj.output");   // merged
+    locations.push_back("model.layers.0.mlp.shared_expert.down_proj.input");       // row input
+    locations.push_back("model.layers.1.mlp.shared_expert.down_proj.output");      // row partial sum
+  }
+  return locations;
+}
+
+TEST_P(Equivalence, SavedValuesEqualTheTp1Values) {
+  nlohmann::json plan = nlohmann::json::array();
+  for (const auto& location : save_locations(GetParam().sharded))
+    plan.push_back({{"at", location}, {"do", "save"}, {"as", location}});
+  auto whole = run_plan(GetParam().whole, plan, "");
+  auto sharded = run_plan(GetParam().sharded, plan, "");
+  for (const auto& location : save_locations(GetParam().sharded)) {
+    ASSERT_EQ(sharded.saved.count(location), 1u) << location;
+    const auto& expected = whole.saved.at(location).at(0);
+    const auto& actual = sharded.saved.at(location).at(0);
+    ASSERT_EQ(actual.sizes(), expected.sizes()) << location;
+    EXPECT_LT((actual - expected).abs().max().item<double>(), kValueTolerance) << location;
+  }
+}
+
+TEST_P(Equivalence, EditsChangeTheLogitsAsAtTp1) {
+  auto folder = temporary_folder();
+  torch::manual_seed(3);
+  write_safetensors(folder + "/values.safetensors",
+                    {{"steer", torch::randn({64})}, {"row_in", torch::randn({2, 8, 128}) * 0.5},
+                     {"psum", torch::randn({16, 64})}});
+  const bool llama = std::string(GetParam().sharded).rfind("llama", 0) == 0;
+  std::vector<nlohmann::json> edits = {
+      // across the q/k boundary (q is 64 wide)
+      {{"at", "model.layers.0.self_attn.qkv_proj.output"}, {"do", "zero"}, {"index", "...,56:72"}},
+      {{"at", "model.layers.1.output"}, {"do", "add"}, {"value", "values.safetensors:steer"}},
+      {{"at", "model.layers.0.self_attn.o_proj.input"}, {"do", "scale"}, {"by", 1.5}, {"index", "...,8:40"}},
+      {{"at", "lm_head.output"}, {"do", "scale"}, {"by", 2.0}, {"index", "...,0:500"}},
+  };
+  if (llama) {
+    // across the gate/up boundary (gate is 128 wide)
+    edits.push_back({{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "scale"}, {"by", -0.5}, {"index", "...,120:136"}});
+    edits.push_back({{"at", "model.layers.1.mlp.down_proj.input"}, {"do", "set"}, {"value", "values.safetensors:row_in"}});
+  } else {
+    edits.push_back({{"at", "model.layers.0.mlp.experts.output"}, {"do", "set"}, {"value", "values.safetensors:psum"}});
+    edits.push_back({{"at", "model.layers.1.mlp.shared_expert.down_proj.output"}, {"do", "scale"}, {"by", 3.0}});
+    edits.push_back({{"at", "model.layers.1.mlp.shared_expert.gate_up_proj.output"}, {"do", "zero"}, {"index", "...,60:70"}});
+  }
+  auto baseline = run_plan(GetParam().whole, nullptr, folder).logits;
+  for (const auto& edit : edits) {
+    nlohmann::json plan = nlohmann::json::array({edit});
+    auto expected = run_plan(GetParam().whole, plan, folder).logits;
+    auto actual = run_plan(GetParam().sharded, plan, folder).logits;
+    EXPECT_GT((expected - baseline).abs().max().item<double>(), 1e-3) << "the edit must matter: " << edit.dump();
+    EXPECT_LT((actual - expected).abs().max().item<double>(), kLogitTolerance) << edit.dump();
+  }
+}
+
+TEST_P(Equivalence, AReadOnlyPlanGivesBitIdenticalLogits) {
+  nlohmann::json plan = nlohmann::json::array();
+  for (const auto& location : save_locations(GetParam().sharded))
+    plan.push_back({{"at", location}, {"do", "save"}, {"as", location}});
+  auto plain = run_plan(GetParam().sharded, nullptr, "").logits;
+  auto reading = run_plan(GetParam().sharded, plan, "").logits;
+  EXPECT_TRUE(torch::equal(plain, reading));
+}
+
+INSTANTIATE_TEST_SUITE_P(ReferenceModels, Equivalence,
+                         ::testing::Values(Pair{"llama_tp1", "llama_tp2"}, Pair{"llama_kv2_tp1", "llama_kv2_tp4"},
+                                           Pair{"moe_tp1", "moe_tp2"}, Pair{"moe_tp1", "moe_tp4"},
+                                           Pair{"moe_tp1", "moe_ep_tp2"}),
+                         [](const auto& info) { return std::string(info.param.sharded); });
+
+TEST(OncePerVisit, ManyInterventionsAtOneLocationCostOneCollective) {
+  const std::string busy = "model.layers.0.self_attn.qkv_proj.output";
+  const std::string idle = "model.layers.1.self_attn.qkv_proj.output";
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    std::vector<torch::Tensor> seen;
+    for (int i = 0; i < 4; ++i)
+      model.on(busy, [&seen](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+        seen.push_back(whole);
+        return std::nullopt;
+      }, std::nullopt, "reader", /*edits=*/false);
+    auto& group = model.context().group("tp");
+    const int64_t before = group.collective_count();
+    model.forward(token_ids());
+    EXPECT_EQ(model.interventions().collectives_at(busy), 1);
+    EXPECT_EQ(model.interventions().collectives_at(idle), 0);
+    ASSERT_EQ(seen.size(), 4u);
+    for (const auto& t : seen) EXPECT_EQ(t.data_ptr(), seen[0].data_ptr()) << "all see the one whole tensor";
+    // The model's own collectives plus exactly one gather.
+    model.clear();
+    const int64_t plain_before = group.collective_count();
+    model.forward(token_ids());
+    const int64_t plain = group.collective_count() - plain_before;
+    EXPECT_EQ(plain_before - before, plain + 1);
+  }));
+}
+
+TEST(OncePerVisit, NothingWaitingCostsNoCollective) {
+  expect_no_errors(on_ranks("moe_tp2", [&](int, ShardedModel& model) {
+    auto& group = model.context().group("tp");
+    const int64_t before = group.collective_count();
+    model.forward(token_ids());
+    const int64_t rewritten = group.collective_count() - before;
+    // The model's own: 1 embedding + per layer (o_proj + MoE block) + logits gather = 6.
+    EXPECT_EQ(rewritten, 6);
+    for (const auto& location : save_locations("moe_tp2")) EXPECT_EQ(model.interventions().collectives_at(location), 0);
+  }));
+}
+
+TEST(OncePerVisit, VisitIndexSelectsOneCall) {
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    model.save("model.layers.0.mlp.down_proj.input", "first", 0);
+    model.save("model.layers.0.mlp.down_proj.input", "second", 1);  // called once: never visited
+    model.forward(token_ids());
+    EXPECT_EQ(model.saved().count("first"), 1u);
+    EXPECT_EQ(model.saved().count("second"), 0u);
+    EXPECT_EQ(model.interventions().visits_at("model.layers.0.mlp.down_proj.input"), 1);
+  }));
+}
+
+TEST(Safety, ARankDivergentPlanIsRefusedNotHung) {
+  auto start = std::chrono::steady_clock::now();
+  auto errors = on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
+    model.save("model.layers.0.output", "x");
+    if (rank == 1) model.save("model.layers.0.self_attn.qkv_proj.output", "only_on_rank_1");
+    model.forward(token_ids());
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("ranks hold different interventions"), std::string::npos) << e;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
+}
+
+/// Applies a one-step plan on a tp=2 model and expects `message` before any forward.
+void expect_plan_error(const nlohmann::json& step, const std::string& message) {
+  auto folder = temporary_folder();
+  write_safetensors(folder + "/v.safetensors", {{"wide", torch::zeros({65})}, {"ints", torch::zeros({64}, torch::kLong)}});
+  auto errors = on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    model.apply(Plan::from_json(nlohmann::json::array({step}), "plan.json", folder));
+    ADD_FAILURE() << "apply should have thrown";
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find(message), std::string::npos) << e;
+}
+
+TEST(Safety, BadPlansFailBeforeAnythingRuns) {
+  expect_plan_error({{"at", "model.layers.9.output"}, {"do", "save"}, {"as", "x"}}, "unknown location 'model.layers.9.output'");
+  expect_plan_error({{"at", "model.layers.0.mlp.act_fn.output"}, {"do", "zero"}},
+                    "model.layers.0.mlp.act_fn.output is rank-local (derived from model.layers.0.mlp.gate_up_proj.output)");
+  expect_plan_error({{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "zero"}, {"index", "...,250:300"}},
+                    "out of range on the last dim, whose whole width is 256");
+  expect_plan_error({{"at", "model.layers.0.self_attn.o_proj.input"}, {"do", "add"}, {"value", "v.safetensors:wide"}},
+                    "has last dim 65, but the selected whole has width 64");
+  expect_plan_error({{"at", "model.layers.0.output"}, {"do", "add"}, {"value", "v.safetensors:ints"}},
+                    "is Long, but the model computes in Float");
+  expect_plan_error({{"at", "model.layers.0.output"}, {"do", "explode"}}, "unknown action \"explode\"");
+  expect_plan_error({{"at", "model.layers.0.output"}, {"do", "add"}, {"value", "v.safetensors:nope"}}, "has no tensor \"nope\"");
+}
+
+TEST(Safety, AWrongValueShapeAtAWholeLocationFailsEveryRankWithoutAHang) {
+  // Whole locations have no width in the rule table: the shape is checked at
+  // the first visit, identically on every rank.
+  auto folder = temporary_folder();
+  write_safetensors(folder + "/v.safetensors", {{"wide", torch::zeros({65})}});
+  auto errors = on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    model.apply(Plan::from_json(nlohmann::json::array({{{"at", "model.layers.0.output"}, {"do", "add"},
+                                                        {"value", "v.safetensors:wide"}}}),
+                                "plan.json", folder));
+    model.forward(token_ids());
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("model.layers.0.output: value v.safetensors:wide of shape [65] does not fit"), std::string::npos) << e;
+    EXPECT_EQ(e.find("Traceback"), std::string::npos) << "one clean line: " << e;
+  }
+}
+
+TEST(Generation, SteeringChangesTheGenerationAsAtTp1) {
+  auto folder = temporary_folder();
+  torch::manual_seed(5);
+  write_safetensors(folder + "/steer.safetensors", {{"v", torch::randn({64}) * 4}});
+  nlohmann::json plan = nlohmann::json::array(
+      {{{"at", "model.layers.1.output"}, {"do", "add"}, {"value", "steer.safetensors:v"}},
+       {{"at", "model.layers.0.self_attn.qkv_proj.output"}, {"do", "save"}, {"as", "qkv"}}});
+  auto generate = [&](const std::string& name, const nlohmann::json& p) {
+    torch::Tensor tokens;
+    SavedTensors saved;
+    expect_no_errors(on_ranks(name, [&](int rank, ShardedModel& model) {
+      if (!p.is_null()) model.apply(Plan::from_json(p, "plan", folder));
+      auto t = model.generate(token_ids(), 4);
+      if (rank == 0) {
+        tokens = t;
+        saved = model.saved();
+      }
+    }));
+    return std::make_pair(tokens, saved);
+  };
+  auto [plain, unused] = generate("llama_tp2", nullptr);
+  auto [steered1, saved1] = generate("llama_tp1", plan);
+  auto [steered2, saved2] = generate("llama_tp2", plan);
+  ASSERT_EQ(steered2.sizes(), (std::vector<int64_t>{2, 12}));
+  EXPECT_TRUE(torch::equal(steered1, steered2));
+  EXPECT_FALSE(torch::equal(plain, steered2)) << "the steering vector must change the generation";
+  for (int s = 0; s < 4; ++s) {
+    auto key = "step" + std::to_string(s) + ".qkv";
+    ASSERT_EQ(saved2.count(key), 1u) << key;
+    EXPECT_EQ(saved2.at(key)[0].size(1), 8 + s);
+    EXPECT_LT((saved2.at(key)[0] - saved1.at(key)[0]).abs().max().item<double>(), kValueTolerance);
+  }
+}
+
+}  // namespace
+}  // namespace frag::runtime
