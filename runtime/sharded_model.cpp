@@ -102,13 +102,27 @@ void ShardedModel::apply(const Plan& plan) {
     const auto& step = plan.steps[i];
     const std::string where = fmt::format("{}: intervention {} ({} at {})", plan.source, i, step.action, step.at);
     check_location(step.at, where);
-    if (step.action == "call") fail("{}: ad-hoc calls are not supported by this build", where);
     std::optional<int64_t> width;
     for (const auto& layer : table_.layers) {
       if (layer.input && ir::input_location(layer.path) == step.at) width = layer.input->whole_width;
       if (layer.output && ir::output_location(layer.path) == step.at) width = layer.output->whole_width;
     }
     if (step.index && width) step.index->check_last_dim(*width, where);
+    if (step.action == "call") {
+      auto calls = caller();
+      for (const auto& path : step.modules) {
+        try {
+          calls.check_callable(path);
+        } catch (const Error& e) {
+          fail("{}: {}", where, e.what());
+        }
+      }
+      if (step.modules.empty()) fail("{}: \"modules\" is empty", where);
+      const int64_t expected = calls.expected_input_width(step.modules.front());
+      if (width && expected > 0 && *width != expected)
+        fail("{}: {} takes a whole input of width {}, but {} is {} wide", where, step.modules.front(), expected,
+             step.at, *width);
+    }
     if (step.value_tensor.defined()) {
       if (step.value_tensor.scalar_type() != dtype)
         fail("{}: value {} is {}, but the model computes in {}", where, step.value,
@@ -133,6 +147,16 @@ void ShardedModel::apply(const Plan& plan) {
 void ShardedModel::register_step(const PlanStep& step) {
   if (step.action == "save") {
     save(step.at, step.as, step.visit);
+    return;
+  }
+  if (step.action == "call") {
+    on(
+        step.at,
+        [this, step](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+          saved_[save_prefix_ + step.as].push_back(caller().call(*context_, step.modules, whole));
+          return std::nullopt;
+        },
+        step.visit, fmt::format("call:{}:{}", step.as, fmt::join(step.modules, ",")), /*edits=*/false);
     return;
   }
   const std::string label = fmt::format("{}:{}:{}:{}", step.action, step.index ? step.index->text : "",
@@ -185,6 +209,14 @@ torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
   ScopedInterventionRuntime runtime_scope(runtime_);
   runtime_->begin_forward();
   return run_forward(rank_, input_ids);
+}
+
+torch::Tensor ShardedModel::call(const std::vector<std::string>& paths, const torch::Tensor& whole) {
+  return caller().call(*context_, paths, whole);
+}
+
+torch::Tensor ShardedModel::call_module(const std::string& path, const std::vector<torch::Tensor>& wholes) {
+  return caller().call_module(*context_, path, wholes);
 }
 
 torch::Tensor ShardedModel::generate(const torch::Tensor& input_ids, int64_t steps) {

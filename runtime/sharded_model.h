@@ -19,6 +19,7 @@
 #pragma once
 
 #include "ir/fragment_table.h"
+#include "runtime/ad_hoc_call.h"
 #include "runtime/intervention_runtime.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
@@ -78,6 +79,14 @@ class ShardedModel {
   /// step); interventions apply at every step and saves are keyed "step{k}.{name}".
   /// Returns the tokens, input included.
   torch::Tensor generate(const torch::Tensor& input_ids, int64_t steps);
+
+  /// Runs modules ad hoc on a whole tensor (a logit lens: {"model.norm",
+  /// "lm_head"}) and returns the whole result. Every rank must call it alike.
+  torch::Tensor call(const std::vector<std::string>& paths, const torch::Tensor& whole);
+  /// Runs one module on whole tensors (e.g. a FusedMoE with its router_logits).
+  torch::Tensor call_module(const std::string& path, const std::vector<torch::Tensor>& wholes);
+  /// The call wrappers of this model.
+  AdHocCaller caller() const { return AdHocCaller(rank_.module, table_); }
 
   const SavedTensors& saved() const { return saved_; }
   void clear_saved() { saved_.clear(); }

@@ -1,0 +1,106 @@
+//===- runtime/ad_hoc_call.cpp - Run a parallel layer on whole tensors ---===//
+#include "runtime/ad_hoc_call.h"
+
+#include "ir/error.h"
+
+#include <fmt/ranges.h>
+
+namespace frag::runtime {
+namespace {
+
+torch::Tensor reassemble(RankContext& context, const ir::FragmentRule& rule, const torch::Tensor& piece) {
+  Communicator& group = context.group(rule.group);
+  switch (ir::collective_for(rule)) {
+    case ir::CollectiveKind::kAllReduce: return group.all_reduce(piece);
+    case ir::CollectiveKind::kAllGather: return ir::whole_from_pieces(rule, group.all_gather(piece));
+    case ir::CollectiveKind::kNone: break;
+  }
+  return piece;
+}
+
+torch::Tensor main_output(const c10::IValue& output, const std::string& path) {
+  if (output.isTensor()) return output.toTensor();
+  if (output.isTuple() && !output.toTuple()->elements().empty() && output.toTuple()->elements()[0].isTensor())
+    return output.toTuple()->elements()[0].toTensor();
+  fail("{}: forward returned {}, not a tensor or (tensor, …)", path, output.tagKind());
+}
+
+}  // namespace
+
+torch::jit::Module AdHocCaller::module_at(const std::string& path) const {
+  torch::jit::Module module = root_;
+  size_t start = 0;
+  while (start < path.size()) {
+    size_t end = path.find('.', start);
+    if (end == std::string::npos) end = path.size();
+    const std::string name = path.substr(start, end - start);
+    if (!module.hasattr(name) || !module.attr(name).isModule())
+      fail("unknown module '{}' ('{}' is not a submodule of '{}')", path, name, path.substr(0, start ? start - 1 : 0));
+    module = module.attr(name).toModule();
+    start = end + 1;
+  }
+  return module;
+}
+
+void AdHocCaller::check_callable(const std::string& path, size_t tensors) const {
+  if (path.empty()) fail("an empty module path cannot be called");
+  auto module = module_at(path);
+  auto method = module.find_method("forward");
+  if (!method) fail("{} has no call wrapper: it has no forward method", path);
+  const size_t arguments = method->function().getSchema().arguments().size() - 1;  // minus self
+  size_t required = 0;
+  for (const auto& argument : method->function().getSchema().arguments())
+    if (!argument.default_value() && argument.name() != "self") ++required;
+  if (arguments < tensors || required > tensors)
+    fail("{} has no call wrapper for {} tensor(s): its forward takes {} argument(s), {} required", path, tensors,
+         arguments, required);
+  for (const auto& local : table_->rank_local)
+    if (local.location == ir::input_location(path) || local.location == ir::output_location(path))
+      fail("{} has no call wrapper: {} is rank-local (derived from {}), so no whole value exists for it", path,
+           local.location, local.derived_from);
+}
+
+int64_t AdHocCaller::expected_input_width(const std::string& path) const {
+  if (const auto* layer = table_->layer(path)) {
+    auto module = module_at(path);
+    if (layer->input && layer->input->whole_width) return *layer->input->whole_width;
+    for (const char* name : {"input_size", "embedding_dim", "hidden_size"})
+      if (layer->kind != "VocabParallelEmbedding" && layer->kind != "LogitsProcessor" && module.hasattr(name) &&
+          module.attr(name).isInt())
+        return module.attr(name).toInt();
+  }
+  return 0;
+}
+
+torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& path,
+                                       const std::vector<torch::Tensor>& wholes) const {
+  if (wholes.empty()) fail("{}: an ad-hoc call needs an input", path);
+  check_callable(path, wholes.size());
+  const torch::Tensor& whole = wholes[0];
+  const int64_t width = expected_input_width(path);
+  if (width > 0 && (whole.dim() == 0 || whole.size(-1) != width))
+    fail("{}: an ad-hoc call needs a whole input of width {}, got shape [{}]", path, width,
+         fmt::join(whole.sizes(), ", "));
+  const ir::LayerEntry* layer = table_->layer(path);
+  torch::Tensor input = whole;
+  if (layer && layer->input)
+    input = ir::piece_of_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
+  auto module = module_at(path);
+  std::vector<c10::IValue> inputs{input};
+  for (size_t i = 1; i < wholes.size(); ++i) inputs.emplace_back(wholes[i]);
+  torch::NoGradGuard no_grad;
+  ScopedRankContext scope(std::shared_ptr<RankContext>(&context, [](RankContext*) {}));
+  torch::Tensor output = main_output(module.forward(inputs), path);
+  if (layer && layer->output) output = reassemble(context, layer->output->rule, output);
+  return output;
+}
+
+torch::Tensor AdHocCaller::call(RankContext& context, const std::vector<std::string>& paths,
+                                const torch::Tensor& whole) const {
+  if (paths.empty()) fail("an ad-hoc call needs at least one module");
+  torch::Tensor value = whole;
+  for (const auto& path : paths) value = call_module(context, path, {value});
+  return value;
+}
+
+}  // namespace frag::runtime
