@@ -239,8 +239,9 @@ class FragmentOpInserter {
       Value* whole = insert_op(kGather, {value, loc, rule_text}, value->type());
       Value* edited = insert_op(kIntervene, {whole, loc, graph_->insertConstant(true)}, value->type());
       Value* piece = insert_op(kSplit, {edited, value, loc, rule_text}, value->type());
-      // The piece carries on into the model: rank-local from here on.
-      derived_from_[piece] = location;
+      // The piece carries on into the model: rank-local from here on (unless
+      // one rank holds it all, as a padded vocab at tp_size 1).
+      if (rule->group_size > 1) derived_from_[piece] = location;
       return piece;
     }
     if (auto it = derived_from_.find(value); it != derived_from_.end()) {
