@@ -73,6 +73,7 @@ struct Pair {
 class LogitLens : public ::testing::TestWithParam<Pair> {};
 
 TEST_P(LogitLens, EveryLayersLensEqualsTheTp1Lens) {
+  FRAG_REQUIRE_GLOO();
   nlohmann::json plan = nlohmann::json::array();
   for (int layer = 0; layer < 2; ++layer)
     plan.push_back({{"at", "model.layers." + std::to_string(layer) + ".output"}, {"do", "call"},
@@ -119,6 +120,7 @@ struct LayerCall {
 class EachLayerKind : public ::testing::TestWithParam<LayerCall> {};
 
 TEST_P(EachLayerKind, EqualsTheTp1Layer) {
+  FRAG_REQUIRE_GLOO();
   const auto& p = GetParam();
   torch::manual_seed(11);
   std::vector<torch::Tensor> inputs;
@@ -159,6 +161,7 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(AdHocCall, AChainEqualsTheTp1Chain) {
+  FRAG_REQUIRE_GLOO();
   torch::manual_seed(2);
   auto hidden = torch::randn({2, 8, 64});
   auto call = [&](ShardedModel& model) { return model.call({"model.norm", "lm_head"}, hidden); };
@@ -168,6 +171,7 @@ TEST(AdHocCall, AChainEqualsTheTp1Chain) {
 }
 
 TEST(AdHocCall, ACallWhileVisitingTheSameLocationNeitherDeadlocksNorGathersTwice) {
+  FRAG_REQUIRE_GLOO();
   const std::string location = "model.layers.0.mlp.down_proj.input";
   auto start = std::chrono::steady_clock::now();
   expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
@@ -196,6 +200,7 @@ void expect_apply_error(const nlohmann::json& step, const std::string& message) 
 }
 
 TEST(AdHocCall, BadCallsFailBeforeAnythingRuns) {
+  FRAG_REQUIRE_GLOO();
   expect_apply_error({{"at", "model.layers.0.output"}, {"do", "call"}, {"modules", {"model.nope"}}, {"as", "x"}},
                      "unknown module 'model.nope'");
   expect_apply_error({{"at", "model.layers.0.output"}, {"do", "call"}, {"modules", {"model.layers.1"}}, {"as", "x"}},
@@ -210,6 +215,7 @@ TEST(AdHocCall, BadCallsFailBeforeAnythingRuns) {
 }
 
 TEST(AdHocCall, AnInputOfTheWrongWidthIsAClearError) {
+  FRAG_REQUIRE_GLOO();
   auto errors = on_ranks("llama_tp2", [&](int, ShardedModel& model) {
     model.call({"model.layers.0.mlp.down_proj"}, torch::randn({2, 8, 100}));
   });

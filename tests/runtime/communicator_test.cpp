@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
 #include "runtime/rank_context.h"
+#include "tests/support/test_support.h"
 #include "tools/launcher.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -72,6 +73,7 @@ TEST(SingleRank, UnknownGroupIsAnError) {
 class GlooRanks : public ::testing::TestWithParam<int> {};
 
 TEST_P(GlooRanks, AllReduceSumsAndAllGatherKeepsRankOrder) {
+  FRAG_REQUIRE_GLOO();
   const int world = GetParam();
   auto errors = run_ranks(world, 20s, [world](int rank, RankContext& context) {
     auto x = torch::full({2, 3}, static_cast<float>(rank + 1));
@@ -89,6 +91,7 @@ TEST_P(GlooRanks, AllReduceSumsAndAllGatherKeepsRankOrder) {
 }
 
 TEST_P(GlooRanks, ModelOpsRouteToTheCurrentContext) {
+  FRAG_REQUIRE_GLOO();
   const int world = GetParam();
   auto errors = run_ranks(world, 20s, [world](int rank, RankContext&) {
     auto all_reduce = c10::Dispatcher::singleton()
@@ -113,6 +116,7 @@ TEST_P(GlooRanks, ModelOpsRouteToTheCurrentContext) {
 INSTANTIATE_TEST_SUITE_P(Worlds, GlooRanks, ::testing::Values(2, 3, 4));
 
 TEST(Gloo, APeerThatNeverJoinsTheCollectiveTimesOut) {
+  FRAG_REQUIRE_GLOO();
   auto start = std::chrono::steady_clock::now();
   auto errors = run_ranks(2, 1500ms, [](int rank, RankContext& context) {
     if (rank == 0) context.group("tp").all_reduce(torch::ones({4}));
@@ -141,6 +145,7 @@ TEST(Rendezvous, AnUnreachableStoreFailsWithinTheTimeout) {
 }
 
 TEST(Rendezvous, AgreeFailsOnEveryRankWhenOneRankFails) {
+  FRAG_REQUIRE_GLOO();
   auto errors = run_ranks(3, 20s, [](int rank, RankContext& context) {
     context.agree("check", rank == 1 ? "bad file" : "");
   });
@@ -148,6 +153,7 @@ TEST(Rendezvous, AgreeFailsOnEveryRankWhenOneRankFails) {
 }
 
 TEST(Rendezvous, ExchangeReturnsValuesInRankOrder) {
+  FRAG_REQUIRE_GLOO();
   auto errors = run_ranks(3, 20s, [](int rank, RankContext& context) {
     auto values = context.exchange("names", "r" + std::to_string(rank));
     EXPECT_EQ(values, (std::vector<std::string>{"r0", "r1", "r2"}));

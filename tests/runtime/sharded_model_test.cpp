@@ -114,6 +114,7 @@ std::vector<std::string> save_locations(const std::string& name) {
 }
 
 TEST_P(Equivalence, SavedValuesEqualTheTp1Values) {
+  FRAG_REQUIRE_GLOO();
   nlohmann::json plan = nlohmann::json::array();
   for (const auto& location : save_locations(GetParam().sharded))
     plan.push_back({{"at", location}, {"do", "save"}, {"as", location}});
@@ -129,6 +130,7 @@ TEST_P(Equivalence, SavedValuesEqualTheTp1Values) {
 }
 
 TEST_P(Equivalence, EditsChangeTheLogitsAsAtTp1) {
+  FRAG_REQUIRE_GLOO();
   auto folder = temporary_folder();
   torch::manual_seed(3);
   write_safetensors(folder + "/values.safetensors",
@@ -162,6 +164,7 @@ TEST_P(Equivalence, EditsChangeTheLogitsAsAtTp1) {
 }
 
 TEST_P(Equivalence, AReadOnlyPlanGivesBitIdenticalLogits) {
+  FRAG_REQUIRE_GLOO();
   nlohmann::json plan = nlohmann::json::array();
   for (const auto& location : save_locations(GetParam().sharded))
     plan.push_back({{"at", location}, {"do", "save"}, {"as", location}});
@@ -177,6 +180,7 @@ INSTANTIATE_TEST_SUITE_P(ReferenceModels, Equivalence,
                          [](const auto& info) { return std::string(info.param.sharded); });
 
 TEST(OncePerVisit, ManyInterventionsAtOneLocationCostOneCollective) {
+  FRAG_REQUIRE_GLOO();
   const std::string busy = "model.layers.0.self_attn.qkv_proj.output";
   const std::string idle = "model.layers.1.self_attn.qkv_proj.output";
   expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
@@ -203,6 +207,7 @@ TEST(OncePerVisit, ManyInterventionsAtOneLocationCostOneCollective) {
 }
 
 TEST(OncePerVisit, NothingWaitingCostsNoCollective) {
+  FRAG_REQUIRE_GLOO();
   expect_no_errors(on_ranks("moe_tp2", [&](int, ShardedModel& model) {
     auto& group = model.context().group("tp");
     const int64_t before = group.collective_count();
@@ -215,6 +220,7 @@ TEST(OncePerVisit, NothingWaitingCostsNoCollective) {
 }
 
 TEST(OncePerVisit, VisitIndexSelectsOneCall) {
+  FRAG_REQUIRE_GLOO();
   expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
     model.save("model.layers.0.mlp.down_proj.input", "first", 0);
     model.save("model.layers.0.mlp.down_proj.input", "second", 1);  // called once: never visited
@@ -226,6 +232,7 @@ TEST(OncePerVisit, VisitIndexSelectsOneCall) {
 }
 
 TEST(Safety, ARankDivergentPlanIsRefusedNotHung) {
+  FRAG_REQUIRE_GLOO();
   auto start = std::chrono::steady_clock::now();
   auto errors = on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
     model.save("model.layers.0.output", "x");
@@ -248,6 +255,7 @@ void expect_plan_error(const nlohmann::json& step, const std::string& message) {
 }
 
 TEST(Safety, BadPlansFailBeforeAnythingRuns) {
+  FRAG_REQUIRE_GLOO();
   expect_plan_error({{"at", "model.layers.9.output"}, {"do", "save"}, {"as", "x"}}, "unknown location 'model.layers.9.output'");
   expect_plan_error({{"at", "model.layers.0.mlp.act_fn.output"}, {"do", "zero"}},
                     "model.layers.0.mlp.act_fn.output is rank-local (derived from model.layers.0.mlp.gate_up_proj.output)");
@@ -262,6 +270,7 @@ TEST(Safety, BadPlansFailBeforeAnythingRuns) {
 }
 
 TEST(Safety, AWrongValueShapeAtAWholeLocationFailsEveryRankWithoutAHang) {
+  FRAG_REQUIRE_GLOO();
   // Whole locations have no width in the rule table: the shape is checked at
   // the first visit, identically on every rank.
   auto folder = temporary_folder();
@@ -279,6 +288,7 @@ TEST(Safety, AWrongValueShapeAtAWholeLocationFailsEveryRankWithoutAHang) {
 }
 
 TEST(Generation, SteeringChangesTheGenerationAsAtTp1) {
+  FRAG_REQUIRE_GLOO();
   auto folder = temporary_folder();
   torch::manual_seed(5);
   write_safetensors(folder + "/steer.safetensors", {{"v", torch::randn({64}) * 4}});

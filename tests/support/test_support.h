@@ -8,10 +8,24 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "runtime/communicator.h"
+
 #include <chrono>
 #include <map>
 #include <string>
 #include <vector>
+
+/// Skips a test that runs several CPU ranks where this build has no Gloo
+/// (PyTorch's pip wheels ship no gloo headers; the GPU machine's CMake build).
+/// The skip is reported by GoogleTest and counted by tools/summarize_tests.py.
+#define FRAG_REQUIRE_GLOO()                                                                       \
+  if (!::frag::runtime::have_gloo())                                                              \
+  GTEST_SKIP() << "needs several CPU ranks over Gloo, and this build has no Gloo backend "        \
+                  "(built without gloo headers, as against PyTorch's pip wheels)"
+
+/// Skips a test that needs a CUDA device.
+#define FRAG_REQUIRE_CUDA() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device; this machine has none"
 
 namespace frag::testing {
 

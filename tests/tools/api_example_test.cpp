@@ -27,6 +27,7 @@ std::string folder_of(const std::string& export_name) {
 }
 
 TEST(ApiExample, TwoRanksPrintWhatTheUnshardedModelPrints) {
+  FRAG_REQUIRE_GLOO();
   auto whole = run_command({example(), folder_of("llama_tp1")}, {{"WORLD_SIZE", "1"}, {"RANK", "0"}});
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   const std::string port = std::to_string(tools::find_free_port());

@@ -50,6 +50,7 @@ struct Equivalence {
 class TpEquivalence : public ::testing::TestWithParam<Equivalence> {};
 
 TEST_P(TpEquivalence, ShardedLogitsEqualTheTp1Logits) {
+  FRAG_REQUIRE_GLOO();
   auto folder = temporary_folder();
   auto sharded_files = model_files(GetParam().sharded);
   auto expected = run_logits(model_files(GetParam().whole), 1, folder);
@@ -103,12 +104,14 @@ TEST(RunBadInput, ATruncatedFile) {
 }
 
 TEST(RunBadInput, RankFilesInTheWrongOrder) {
+  FRAG_REQUIRE_GLOO();
   auto files = model_files("llama_tp2");
   expect_failure({"--world", "2", files[1], files[0], "--timeout", "20"},
                  "holds tp_rank 1 but was given to rank 0");
 }
 
 TEST(RunBadInput, RankFilesFromDifferentExports) {
+  FRAG_REQUIRE_GLOO();
   expect_failure({"--world", "2", model_files("llama_tp2")[0], model_files("llama_seed1_tp2")[1],
                   "--timeout", "20"},
                  "rank files come from different exports");
@@ -134,6 +137,7 @@ TEST(RunBadInput, MalformedTokenIds) {
 }
 
 TEST(RunBadInput, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
+  FRAG_REQUIRE_GLOO();
   // Rank 0 of 2 under an external launcher; rank 1 never starts.
   auto start = std::chrono::steady_clock::now();
   expect_failure({model_files("llama_tp2")[0], model_files("llama_tp2")[1], "--timeout", "2"},
@@ -151,6 +155,7 @@ TEST(RunBadInput, AnUnreachableRendezvous) {
 }
 
 TEST(RunBadInput, ARankWhoseFileIsBadStopsEveryRankBeforeAnyCollective) {
+  FRAG_REQUIRE_GLOO();
   auto folder = temporary_folder();
   write_text(folder + "/bad.pt", "garbage");
   auto files = model_files("llama_tp2");

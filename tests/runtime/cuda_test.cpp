@@ -1,0 +1,87 @@
+//===- tests/runtime/cuda_test.cpp - World size 1 on a CUDA device --------===//
+//
+// Runs on a machine with a GPU (the CMake build against PyTorch 2.x); skipped,
+// and reported as skipped, elsewhere. The CPU run of the same export is the
+// reference.
+//
+//===----------------------------------------------------------------------===//
+#include "runtime/sharded_model.h"
+#include "runtime/safetensors.h"
+#include "tests/support/test_support.h"
+#include "tools/launcher.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace frag::runtime {
+namespace {
+
+using testing::model_files;
+
+/// fp32 on a GPU sums in other orders than on a CPU.
+constexpr double kTolerance = 1e-3;
+
+torch::Tensor token_ids() {
+  return torch::tensor({1, 2, 3, 4, 5, 6, 7, 8, 999, 17, 42, 63, 64, 65, 500, 0}, torch::kLong).reshape({2, 8});
+}
+
+TEST(Cuda, NcclWithOneRankReducesAndGathers) {
+  FRAG_REQUIRE_CUDA();
+  if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL backend";
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(tools::find_free_port());
+  options.isServer = true;
+  options.numWorkers = 1;
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+  auto nccl = make_nccl_communicator(store, "test", 0, 1, std::chrono::seconds(30), 0);
+  auto x = torch::arange(12, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA)).reshape({3, 4});
+  EXPECT_TRUE(torch::equal(nccl->all_reduce(x).cpu(), x.cpu()));
+  auto pieces = nccl->all_gather(x.to(torch::kBFloat16));
+  ASSERT_EQ(pieces.size(), 1u);
+  EXPECT_TRUE(torch::equal(pieces[0].cpu(), x.to(torch::kBFloat16).cpu()));
+  EXPECT_EQ(nccl->collective_count(), 2);
+  EXPECT_THROW(nccl->all_reduce(torch::ones({2})), frag::Error) << "CPU tensors are refused";
+}
+
+TEST(Cuda, InterventionsOnTheGpuMatchTheCpu) {
+  FRAG_REQUIRE_CUDA();
+  nlohmann::json plan = nlohmann::json::array(
+      {{{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "save"}, {"as", "gate_up"}},
+       {{"at", "model.layers.0.output"}, {"do", "scale"}, {"by", 1.5}, {"index", "...,0:32"}},
+       {{"at", "lm_head.output"}, {"do", "save"}, {"as", "head"}},
+       {{"at", "model.layers.1.output"}, {"do", "call"}, {"modules", {"model.norm", "lm_head"}}, {"as", "lens"}}});
+  auto run = [&](const torch::Device& device) {
+    auto model = ShardedModel::load(RankContext::single_rank(), model_files("llama_tp1")[0], device);
+    model.apply(Plan::from_json(plan, "plan", ""));
+    auto logits = model.forward(token_ids().to(device)).cpu();
+    SavedTensors saved;
+    for (const auto& [name, tensors] : model.saved()) saved[name] = {tensors[0].cpu()};
+    EXPECT_EQ(model.saved().at("gate_up")[0].device().type(), device.type());
+    return std::make_pair(logits, saved);
+  };
+  auto [cpu_logits, cpu_saved] = run(torch::kCPU);
+  auto [gpu_logits, gpu_saved] = run(torch::Device(torch::kCUDA, 0));
+  EXPECT_LT((gpu_logits - cpu_logits).abs().max().item<double>(), kTolerance);
+  for (const char* name : {"gate_up", "head", "lens"})
+    EXPECT_LT((gpu_saved.at(name)[0] - cpu_saved.at(name)[0]).abs().max().item<double>(), kTolerance) << name;
+  EXPECT_EQ(gpu_saved.at("head")[0].size(-1), 1000) << "vocab padding dropped";
+}
+
+TEST(Cuda, FragRunOnTheGpuMatchesTheCpu) {
+  FRAG_REQUIRE_CUDA();
+  auto folder = testing::temporary_folder();
+  testing::write_text(folder + "/ids.txt", "1 2 3 4 5 6 7 8\n");
+  auto run = [&](const std::string& device) {
+    auto out = folder + "/" + device + ".safetensors";
+    auto result = testing::run_command({testing::frag_binary(), "run", model_files("moe_tp1")[0], "--input",
+                                        folder + "/ids.txt", "--out", out, "--device", device});
+    EXPECT_EQ(result.exit_code, 0) << result.output;
+    return read_safetensors(out).at("logits");
+  };
+  auto cpu = run("cpu");
+  auto gpu = run("cuda");
+  EXPECT_LT((gpu - cpu).abs().max().item<double>(), kTolerance);
+}
+
+}  // namespace
+}  // namespace frag::runtime
