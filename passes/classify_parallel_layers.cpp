@@ -138,8 +138,11 @@ void classify_merged(const LayerConfig& config, LayerEntry& entry) {
   for (auto s : sizes) check_divides(config, tp, s, "an entry of output_sizes");
   // vLLM fuses [gate | up] in its MLPs; other merged layers get neutral names.
   std::vector<std::string> names;
-  const bool gate_up = sizes.size() == 2 && entry.path.size() >= 12 &&
-                       entry.path.compare(entry.path.size() - 12, 12, "gate_up_proj") == 0;
+  const std::string suffix = "gate_up_proj";
+  const bool gate_up = sizes.size() == 2 &&
+                       (entry.path == suffix || (entry.path.size() > suffix.size() &&
+                                                 entry.path.compare(entry.path.size() - suffix.size() - 1,
+                                                                    suffix.size() + 1, "." + suffix) == 0));
   if (gate_up) names = {"gate", "up"};
   column_output(config, entry, tp, FragmentRule::segments(sizes, names, ir::kTpGroup, tp), width);
 }
@@ -333,6 +336,13 @@ ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
 
 void check_tables_agree(const std::vector<std::string>& sources,
                         const std::vector<ir::FragmentTable>& tables) {
+  if (sources.size() != tables.size())
+    fail("internal: {} sources for {} fragment tables", sources.size(), tables.size());
+  auto describe_layer = [](const LayerEntry& layer) {
+    auto side = [](const std::optional<FragmentedSide>& s) { return s ? ir::describe(s->rule) : std::string("whole"); };
+    return fmt::format("{} ({}): input {}, output {}", layer.path, layer.class_name, side(layer.input),
+                       side(layer.output));
+  };
   for (size_t r = 1; r < tables.size(); ++r) {
     const auto& a = tables[0];
     const auto& b = tables[r];
@@ -343,9 +353,10 @@ void check_tables_agree(const std::vector<std::string>& sources,
            b.layers.size());
     for (size_t i = 0; i < a.layers.size(); ++i)
       if (!(a.layers[i] == b.layers[i]))
-        fail("{} and {} disagree at {}: {} vs {}", sources[0], sources[r], a.layers[i].path,
-             ir::to_json(a.layers[i].output ? a.layers[i].output->rule : ir::FragmentRule::replicated()).dump(),
-             ir::to_json(b.layers[i].output ? b.layers[i].output->rule : ir::FragmentRule::replicated()).dump());
+        fail("{} and {} disagree: {} vs {}", sources[0], sources[r], describe_layer(a.layers[i]),
+             describe_layer(b.layers[i]));
+    if (a.whole != b.whole || a.rank_local.size() != b.rank_local.size())
+      fail("{} and {} disagree on which locations are whole or rank-local", sources[0], sources[r]);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/jit/passes/constant_propagation.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace frag::passes {
@@ -59,6 +60,7 @@ class FragmentOpInserter {
     self_ = graph_->inputs().at(0);
     GRAPH_DUMP("before insert_fragment_ops:", graph_);
     process_block(graph_->block());
+    settle_location_lists();
     GRAPH_DUMP("after insert_fragment_ops:", graph_);
     graph_->lint();
   }
@@ -80,6 +82,24 @@ class FragmentOpInserter {
       }
       node = next;
     }
+  }
+
+  /// A module called several times lists its locations once. A location whole
+  /// on one call and rank-local on another is rank-local: no hook may rely on
+  /// seeing a whole value there.
+  void settle_location_lists() {
+    std::vector<std::string> whole;
+    for (const auto& location : table_.whole) {
+      const bool local = std::any_of(table_.rank_local.begin(), table_.rank_local.end(),
+                                     [&](const auto& l) { return l.location == location; });
+      if (!local && std::find(whole.begin(), whole.end(), location) == whole.end()) whole.push_back(location);
+    }
+    table_.whole = std::move(whole);
+    std::vector<ir::RankLocalLocation> rank_local;
+    for (const auto& local : table_.rank_local)
+      if (std::none_of(rank_local.begin(), rank_local.end(), [&](const auto& l) { return l.location == local.location; }))
+        rank_local.push_back(local);
+    table_.rank_local = std::move(rank_local);
   }
 
   /// Marks a node's outputs rank-local when any input (or inner block result) is.

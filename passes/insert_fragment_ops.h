@@ -32,6 +32,9 @@
 namespace frag::passes {
 
 /// Rewrites root.forward in place and fills table.whole and table.rank_local.
+/// Rewrite a module before it first runs: LibTorch keeps the execution plan
+/// it built on a first run, so a rewrite after that does not take effect (the
+/// CLI and ShardedModel::load always rewrite straight after loading).
 /// A module that already holds frag::gather/intervene/split ops is refused
 /// (frag::Error naming `source`). The graph lints afterwards.
 void insert_fragment_ops(torch::jit::Module& root, ir::FragmentTable& table,
