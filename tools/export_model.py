@@ -3,6 +3,12 @@
 
     /usr/bin/python3 tools/export_model.py --model llama --tp 2 --out DIR [--kv-heads K] [--layers L]
                                            [--ep] [--seed S] [--dtype float32|bfloat16]
+                                           [--hidden H] [--intermediate I] [--heads N] [--head-dim D]
+                                           [--vocab V]
+
+The size flags override the model config's defaults (tiny: hidden 64, 8 heads of
+8, intermediate 128, vocab 1000); without them the export is the tiny model. When
+--hidden or --heads is given without --head-dim, the head size is hidden // heads.
 
 Writes DIR/rank{r}.pt for r in 0..tp-1 (tp 1 gives the whole model).
 """
@@ -30,6 +36,14 @@ def main(argv=None) -> int:
     p.add_argument("--ep", action="store_true", help="qwen2_moe: expert parallelism (experts split by block)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 64)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="MLP intermediate size (default 128; qwen2_moe: the dense MLP of mlp_only_layers)")
+    p.add_argument("--heads", type=int, default=None, help="number of attention heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="size of one attention head (default 8 for llama; hidden // heads when --hidden "
+                        "or --heads is given)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1000)")
     args = p.parse_args(argv)
 
     if args.tp < 1:
@@ -39,6 +53,18 @@ def main(argv=None) -> int:
         overrides["num_key_value_heads"] = args.kv_heads
     if args.layers is not None:
         overrides["num_hidden_layers"] = args.layers
+    if args.hidden is not None:
+        overrides["hidden_size"] = args.hidden
+    if args.intermediate is not None:
+        overrides["intermediate_size"] = args.intermediate
+    if args.heads is not None:
+        overrides["num_attention_heads"] = args.heads
+    if args.vocab is not None:
+        overrides["vocab_size"] = args.vocab
+    if args.head_dim is not None:
+        overrides["head_dim"] = args.head_dim
+    elif args.hidden is not None or args.heads is not None:
+        overrides["head_dim"] = None  # hidden_size // num_attention_heads
     try:
         if args.model == "llama":
             if args.ep:

@@ -1,0 +1,143 @@
+# cmake/FragHelpers.cmake - reference model exports and a check that the
+# source lists of CMakeLists.txt still cover the tree.
+
+include_guard(GLOBAL)
+
+# The Python kit: a change to it remakes the exports.
+file(GLOB_RECURSE FRAG_FRAGKIT_SOURCES CONFIGURE_DEPENDS
+  "${CMAKE_SOURCE_DIR}/tools/fragkit/*.py")
+
+# frag_export_model(<name> <flags of tools/export_model.py...>)
+#
+# Like export_model in tests/models/exports.bzl: runs
+#   FRAG_PYTHON tools/export_model.py <flags> --out ${CMAKE_BINARY_DIR}/tests/models/<name>
+# which writes rank{r}.pt for r < --tp. Appends the files to FRAG_MODEL_FILES.
+function(frag_export_model name)
+  set(flags ${ARGN})
+  list(FIND flags --tp _at)
+  if(_at LESS 0)
+    message(FATAL_ERROR "frag_export_model(${name}): no --tp in '${flags}'")
+  endif()
+  math(EXPR _at "${_at} + 1")
+  list(GET flags ${_at} tp)
+  set(dir "${CMAKE_BINARY_DIR}/tests/models/${name}")
+  set(outs "")
+  math(EXPR last "${tp} - 1")
+  foreach(r RANGE 0 ${last})
+    list(APPEND outs "${dir}/rank${r}.pt")
+  endforeach()
+  list(JOIN flags " " flags_text)
+  add_custom_command(
+    OUTPUT ${outs}
+    # A fresh folder: model_files() takes every rank file it finds, so none may
+    # be left over from an export with a larger --tp.
+    COMMAND "${CMAKE_COMMAND}" -E rm -rf "${dir}"
+    COMMAND "${CMAKE_COMMAND}" -E env PYTHONDONTWRITEBYTECODE=1
+            "${FRAG_PYTHON}" "${CMAKE_SOURCE_DIR}/tools/export_model.py" ${flags} --out "${dir}"
+            > /dev/null
+    DEPENDS "${CMAKE_SOURCE_DIR}/tools/export_model.py" ${FRAG_FRAGKIT_SOURCES}
+    WORKING_DIRECTORY "${CMAKE_SOURCE_DIR}"
+    COMMENT "Exporting reference model ${name} (${flags_text})"
+    VERBATIM)
+  set(FRAG_MODEL_FILES ${FRAG_MODEL_FILES} ${outs} PARENT_SCOPE)
+endfunction()
+
+# Turns the export_model(...) calls of tests/models/BUILD into entries like
+# those of FRAG_MODEL_EXPORTS ("<name> <flags>"), as exports.bzl builds flags.
+function(frag_bazel_model_exports build_file out)
+  file(READ "${build_file}" text)
+  string(REGEX REPLACE "#[^\n]*" "" text "${text}")
+  string(REPLACE "\n" " " text "${text}")
+  string(REGEX MATCHALL "export_model\\([^)]*\\)" calls "${text}")
+  set(entries "")
+  foreach(call IN LISTS calls)
+    foreach(key name model tp kv_heads ep layers seed dtype)
+      set(${key} "")
+      if(call MATCHES "[(, ]${key} *= *\"?([A-Za-z0-9_.]+)\"?")
+        set(${key} "${CMAKE_MATCH_1}")
+      endif()
+    endforeach()
+    set(entry "${name} --model ${model} --tp ${tp}")
+    if(kv_heads)
+      string(APPEND entry " --kv-heads ${kv_heads}")
+    endif()
+    if(ep STREQUAL "True")
+      string(APPEND entry " --ep")
+    endif()
+    if(NOT layers STREQUAL "")
+      string(APPEND entry " --layers ${layers}")
+    endif()
+    if(NOT seed STREQUAL "")
+      string(APPEND entry " --seed ${seed}")
+    endif()
+    if(dtype)
+      string(APPEND entry " --dtype ${dtype}")
+    endif()
+    list(APPEND entries "${entry}")
+  endforeach()
+  set(${out} "${entries}" PARENT_SCOPE)
+endfunction()
+
+# Warns about .cpp files under the project's folders that no list of
+# CMakeLists.txt names, and about reference exports that differ from
+# tests/models/BUILD. The globs re-run on every build (CONFIGURE_DEPENDS), so a
+# new file brings the warning on the next build.
+function(frag_check_lists)
+  file(GLOB_RECURSE found CONFIGURE_DEPENDS RELATIVE "${CMAKE_SOURCE_DIR}"
+    "${CMAKE_SOURCE_DIR}/ir/*.cpp" "${CMAKE_SOURCE_DIR}/passes/*.cpp"
+    "${CMAKE_SOURCE_DIR}/runtime/*.cpp" "${CMAKE_SOURCE_DIR}/tools/*.cpp"
+    "${CMAKE_SOURCE_DIR}/tests/*.cpp")
+  set(listed ${FRAG_IR_SOURCES} ${FRAG_PASSES_SOURCES} ${FRAG_RUNTIME_SOURCES}
+             ${FRAG_TOOLS_SOURCES} ${FRAG_TEST_SUPPORT_SOURCES} ${FRAG_TEST_SOURCES})
+  foreach(entry IN LISTS FRAG_BINARIES)
+    separate_arguments(entry UNIX_COMMAND "${entry}")
+    list(GET entry 1 source)
+    list(APPEND listed "${source}")
+  endforeach()
+  foreach(source IN LISTS listed)
+    if(NOT EXISTS "${CMAKE_SOURCE_DIR}/${source}")
+      message(FATAL_ERROR "CMakeLists.txt lists ${source}, which does not exist")
+    endif()
+  endforeach()
+  list(REMOVE_ITEM found ${listed})
+  if(found)
+    list(JOIN found "\n    " text)
+    message(WARNING "C++ sources in no list of CMakeLists.txt (add them to the list of "
+                    "their folder, as in their BUILD file):\n    ${text}")
+  endif()
+
+  set(build_file "${CMAKE_SOURCE_DIR}/tests/models/BUILD")
+  if(EXISTS "${build_file}")
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${build_file}")
+    frag_bazel_model_exports("${build_file}" bazel)
+    set(ours "")
+    foreach(entry IN LISTS FRAG_MODEL_EXPORTS)
+      separate_arguments(entry UNIX_COMMAND "${entry}")
+      list(JOIN entry " " entry)
+      list(APPEND ours "${entry}")
+    endforeach()
+    set(only_bazel ${bazel})
+    set(only_ours ${ours})
+    if(ours)
+      list(REMOVE_ITEM only_bazel ${ours})
+    endif()
+    if(bazel)
+      list(REMOVE_ITEM only_ours ${bazel})
+    endif()
+    # Exports written as plain genrules in the BUILD file are not parsed: an
+    # entry of ours counts as matched when its name is a target there.
+    file(READ "${build_file}" build_text)
+    foreach(entry IN LISTS only_ours)
+      string(REGEX MATCH "^[^ ]+" entry_name "${entry}")
+      if(build_text MATCHES "name *= *\"${entry_name}\"" AND NOT bazel MATCHES "(^|;)${entry_name} ")
+        list(REMOVE_ITEM only_ours "${entry}")
+      endif()
+    endforeach()
+    if(only_bazel OR only_ours)
+      list(JOIN only_bazel "\n    " a)
+      list(JOIN only_ours "\n    " b)
+      message(WARNING "FRAG_MODEL_EXPORTS of CMakeLists.txt differs from tests/models/BUILD.\n"
+                      "  Only in tests/models/BUILD:\n    ${a}\n  Only in CMakeLists.txt:\n    ${b}")
+    endif()
+  endif()
+endfunction()

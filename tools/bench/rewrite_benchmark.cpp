@@ -1,0 +1,305 @@
+//===- tools/bench/rewrite_benchmark.cpp - How fast is the fragment rewrite? ===//
+//
+// For llama exports of growing depth (40, 80 and 160 decoder layers at tp 2 by
+// default) measures, in one process and side by side:
+//   - load:    torch::jit::load of the rank file;
+//   - rewrite: passes::rewrite_for_fragments on a fresh load (median and min);
+//              also split into its two steps, classify_parallel_layers and
+//              insert_fragment_ops, to show where the time goes;
+//   - freeze:  LibTorch's own torch::jit::freeze_module on a fresh load of the
+//              same file (a pass of comparable scope: it also inlines every
+//              submodule call into the root graph);
+//   - save:    Module::save of the rewritten module with its rule table;
+//   - nodes:   node counts of the root forward graph before and after the
+//              rewrite, and after freezing;
+// and then the growth of the rewrite time with depth (80/40, 160/80; a linear
+// pass gives about 2.0).
+//
+//   bazel build //tools/bench:rewrite_benchmark
+//   bazel-bin/tools/bench/rewrite_benchmark [--reps N] [--warmup N] [FILE.pt ...]
+//   bazel-bin/tools/bench/rewrite_benchmark --profile-rewrite N FILE.pt   (N rewrites, nothing
+//       else, for `perf record`)
+//
+// With no files it uses the exports //tests/models:bench_llama_l{40,80,160}_tp2
+// (rank 0), found in its runfiles or under bazel-bin/.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/fragment_table.h"
+#include "passes/classify_parallel_layers.h"
+#include "passes/insert_fragment_ops.h"
+#include "passes/rewrite_for_fragments.h"
+#include "runtime/rank_module.h"
+
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/freeze_module.h>
+#include <torch/script.h>
+
+#include <fmt/format.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+struct Stats {
+  std::vector<double> samples;
+  void add(double ms) { samples.push_back(ms); }
+  double median() const {
+    if (samples.empty()) return 0;
+    auto s = samples;
+    std::sort(s.begin(), s.end());
+    const size_t n = s.size();
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+  }
+  double min() const { return samples.empty() ? 0 : *std::min_element(samples.begin(), samples.end()); }
+};
+
+size_t count_nodes(const torch::jit::Block* block) {
+  size_t n = 0;
+  for (const torch::jit::Node* node : block->nodes()) {
+    ++n;
+    for (const torch::jit::Block* inner : node->blocks()) n += count_nodes(inner);
+  }
+  return n;
+}
+
+size_t count_blocks(const torch::jit::Block* block) {
+  size_t n = 1;
+  for (const torch::jit::Node* node : block->nodes())
+    for (const torch::jit::Block* inner : node->blocks()) n += count_blocks(inner);
+  return n;
+}
+
+size_t forward_blocks(const torch::jit::Module& module) {
+  auto& function = torch::jit::toGraphFunction(module.get_method("forward").function());
+  return count_blocks(function.graph()->block());
+}
+
+size_t forward_nodes(const torch::jit::Module& module) {
+  auto& function = torch::jit::toGraphFunction(module.get_method("forward").function());
+  return count_nodes(function.graph()->block());
+}
+
+torch::jit::Module load(const std::string& path) {
+  auto module = torch::jit::load(path, torch::kCPU);
+  module.eval();
+  return module;
+}
+
+struct Result {
+  std::string file;
+  int64_t layers = 0;  ///< decoder layers (model.layers.N)
+  size_t parallel_layers = 0, fragmented = 0;
+  Stats load, rewrite, classify, insert, freeze, save;
+  size_t nodes_before = 0, nodes_rewritten = 0, nodes_frozen = 0, blocks_rewritten = 0;
+  uintmax_t bytes = 0;
+};
+
+int64_t count_decoder_layers(const torch::jit::Module& module) {
+  int64_t n = 0;
+  for (const auto& named : module.named_modules()) {
+    const std::string prefix = "model.layers.";
+    if (named.name.rfind(prefix, 0) == 0 && named.name.find('.', prefix.size()) == std::string::npos) ++n;
+  }
+  return n;
+}
+
+Result measure(const std::string& path, int reps, int warmup, const std::string& scratch) {
+  Result r;
+  r.file = path;
+  r.bytes = std::filesystem::file_size(path);
+  const frag::passes::LayerAliases aliases;
+
+  {
+    auto module = load(path);
+    r.layers = count_decoder_layers(module);
+    r.nodes_before = forward_nodes(module);
+  }
+  for (int i = 0; i < warmup; ++i) {  // caches, allocator, first-use registrations
+    auto a = load(path);
+    frag::passes::rewrite_for_fragments(a, aliases, path);
+    auto b = load(path);
+    torch::jit::freeze_module(b);
+  }
+  std::optional<torch::jit::Module> rewritten;
+  frag::ir::FragmentTable table;
+  for (int i = 0; i < reps; ++i) {
+    auto start = Clock::now();
+    auto module = torch::jit::load(path, torch::kCPU);
+    r.load.add(ms_since(start));
+    module.eval();
+
+    // The headline number: the whole pipeline on a fresh load.
+    start = Clock::now();
+    table = frag::passes::rewrite_for_fragments(module, aliases, path);
+    r.rewrite.add(ms_since(start));
+    r.nodes_rewritten = forward_nodes(module);
+    r.blocks_rewritten = forward_blocks(module);
+    rewritten = module;
+
+    // LibTorch's own freeze on another fresh load of the same file, same round.
+    auto other = load(path);
+    start = Clock::now();
+    auto frozen = torch::jit::freeze_module(other);
+    r.freeze.add(ms_since(start));
+    r.nodes_frozen = forward_nodes(frozen);
+
+    // The two steps of the rewrite apart.
+    auto split = load(path);
+    start = Clock::now();
+    auto split_table = frag::passes::classify_parallel_layers(split, aliases, path);
+    r.classify.add(ms_since(start));
+    start = Clock::now();
+    frag::passes::insert_fragment_ops(split, split_table, path);
+    r.insert.add(ms_since(start));
+  }
+  r.parallel_layers = table.layers.size();
+  for (const auto& layer : table.layers) r.fragmented += (layer.input ? 1 : 0) + (layer.output ? 1 : 0);
+
+  const std::string out = scratch + "/rewritten.pt";
+  torch::jit::ExtraFilesMap extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
+  for (int i = 0; i < std::max(3, reps / 2); ++i) {
+    auto start = Clock::now();
+    rewritten->save(out, extra);
+    r.save.add(ms_since(start));
+  }
+  std::filesystem::remove(out);
+  return r;
+}
+
+/// The default input: a bench export's rank 0 in the runfiles, or under bazel-bin/.
+std::string default_file(const std::string& argv0, int layers) {
+  const std::string relative = fmt::format("tests/models/bench_llama_l{}_tp2/rank0.pt", layers);
+  std::vector<std::string> candidates;
+  if (const char* dir = std::getenv("RUNFILES_DIR")) candidates.push_back(std::string(dir) + "/fragments/" + relative);
+  candidates.push_back(argv0 + ".runfiles/fragments/" + relative);
+  candidates.push_back(relative);
+  candidates.push_back("bazel-bin/" + relative);
+  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY"))
+    candidates.push_back(std::string(ws) + "/bazel-bin/" + relative);
+  for (const auto& c : candidates)
+    if (std::filesystem::exists(c)) return c;
+  std::cerr << "rewrite_benchmark: cannot find " << relative
+            << "; build //tests/models:bench_llama_l" << layers << "_tp2 or pass files\n";
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 7, warmup = 1, profile_rewrite = 0;
+  std::vector<std::string> files;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if ((a == "--reps" || a == "--warmup" || a == "--profile-rewrite") && i + 1 < argc) {
+      (a == "--reps" ? reps : a == "--warmup" ? warmup : profile_rewrite) = std::stoi(argv[++i]);
+    } else if (a == "-h" || a == "--help") {
+      std::cout << "usage: rewrite_benchmark [--reps N (>=5, default 7)] [--warmup N (default 1)] [FILE.pt ...]\n"
+                   "       rewrite_benchmark --profile-rewrite N FILE.pt\n";
+      return 0;
+    } else {
+      files.push_back(a);
+    }
+  }
+  if (profile_rewrite > 0) {  // only the pass, for a profiler
+    if (files.size() != 1) {
+      std::cerr << "rewrite_benchmark: --profile-rewrite takes one file\n";
+      return 2;
+    }
+    const frag::passes::LayerAliases aliases;
+    std::vector<torch::jit::Module> modules;
+    for (int i = 0; i < profile_rewrite; ++i) modules.push_back(load(files[0]));
+    Stats stats, lint;
+    for (auto& module : modules) {
+      auto start = Clock::now();
+      frag::passes::rewrite_for_fragments(module, aliases, files[0]);
+      stats.add(ms_since(start));
+      // The pass ends with Graph::lint on the final graph: how much of the time is that alone?
+      auto& forward = torch::jit::toGraphFunction(module.get_method("forward").function());
+      start = Clock::now();
+      forward.graph()->lint();
+      lint.add(ms_since(start));
+    }
+    std::cout << fmt::format("{}: rewrite median {:.1f} ms, min {:.1f} ms over {} runs; "
+                             "Graph::lint of the rewritten graph alone: median {:.1f} ms\n",
+                             files[0], stats.median(), stats.min(), profile_rewrite, lint.median());
+    return 0;
+  }
+  reps = std::max(reps, 5);
+  if (files.empty())
+    for (int layers : {40, 80, 160}) files.push_back(default_file(argv[0], layers));
+
+  std::string scratch = (std::filesystem::temp_directory_path() / "rewrite_benchmark_XXXXXX").string();
+  if (mkdtemp(scratch.data()) == nullptr) {
+    std::cerr << "rewrite_benchmark: mkdtemp failed\n";
+    return 2;
+  }
+  torch::set_num_threads(1);  // a graph pass is single threaded; keep the machine's 2 cores quiet
+
+  std::vector<Result> results;
+  for (const auto& file : files) {
+    std::cerr << "measuring " << file << " (" << reps << " reps) ...\n";
+    try {
+      results.push_back(measure(file, reps, warmup, scratch));
+    } catch (const std::exception& e) {
+      std::cerr << "rewrite_benchmark: " << file << ": " << e.what() << "\n";
+      std::filesystem::remove_all(scratch);
+      return 1;
+    }
+  }
+  std::filesystem::remove_all(scratch);
+
+  std::cout << fmt::format("rewrite benchmark: {} reps per file (median / min in ms), LibTorch {}, "
+                           "{} intra-op thread(s)\n\n",
+                           reps, TORCH_VERSION, torch::get_num_threads());
+  std::cout << fmt::format("{:>6} {:>8} {:>6} {:>6}  {:>8}  {:>17}  {:>8} {:>8}  {:>8}  {:>7}  {:>8}  "
+                           "{:>7} {:>9} {:>7} {:>7}\n",
+                           "layers", "file MB", "par", "frag", "load", "rewrite med/min", "classify",
+                           "insert", "freeze", "rw/frz", "save", "nodes", "rewritten", "blocks", "frozen");
+  for (const auto& r : results)
+    std::cout << fmt::format("{:>6} {:>8.1f} {:>6} {:>6}  {:>8.1f}  {:>8.1f} /{:>7.1f}  {:>8.1f} {:>8.1f}  "
+                             "{:>8.1f}  {:>7.2f}  {:>8.1f}  {:>7} {:>9} {:>7} {:>7}\n",
+                             r.layers, r.bytes / 1e6, r.parallel_layers, r.fragmented, r.load.median(),
+                             r.rewrite.median(), r.rewrite.min(), r.classify.median(), r.insert.median(),
+                             r.freeze.median(), r.rewrite.median() / r.freeze.median(), r.save.median(),
+                             r.nodes_before, r.nodes_rewritten, r.blocks_rewritten, r.nodes_frozen);
+  std::cout << "\n(par = parallel layers, frag = fragmented locations; classify + insert = rewrite; "
+               "rw/frz = rewrite median / freeze_module median, same run; nodes = root forward graph "
+               "before the rewrite, rewritten = after it, nested blocks included; blocks = blocks in the "
+               "rewritten graph; frozen = nodes after freeze_module)\n";
+
+  if (results.size() >= 2) {
+    std::cout << "\ngrowth of the rewrite time (linear = layer ratio):\n";
+    for (size_t i = 1; i < results.size(); ++i) {
+      const auto& a = results[i - 1];
+      const auto& b = results[i];
+      std::cout << fmt::format("  {:>4} -> {:<4} layers (x{:.2f}): rewrite x{:.2f} (min x{:.2f}), insert x{:.2f}, "
+                               "freeze x{:.2f}, nodes x{:.2f}\n",
+                               a.layers, b.layers, double(b.layers) / a.layers,
+                               b.rewrite.median() / a.rewrite.median(), b.rewrite.min() / a.rewrite.min(),
+                               b.insert.median() / a.insert.median(), b.freeze.median() / a.freeze.median(),
+                               double(b.nodes_rewritten) / a.nodes_rewritten);
+    }
+  }
+  for (const auto& r : results)
+    if (r.layers == 80)
+      std::cout << fmt::format("\ntarget: rewrite of 80 layers < 100 ms: {} ({:.1f} ms median)\n",
+                               r.rewrite.median() < 100 ? "MET" : "NOT MET", r.rewrite.median());
+  return 0;
+}

@@ -1,0 +1,822 @@
+//===- tools/bench/runtime_benchmark.cpp - What do the fragment ops cost at run time? ===//
+//
+// Two ranks run as threads of this process over real Gloo (tp = 2, one intra-op
+// thread per rank), for the tiny llama export and a larger CPU llama export.
+// For each model, with one batch of token ids (1×64 by default), it measures
+// side by side, running every variant once per iteration in an order that
+// rotates from one iteration to the next (ABC, BCA, CAB, …):
+//
+//  (a) the rewritten graph with nothing registered vs the original export:
+//        original   run_forward on the plain rank file (load_and_check_rank_module,
+//                   no rewrite);
+//        rewritten  ShardedModel::load of the same file (rewritten in memory),
+//                   forward with no intervention;
+//        inlined    the same rewritten graph with every frag:: op removed again
+//                   (what the inlining alone does, without the idle triples);
+//      target: rewritten / original <= 1.02.
+//  (b) a save (ShardedModel::save) at EVERY fragmented location of the table vs
+//      the same rewritten model without saves, against the raw collectives the
+//      saved bytes need:
+//        plain      the rewritten model, nothing registered;
+//        saves      a second rewritten model with a save at every fragmented location;
+//        raw        for each fragmented location, a tensor of the piece's shape
+//                   through the tp communicator's all_gather or all_reduce
+//                   (ir::collective_for), nothing else;
+//        raw+asm    raw plus what the runtime does around it outside the graph:
+//                   ir::whole_from_pieces and the save's clone;
+//      extra = median(saves) - median(plain); target: extra / raw <= 1.15.
+//  Then a micro-benchmark of the idle ops alone (TorchScript loops of
+//  frag::gather/intervene/split triples and of lone frag::intervene ops on rank
+//  0), and the per-forward cost they predict for the model's op counts.
+//
+// Every time is per forward, the slower of the two ranks in each iteration
+// (each rank times itself after a barrier; both do identical work in the same
+// order); the tables show medians over the iterations.
+//
+//   bazel build //tools/bench:runtime_benchmark
+//   bazel-bin/tools/bench/runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T]
+//                                           [--micro N] [--locations] [EXPORT_DIR ...]
+//   bazel-bin/tools/bench/runtime_benchmark --profile VARIANT [--iters N] [EXPORT_DIR]   (one variant
+//       only, original|rewritten|stripped|saves|raw|raw+asm, for `perf record`)
+//
+// With no folders it uses //tests/models:llama_tp2 ("tiny") and
+// //tests/models:bench_llama_h256_tp2 ("large"), found in its runfiles or under
+// bazel-bin/. An EXPORT_DIR holds rank0.pt and rank1.pt of a tp = 2 export.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/fragment_rule.h"
+#include "ir/fragment_table.h"
+#include "passes/rewrite_for_fragments.h"
+#include "runtime/intervention_runtime.h"
+#include "runtime/rank_context.h"
+#include "runtime/rank_module.h"
+#include "runtime/sharded_model.h"
+#include "tools/launcher.h"
+
+#include <torch/csrc/jit/api/compilation_unit.h>
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/frontend/resolver.h>
+#include <torch/csrc/jit/frontend/sugared_value.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace frag;
+using Clock = std::chrono::steady_clock;
+constexpr int kWorld = 2;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+/// CPU time of the calling thread, ms (blind to preemption; excludes Gloo's own threads).
+double thread_cpu_ms() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+/// The q-quantile (0..1) of v, linear between order statistics.
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double at = q * (v.size() - 1);
+  const size_t lo = static_cast<size_t>(at);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (at - lo);
+}
+
+double median(std::vector<double> v) { return quantile(std::move(v), 0.5); }
+
+struct Options {
+  int iters = 60;
+  int block = 3;  ///< calls per timed sample (their mean is the sample)
+  int warmup = 5;
+  int batch = 1;
+  int tokens = 64;
+  int micro = 20000;
+  bool locations = false;
+  bool graphs = false;  ///< print how the optimized plans of rewritten and stripped differ
+  std::string profile;  ///< run only this variant, for `perf record`
+  std::vector<std::pair<std::string, std::string>> exports;  ///< label, folder
+};
+
+/// One fragmented location as the saves see it.
+struct Piece {
+  std::string location;
+  ir::FragmentRule rule;
+  std::vector<int64_t> whole_shape;
+  std::vector<int64_t> piece_shape;
+  int64_t visits = 0;  ///< per forward
+};
+
+/// What one model's run found; ranks write their own samples, rank 0 the facts.
+struct ModelResult {
+  std::string label, folder;
+  std::map<std::string, std::vector<double>> samples[kWorld];  ///< series -> ms per iteration
+  std::vector<Piece> pieces;
+  int64_t layers = 0, parallel_layers = 0;
+  int64_t gathers = 0, intervenes_fragmented = 0, intervenes_whole = 0, splits = 0;
+  int64_t collectives_original = 0, collectives_rewritten = 0, collectives_saves = 0;
+  int64_t collectives_at_saved = 0;  ///< InterventionRuntime::collectives_at summed, one forward
+  bool logits_equal_rewritten = false, logits_equal_inlined = false, logits_equal_saves = false;
+  std::vector<int64_t> logits_shape;
+  // micro-benchmark (rank 0), ns per op or triple
+  double ns_detach = 0, ns_triple = 0, ns_whole = 0;
+  std::string micro_location, micro_error, graph_notes;
+  double us_ops_forward_runtime = 0, us_ops_forward_none = 0;
+  int64_t ops_forward_triples = 0, ops_forward_lone = 0;
+  std::string error[kWorld];
+
+  /// Per iteration, the slower rank.
+  std::vector<double> series(const std::string& name) const {
+    std::vector<double> out;
+    const auto& s0 = samples[0].at(name);
+    for (size_t i = 0; i < s0.size(); ++i) {
+      double worst = 0;
+      for (int r = 0; r < kWorld; ++r) worst = std::max(worst, samples[r].at(name).at(i));
+      out.push_back(worst);
+    }
+    return out;
+  }
+  double med(const std::string& name) const { return median(series(name)); }
+  /// Interquartile range relative to the median, %: how noisy a series is.
+  double iqr(const std::string& name) const {
+    auto s = series(name);
+    return (quantile(s, 0.75) - quantile(s, 0.25)) / quantile(s, 0.5) * 100;
+  }
+  double min(const std::string& name) const {
+    auto s = series(name);
+    return s.empty() ? 0 : *std::min_element(s.begin(), s.end());
+  }
+  /// Median over iterations of a[i] / b[i] (pairs measured back to back).
+  double paired_ratio(const std::string& a, const std::string& b) const {
+    auto x = series(a), y = series(b);
+    std::vector<double> r;
+    for (size_t i = 0; i < x.size(); ++i) r.push_back(x[i] / y[i]);
+    return median(r);
+  }
+  /// Median over iterations of a[i] - b[i].
+  double paired_diff(const std::string& a, const std::string& b) const {
+    auto x = series(a), y = series(b);
+    std::vector<double> d;
+    for (size_t i = 0; i < x.size(); ++i) d.push_back(x[i] - y[i]);
+    return median(d);
+  }
+};
+
+// ----------------------------------------------------------------------------------------------
+// graph helpers
+
+std::shared_ptr<torch::jit::Graph> forward_graph(torch::jit::Module& module) {
+  return torch::jit::toGraphFunction(module.get_method("forward").function()).graph();
+}
+
+void count_ops(torch::jit::Block* block, ModelResult& result) {
+  for (torch::jit::Node* node : block->nodes()) {
+    for (torch::jit::Block* inner : node->blocks()) count_ops(inner, result);
+    const std::string kind = node->kind().toQualString();
+    if (kind == "frag::gather") ++result.gathers;
+    else if (kind == "frag::split") ++result.splits;
+    else if (kind == "frag::intervene") {
+      if (torch::jit::toIValue(node->input(2))->toBool()) ++result.intervenes_fragmented;
+      else ++result.intervenes_whole;
+    }
+  }
+}
+
+/// Removes every frag::gather/intervene/split, wiring their inputs through.
+void strip_fragment_ops(torch::jit::Block* block) {
+  for (auto it = block->nodes().begin(); it != block->nodes().end();) {
+    torch::jit::Node* node = *it;
+    ++it;
+    for (torch::jit::Block* inner : node->blocks()) strip_fragment_ops(inner);
+    const std::string kind = node->kind().toQualString();
+    if (kind == "frag::gather" || kind == "frag::intervene") {
+      node->output()->replaceAllUsesWith(node->input(0));
+      node->destroy();
+    } else if (kind == "frag::split") {
+      node->output()->replaceAllUsesWith(node->input(1));
+      node->destroy();
+    }
+  }
+}
+
+int64_t count_decoder_layers(const torch::jit::Module& module) {
+  int64_t n = 0;
+  const std::string prefix = "model.layers.";
+  for (const auto& named : module.named_modules())
+    if (named.name.rfind(prefix, 0) == 0 && named.name.find('.', prefix.size()) == std::string::npos) ++n;
+  return n;
+}
+
+// ----------------------------------------------------------------------------------------------
+// the idle ops alone
+
+/// A TorchScript string literal (single quotes; the rule JSON holds double quotes).
+std::string script_literal(const std::string& text) {
+  std::string out = "'";
+  for (char c : text) {
+    if (c == '\\' || c == '\'') out += '\\';
+    out += c;
+  }
+  return out + "'";
+}
+
+/// Resolves `frag.<op>` to the frag:: builtins (torch::jit::compile knows only `torch`).
+struct FragResolver : torch::jit::Resolver {
+  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& m,
+                                                         const torch::jit::SourceRange& loc) override {
+    if (name == "frag") return std::make_shared<torch::jit::BuiltinModule>("frag");
+    return torch::jit::nativeResolver()->resolveValue(name, m, loc);
+  }
+};
+
+/// ns per iteration of TorchScript loops (loop overhead included) of idle frag ops and of aten::detach.
+void micro_benchmark(const std::string& location, const ir::FragmentRule& rule, int n, ModelResult& result) {
+  const std::string loc = script_literal(location);
+  const std::string rule_text = script_literal(ir::to_json(rule).dump());
+  const std::string source = fmt::format(R"JIT(
+def detach_loop(x: Tensor, n: int) -> Tensor:
+    for _ in range(n):
+        x = torch.detach(x)
+    return x
+
+def triple_loop(x: Tensor, n: int) -> Tensor:
+    for _ in range(n):
+        w = frag.gather(x, {0}, {1})
+        w = frag.intervene(w, {0}, True)
+        x = frag.split(w, x, {0}, {1})
+    return x
+
+def whole_loop(x: Tensor, n: int) -> Tensor:
+    for _ in range(n):
+        x = frag.intervene(x, 'model.layers.0.output', False)
+    return x
+)JIT",
+                                         loc, rule_text);
+  auto unit = std::make_shared<torch::jit::CompilationUnit>();
+  unit->define(c10::nullopt, source, std::make_shared<FragResolver>(), nullptr);
+  auto runtime = std::make_shared<runtime::InterventionRuntime>();
+  runtime::ScopedInterventionRuntime scope(runtime);
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({1, 8});
+  auto time_ns = [&](const char* name) {
+    auto& fn = unit->get_function(name);
+    for (int w = 0; w < 3; ++w) {
+      runtime->begin_forward();
+      fn({x, int64_t(n / 10 + 1)});
+    }
+    std::vector<double> reps;
+    for (int r = 0; r < 5; ++r) {
+      runtime->begin_forward();
+      auto start = Clock::now();
+      fn({x, int64_t(n)});
+      reps.push_back(ms_since(start) * 1e6 / n);
+    }
+    return median(reps);
+  };
+  result.ns_detach = time_ns("detach_loop");
+  result.ns_triple = time_ns("triple_loop");
+  result.ns_whole = time_ns("whole_loop");
+  result.micro_location = location;
+}
+
+/// The frag ops of one whole forward and nothing else: a TorchScript function
+/// with a gather/intervene/split triple at every fragmented location and a lone
+/// intervene at every whole location (their real names and rules), called
+/// `reps` times with begin_forward before each call as ShardedModel::forward
+/// does. Sets us per call with an empty runtime and with none (pass-through).
+void ops_forward_benchmark(const ir::FragmentTable& table, int reps, ModelResult& result) {
+  std::string body;
+  int64_t triples = 0, lone = 0;
+  for (const auto& layer : table.layers)
+    for (int side = 0; side < 2; ++side) {
+      const auto& fragmented = side == 0 ? layer.input : layer.output;
+      if (!fragmented) continue;
+      const std::string loc = script_literal(side == 0 ? ir::input_location(layer.path) : ir::output_location(layer.path));
+      const std::string rule = script_literal(ir::to_json(fragmented->rule).dump());
+      body += fmt::format("    w = frag.gather(x, {0}, {1})\n    w = frag.intervene(w, {0}, True)\n"
+                          "    x = frag.split(w, x, {0}, {1})\n",
+                          loc, rule);
+      ++triples;
+    }
+  for (const auto& location : table.whole) {
+    body += fmt::format("    x = frag.intervene(x, {}, False)\n", script_literal(location));
+    ++lone;
+  }
+  const std::string source = "def ops_forward(x: Tensor) -> Tensor:\n" + body + "    return x\n";
+  auto unit = std::make_shared<torch::jit::CompilationUnit>();
+  unit->define(c10::nullopt, source, std::make_shared<FragResolver>(), nullptr);
+  auto& fn = unit->get_function("ops_forward");
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({1, 8});
+  auto time_us = [&](runtime::InterventionRuntime* runtime) {
+    for (int w = 0; w < 20; ++w) {
+      if (runtime) runtime->begin_forward();
+      fn({x});
+    }
+    std::vector<double> samples;
+    for (int r = 0; r < 5; ++r) {
+      auto start = Clock::now();
+      for (int i = 0; i < reps; ++i) {
+        if (runtime) runtime->begin_forward();
+        fn({x});
+      }
+      samples.push_back(ms_since(start) * 1e3 / reps);
+    }
+    return median(samples);
+  };
+  {
+    auto runtime = std::make_shared<runtime::InterventionRuntime>();
+    runtime::ScopedInterventionRuntime scope(runtime);
+    result.us_ops_forward_runtime = time_us(runtime.get());
+  }
+  result.us_ops_forward_none = time_us(nullptr);  // no runtime on this thread or the process
+  result.ops_forward_triples = triples;
+  result.ops_forward_lone = lone;
+}
+
+// ----------------------------------------------------------------------------------------------
+// one rank
+
+void run_rank(int rank, int port, const Options& options, ModelResult& result) {
+  torch::set_num_threads(1);
+  runtime::RendezvousOptions rendezvous;
+  rendezvous.rank = rank;
+  rendezvous.world_size = kWorld;
+  rendezvous.master_port = port;
+  rendezvous.timeout = std::chrono::milliseconds(180000);
+  auto context = runtime::RankContext::connect(rendezvous);
+  runtime::ScopedRankContext rank_scope(context);  // the original export's own collectives
+  runtime::Communicator& tp = context->group("tp");
+  auto barrier = [&] { tp.all_reduce(torch::zeros({1})); };
+  const std::string path = fmt::format("{}/rank{}.pt", result.folder, rank);
+
+  // The three graphs of (a) and the saving model of (b), each a load of the same file.
+  auto original = runtime::load_and_check_rank_module(*context, path);
+  auto rewritten = runtime::ShardedModel::load(context, path);
+  auto inlined = runtime::load_and_check_rank_module(*context, path);
+  passes::rewrite_for_fragments(inlined.module, passes::LayerAliases{}, path);
+  auto inlined_graph = forward_graph(inlined.module);
+  strip_fragment_ops(inlined_graph->block());
+  torch::jit::EliminateDeadCode(inlined_graph);
+  auto saving = runtime::ShardedModel::load(context, path);
+
+  const auto& table = rewritten.table();
+  std::vector<std::string> locations;
+  for (const auto& layer : table.layers) {
+    if (layer.input) locations.push_back(ir::input_location(layer.path));
+    if (layer.output) locations.push_back(ir::output_location(layer.path));
+  }
+  for (const auto& location : locations) saving.save(location, location);
+
+  int64_t vocab = 1000;
+  for (const auto& location : locations)
+    if (const auto* rule = table.rule_at(location); rule && rule->kind == ir::LayoutKind::kVocabShard)
+      vocab = std::min<int64_t>(vocab, rule->org_vocab);
+  const auto ids = torch::arange(int64_t(options.batch) * options.tokens, torch::kLong)
+                       .mul(37)
+                       .add(11)
+                       .remainder(vocab)
+                       .reshape({options.batch, options.tokens});
+
+  // A first forward of each: collective counts, logits equality, the saved shapes.
+  barrier();
+  int64_t before = tp.collective_count();
+  auto logits_original = runtime::run_forward(original, ids);
+  int64_t after = tp.collective_count();
+  const int64_t collectives_original = after - before;
+  before = after;
+  auto logits_rewritten = rewritten.forward(ids);
+  after = tp.collective_count();
+  const int64_t collectives_rewritten = after - before;
+  auto logits_inlined = runtime::run_forward(inlined, ids);
+  barrier();
+  int64_t at_before = 0;
+  for (const auto& location : locations) at_before += saving.interventions().collectives_at(location);
+  before = tp.collective_count();
+  auto logits_saves = saving.forward(ids);
+  after = tp.collective_count();
+  int64_t at_after = 0;
+  for (const auto& location : locations) at_after += saving.interventions().collectives_at(location);
+
+  std::vector<Piece> pieces;
+  for (const auto& location : locations) {
+    const auto& saved = saving.saved().at(location);
+    Piece piece;
+    piece.location = location;
+    piece.rule = *table.rule_at(location);
+    piece.whole_shape = saved.at(0).sizes().vec();
+    piece.piece_shape = ir::piece_shape(piece.rule, piece.whole_shape);
+    piece.visits = static_cast<int64_t>(saved.size());
+    pieces.push_back(piece);
+  }
+  saving.clear_saved();
+
+  if (rank == 0) {
+    result.pieces = pieces;
+    result.layers = count_decoder_layers(original.module);
+    result.parallel_layers = static_cast<int64_t>(table.layers.size());
+    count_ops(forward_graph(rewritten.module())->block(), result);
+    result.collectives_original = collectives_original;
+    result.collectives_rewritten = collectives_rewritten;
+    result.collectives_saves = after - before;
+    result.collectives_at_saved = at_after - at_before;
+    result.logits_equal_rewritten = torch::equal(logits_original, logits_rewritten);
+    result.logits_equal_inlined = torch::equal(logits_original, logits_inlined);
+    result.logits_equal_saves = torch::equal(logits_original, logits_saves);
+    result.logits_shape = logits_original.sizes().vec();
+  }
+
+  // The raw collectives of (b): one piece-shaped tensor per visit of a location.
+  torch::manual_seed(rank + 1);
+  std::vector<std::pair<const Piece*, torch::Tensor>> raw_inputs;
+  for (const auto& piece : pieces)
+    for (int64_t v = 0; v < piece.visits; ++v)
+      raw_inputs.emplace_back(&piece, torch::randn(piece.piece_shape, logits_original.options()));
+  auto run_raw = [&](bool assemble) {
+    for (auto& [piece, x] : raw_inputs) {
+      torch::Tensor whole;
+      switch (ir::collective_for(piece->rule)) {
+        case ir::CollectiveKind::kAllReduce:
+          whole = tp.all_reduce(x);
+          break;
+        case ir::CollectiveKind::kAllGather: {
+          auto gathered = tp.all_gather(x);
+          if (assemble) whole = ir::whole_from_pieces(piece->rule, gathered);
+          break;
+        }
+        case ir::CollectiveKind::kNone:
+          whole = x;
+          break;
+      }
+      if (assemble) whole = whole.detach().clone();
+    }
+  };
+
+  if (!options.profile.empty()) {  // one variant only, no barriers in between
+    barrier();
+    for (int i = 0; i < options.warmup + options.iters; ++i) {
+      if (options.profile == "original") runtime::run_forward(original, ids);
+      else if (options.profile == "rewritten") rewritten.forward(ids);
+      else if (options.profile == "stripped") runtime::run_forward(inlined, ids);
+      else if (options.profile == "passthrough") torch::NoGradGuard(), rewritten.module().forward({ids});
+      else if (options.profile == "saves") saving.forward(ids), saving.clear_saved();
+      else if (options.profile == "raw") run_raw(false);
+      else if (options.profile == "raw+asm") run_raw(true);
+      else throw std::runtime_error("--profile takes original, rewritten, stripped, saves, raw or raw+asm");
+    }
+    barrier();
+    return;
+  }
+
+  auto& samples = result.samples[rank];
+  auto timed = [&](const std::string& series, bool record, const std::function<void()>& body) {
+    barrier();
+    const double cpu_start = thread_cpu_ms();
+    auto start = Clock::now();
+    for (int b = 0; b < options.block; ++b) body();
+    const double ms = ms_since(start) / options.block;
+    const double cpu = (thread_cpu_ms() - cpu_start) / options.block;
+    if (record) {
+      samples[series].push_back(ms);
+      samples[series + ".cpu"].push_back(cpu);
+    }
+  };
+
+  // The rewritten graph called directly, with no InterventionRuntime on this
+  // thread: the ops pass their input through (fragment_ops.cpp).
+  auto run_passthrough = [&] {
+    torch::NoGradGuard no_grad;
+    rewritten.module().forward({ids});
+  };
+  run_passthrough();
+
+  // Runs the variants once each per iteration, the order rotating from one
+  // iteration to the next (ABC, BCA, CAB, …) so that no variant always runs
+  // first or right after a given other one.
+  using Variant = std::pair<std::string, std::function<void()>>;
+  auto interleave = [&](const std::vector<Variant>& variants) {
+    const int n = static_cast<int>(variants.size());
+    for (int i = 0; i < options.warmup + options.iters; ++i)
+      for (int k = 0; k < n; ++k) {
+        const auto& [series, body] = variants[(i + k) % n];
+        timed(series, i >= options.warmup, body);
+      }
+  };
+  // (a) original / rewritten / stripped.
+  interleave({{"original", [&] { runtime::run_forward(original, ids); }},
+              {"rewritten", [&] { rewritten.forward(ids); }},
+              {"inlined", [&] { runtime::run_forward(inlined, ids); }},
+              {"passthrough", [&] { run_passthrough(); }}});
+  // (b) plain / saves / raw / raw+asm.
+  interleave({{"plain", [&] { rewritten.forward(ids); }},
+              {"saves",
+               [&] {
+                 saving.forward(ids);
+                 saving.clear_saved();  // frees last forward's saves (inside the timing: the saves' cost)
+               }},
+              {"raw", [&] { run_raw(false); }},
+              {"raw+asm", [&] { run_raw(true); }}});
+
+  if (rank == 0 && options.graphs) {
+    auto plan_kinds = [](torch::jit::Module& module) {
+      std::map<std::string, int> kinds;
+      auto state = torch::jit::toGraphFunction(module.get_method("forward").function()).getDebugState();
+      std::function<void(torch::jit::Block*)> walk = [&](torch::jit::Block* block) {
+        for (auto* node : block->nodes()) {
+          ++kinds[node->kind().toQualString()];
+          for (auto* inner : node->blocks()) walk(inner);
+        }
+      };
+      for (auto& [spec, plan] : state.execution_plans) walk(plan.graph->block());
+      return kinds;
+    };
+    auto a = plan_kinds(rewritten.module()), b = plan_kinds(inlined.module);
+    std::set<std::string> all;
+    for (auto& [k, n] : a) all.insert(k);
+    for (auto& [k, n] : b) all.insert(k);
+    int total_a = 0, total_b = 0;
+    for (auto& [k, n] : a) total_a += n;
+    for (auto& [k, n] : b) total_b += n;
+    result.graph_notes = fmt::format("optimized plans: rewritten {} nodes, stripped {} nodes; kinds that differ:", total_a,
+                                     total_b);
+    for (const auto& k : all)
+      if (a[k] != b[k]) result.graph_notes += fmt::format("\n    {:<28} rewritten {:>5}  stripped {:>5}", k, a[k], b[k]);
+  }
+
+  // The idle ops alone, on rank 0 while rank 1 waits.
+  barrier();
+  if (rank == 0 && options.micro > 0) {
+    const Piece* longest = &pieces.front();
+    for (const auto& piece : pieces)
+      if (ir::to_json(piece.rule).dump().size() > ir::to_json(longest->rule).dump().size()) longest = &piece;
+    try {
+      micro_benchmark(longest->location, longest->rule, options.micro, result);
+      ops_forward_benchmark(table, std::max(1, options.micro / 50), result);
+    } catch (const std::exception& e) {
+      result.micro_error = e.what();
+    }
+  }
+  barrier();
+}
+
+ModelResult run_model(const std::string& label, const std::string& folder, const Options& options) {
+  ModelResult result;
+  result.label = label;
+  result.folder = folder;
+  const int port = tools::find_free_port();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank)
+    threads.emplace_back([&, rank] {
+      try {
+        run_rank(rank, port, options, result);
+      } catch (const std::exception& e) {
+        result.error[rank] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return result;
+}
+
+// ----------------------------------------------------------------------------------------------
+// output
+
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+const char* collective_name(const ir::FragmentRule& rule) {
+  switch (ir::collective_for(rule)) {
+    case ir::CollectiveKind::kAllGather: return "all_gather";
+    case ir::CollectiveKind::kAllReduce: return "all_reduce";
+    case ir::CollectiveKind::kNone: return "none";
+  }
+  return "?";
+}
+
+const char* verdict(double value, double target) { return value <= target ? "meets" : "MISSES"; }
+
+void print_result(const ModelResult& r, const Options& options) {
+  int64_t piece_bytes = 0, raw_collectives = 0;
+  for (const auto& p : r.pieces) {
+    int64_t n = 4;  // fp32 exports
+    for (auto d : p.piece_shape) n *= d;
+    piece_bytes += n * p.visits;
+    if (ir::collective_for(p.rule) != ir::CollectiveKind::kNone) raw_collectives += p.visits;
+  }
+  const double original = r.med("original"), rewritten = r.med("rewritten"), inlined = r.med("inlined");
+  const double plain = r.med("plain"), saves = r.med("saves"), raw = r.med("raw");
+  const double extra = saves - plain;
+  const double ratio_a = rewritten / original, ratio_b = extra / raw;
+
+  fmt::print("\n== {}: {} ==\n", r.label, r.folder);
+  fmt::print("{} decoder layers, {} parallel layers, {} fragmented locations; ids [{}, {}], logits {}\n", r.layers,
+             r.parallel_layers, r.pieces.size(), options.batch, options.tokens, shape_text(r.logits_shape));
+  fmt::print("rewritten graph: {} frag::gather, {} frag::intervene after a gather, {} lone frag::intervene "
+             "(whole locations), {} frag::split\n",
+             r.gathers, r.intervenes_fragmented, r.intervenes_whole, r.splits);
+  fmt::print("collectives per forward: original {}, rewritten {}, with saves {} (+{}; runtime counted {})\n",
+             r.collectives_original, r.collectives_rewritten, r.collectives_saves,
+             r.collectives_saves - r.collectives_rewritten, r.collectives_at_saved);
+  fmt::print("logits bit-identical to the original: rewritten {}, inlined {}, with saves {}\n",
+             r.logits_equal_rewritten ? "yes" : "NO", r.logits_equal_inlined ? "yes" : "NO",
+             r.logits_equal_saves ? "yes" : "NO");
+  fmt::print("times: ms per forward, the slower rank of each iteration (the mean of {} calls back to back), over {}\n"
+             "iterations after {} warm-up;\n"
+             "cpu: median CPU time of the rank's own thread (blind to preemption by other processes; Gloo's\n"
+             "threads not included); IQR/median: spread of the wall times, p75 - p25 over the median\n",
+             options.block, options.iters, options.warmup);
+  auto row = [&](const std::string& text, const std::string& series) {
+    fmt::print("  {:<46} {:>9.3f} {:>9.3f} {:>9.3f} {:>8.0f} %\n", text, r.med(series), r.min(series),
+               r.med(series + ".cpu"), r.iqr(series));
+  };
+  auto ratio_row = [&](const std::string& text, const std::string& a, const std::string& b, const std::string& note) {
+    fmt::print("  {:<46} {:>9.3f} {:>9.3f} {:>9.3f}   {}\n", text, r.med(a) / r.med(b), r.min(a) / r.min(b),
+               r.med(a + ".cpu") / r.med(b + ".cpu"), note);
+  };
+  fmt::print("\n(a) rewritten, nothing registered, vs the original export\n");
+  fmt::print("  {:<46} {:>9} {:>9} {:>9} {:>10}\n", "", "median", "min", "cpu", "IQR/median");
+  row("original export (no rewrite)", "original");
+  row("rewritten in memory (ShardedModel, no plan)", "rewritten");
+  row("rewritten, frag ops stripped again", "inlined");
+  row("rewritten graph, no runtime (ops pass through)", "passthrough");
+  ratio_row("ratio rewritten / original", "rewritten", "original",
+            fmt::format("paired median {:.3f}; target <= 1.02: {} ({:+.1f} %)",
+                        r.paired_ratio("rewritten", "original"), verdict(ratio_a, 1.02), (ratio_a - 1.02) * 100));
+  ratio_row("ratio stripped / original", "inlined", "original", "the inlining alone");
+  ratio_row("ratio rewritten / stripped", "rewritten", "inlined",
+            fmt::format("the idle ops with their runtime ({:+.1f} us per forward)", (rewritten - inlined) * 1e3));
+  ratio_row("ratio no-runtime / stripped", "passthrough", "inlined", "the ops in the graph, passing through");
+  ratio_row("ratio rewritten / no-runtime", "rewritten", "passthrough", "ShardedModel::forward + runtime bookkeeping");
+  fmt::print("\n(b) a save at each of the {} fragmented locations ({} collectives, {:.1f} KiB of pieces per forward)\n",
+             r.pieces.size(), raw_collectives, piece_bytes / 1024.0);
+  fmt::print("  {:<46} {:>9} {:>9} {:>9} {:>10}\n", "", "median", "min", "cpu", "IQR/median");
+  row("rewritten, no saves", "plain");
+  row("rewritten, a save at every fragmented loc.", "saves");
+  row("raw collectives of those pieces", "raw");
+  row("raw + whole_from_pieces + save's clone", "raw+asm");
+  fmt::print("  {:<46} {:>9.3f} {:>9.3f}             paired median {:.3f}\n", "extra per forward (saves - no saves)",
+             extra, r.min("saves") - r.min("plain"), r.paired_diff("saves", "plain"));
+  fmt::print("  {:<46} {:>9.3f} {:>9.3f}             target <= 1.15: {} ({:+.1f} %)\n",
+             "ratio extra / raw collectives", ratio_b, (r.min("saves") - r.min("plain")) / r.min("raw"),
+             verdict(ratio_b, 1.15), (ratio_b - 1.15) * 100);
+  ratio_row("ratio (raw + assembly + clone) / raw", "raw+asm", "raw", "");
+  ratio_row("ratio saves / no saves", "saves", "plain", "the whole cost of the saves");
+  if (r.ns_triple > 0) {
+    const double triple = r.ns_triple, whole = r.ns_whole, detach = r.ns_detach;
+    const double predicted_us = (r.gathers * triple + r.intervenes_whole * whole) / 1e3;  // one gather per triple
+    fmt::print("\nidle ops alone (TorchScript loops on rank 0 with an empty InterventionRuntime; per iteration, loop "
+               "included)\n");
+    fmt::print("  {:<46} {:>9.0f} ns   (at {})\n", "gather+intervene+split triple", triple, r.micro_location);
+    fmt::print("  {:<46} {:>9.0f} ns\n", "lone intervene (whole location)", whole);
+    fmt::print("  {:<46} {:>9.0f} ns\n", "aten::detach, for scale", detach);
+    fmt::print("  {:<46} {:>9.1f} us   ({} triples x {:.0f} ns + {} lone x {:.0f} ns = {:.2f} % of the original)\n",
+               "predicted idle cost per forward", predicted_us, r.gathers, triple, r.intervenes_whole, whole,
+               predicted_us / 1e3 / original * 100);
+    fmt::print("  {:<46} {:>9.1f} us   ({} triples + {} lone intervenes, begin_forward each time; {:.2f} % of\n"
+               "  {:<46} {:>9}      the original's median, {:.2f} % of its cpu)\n",
+               "the frag ops of one forward, empty runtime", r.us_ops_forward_runtime, r.ops_forward_triples,
+               r.ops_forward_lone, r.us_ops_forward_runtime / 1e3 / original * 100, "", "",
+               r.us_ops_forward_runtime / 1e3 / r.med("original.cpu") * 100);
+    fmt::print("  {:<46} {:>9.1f} us\n", "the same with no runtime (ops pass through)", r.us_ops_forward_none);
+  }
+  if (!r.graph_notes.empty()) fmt::print("\n{}\n", r.graph_notes);
+  if (!r.micro_error.empty()) fmt::print("\nidle ops micro-benchmark failed: {}\n", r.micro_error);
+  if (options.locations) {
+    fmt::print("\n  {:<46} {:<11} {:<16} {:<16} {}\n", "location", "collective", "whole", "piece", "visits");
+    for (const auto& p : r.pieces)
+      fmt::print("  {:<46} {:<11} {:<16} {:<16} {}\n", p.location, collective_name(p.rule), shape_text(p.whole_shape),
+                 shape_text(p.piece_shape), p.visits);
+  }
+}
+
+/// A default export: its folder in the runfiles, or under bazel-bin/.
+std::string default_folder(const std::string& argv0, const std::string& name) {
+  const std::string relative = "tests/models/" + name;
+  std::vector<std::string> candidates;
+  if (const char* dir = std::getenv("RUNFILES_DIR")) candidates.push_back(std::string(dir) + "/fragments/" + relative);
+  candidates.push_back(argv0 + ".runfiles/fragments/" + relative);
+  candidates.push_back(relative);
+  candidates.push_back("bazel-bin/" + relative);
+  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY"))
+    candidates.push_back(std::string(ws) + "/bazel-bin/" + relative);
+  for (const auto& c : candidates)
+    if (std::filesystem::exists(c + "/rank0.pt")) return c;
+  std::cerr << "runtime_benchmark: cannot find " << relative << "/rank0.pt; build //tests/models:" << name
+            << " or pass export folders\n";
+  std::exit(2);
+}
+
+int usage() {
+  std::cerr << "usage: runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T] [--micro N] "
+               "[--locations] [--profile VARIANT] [EXPORT_DIR ...]\n"
+               "  --profile VARIANT: run only original|rewritten|stripped|saves|raw|raw+asm, warmup+iters times\n"
+               "                     on both ranks, and print no table (for perf record)\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  std::vector<std::string> folders;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto number = [&](int& out) {
+      if (i + 1 >= argc) std::exit(usage());
+      out = std::atoi(argv[++i]);
+    };
+    if (arg == "--iters") number(options.iters);
+    else if (arg == "--warmup") number(options.warmup);
+    else if (arg == "--block") number(options.block);
+    else if (arg == "--batch") number(options.batch);
+    else if (arg == "--tokens") number(options.tokens);
+    else if (arg == "--micro") number(options.micro);
+    else if (arg == "--locations") options.locations = true;
+    else if (arg == "--graphs") options.graphs = true;
+    else if (arg == "--profile" && i + 1 < argc) options.profile = argv[++i];
+    else if (arg == "-h" || arg == "--help") return usage();
+    else if (!arg.empty() && arg[0] == '-') return usage();
+    else folders.push_back(arg);
+  }
+  if (options.iters < 1 || options.warmup < 0 || options.block < 1 || options.batch < 1 || options.tokens < 1)
+    return usage();
+  if (folders.empty()) {
+    options.exports = {{"tiny (llama_tp2: hidden 64, 2 layers, vocab 1000)", default_folder(argv[0], "llama_tp2")},
+                       {"large (bench_llama_h256_tp2: hidden 256, intermediate 768, 8 heads, 4 layers, vocab 2048)",
+                        default_folder(argv[0], "bench_llama_h256_tp2")}};
+  } else {
+    for (const auto& folder : folders) options.exports.emplace_back(folder, folder);
+  }
+
+  std::string command = fmt::format("bazel-bin/tools/bench/runtime_benchmark --iters {} --warmup {} --block {} "
+                                    "--batch {} --tokens {} --micro {}{}",
+                                    options.iters, options.warmup, options.block, options.batch, options.tokens,
+                                    options.micro,
+                                    options.locations ? " --locations" : "");
+  for (const auto& folder : folders) command += " " + folder;
+  fmt::print("runtime_benchmark: tp = 2 as two threads over Gloo, 1 intra-op thread per rank, libtorch {}\n",
+             TORCH_VERSION);
+  fmt::print("rerun: cd {} && bazel build //tools/bench:runtime_benchmark //tests/models:llama_tp2 "
+             "//tests/models:bench_llama_h256_tp2 && {}\n",
+             std::filesystem::current_path().string(), command);
+  std::fflush(stdout);
+
+  int status = 0;
+  struct Row {
+    std::string label;
+    double a, b;
+  };
+  std::vector<Row> rows;
+  for (const auto& [label, folder] : options.exports) {
+    auto start = Clock::now();
+    auto result = run_model(label, folder, options);
+    bool failed = false;
+    for (int r = 0; r < kWorld; ++r)
+      if (!result.error[r].empty()) {
+        std::cerr << "runtime_benchmark: " << folder << ": rank " << r << ": " << result.error[r] << "\n";
+        failed = true;
+      }
+    if (failed) {
+      status = 1;
+      continue;
+    }
+    if (!options.profile.empty()) {
+      fmt::print("{}: ran {} x {} on both ranks\n", label, options.warmup + options.iters, options.profile);
+      continue;
+    }
+    print_result(result, options);
+    fmt::print("  ({:.1f} s for this model)\n", ms_since(start) / 1e3);
+    std::fflush(stdout);
+    rows.push_back({label, result.med("rewritten") / result.med("original"),
+                    (result.med("saves") - result.med("plain")) / result.med("raw")});
+  }
+  if (rows.empty()) return status;
+  fmt::print("\n== summary ==\n  {:<16} {:>26} {:>26}\n", "model", "rewritten/original (<=1.02)",
+             "extra/raw (<=1.15)");
+  for (const auto& row : rows)
+    fmt::print("  {:<16} {:>20.3f} {:<6} {:>19.3f} {:<6}\n", row.label.substr(0, row.label.find(' ')), row.a,
+               verdict(row.a, 1.02), row.b, verdict(row.b, 1.15));
+  return status;
+}
