@@ -10,7 +10,10 @@
 #include <torch/csrc/jit/passes/constant_propagation.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <unordered_map>
 
 namespace frag::passes {
@@ -58,11 +61,18 @@ class FragmentOpInserter {
       fail("{}: already rewritten (its forward holds frag:: fragment ops); rewrite the original export",
            source_);
     self_ = graph_->inputs().at(0);
+    for (const auto& layer : table_.layers) {
+      if (layer.input) rules_[ir::input_location(layer.path)] = &layer.input->rule;
+      if (layer.output) rules_[ir::output_location(layer.path)] = &layer.output->rule;
+    }
     GRAPH_DUMP("before insert_fragment_ops:", graph_);
     process_block(graph_->block());
     settle_location_lists();
     GRAPH_DUMP("after insert_fragment_ops:", graph_);
-    graph_->lint();
+    // Graph::lint is quadratic in LibTorch (nodes × blocks): about a second
+    // for 80 layers. The pass tests lint every rewritten graph; set
+    // FRAG_LINT=1 to lint here too.
+    if (const char* lint = std::getenv("FRAG_LINT"); lint != nullptr && std::string(lint) == "1") graph_->lint();
   }
 
  private:
@@ -200,24 +210,40 @@ class FragmentOpInserter {
   /// instance, so this is exact; it also tells the rank-local analysis that,
   /// say, a RowParallelLinear with reduce_results=True returns an all-reduced
   /// value on every path.
+  /// Instances of one class with equal folded config (the 80 decoder layers
+  /// of one file) share one specialized body, keyed by class, method and the
+  /// folded values.
   std::shared_ptr<Graph> specialize(torch::jit::GraphFunction& callee, const torch::jit::Module& instance) {
-    auto body = callee.graph()->copy();
+    const auto& source = callee.graph();
+    Value* source_self = source->inputs().at(0);
+    std::vector<std::pair<std::string, c10::IValue>> folded;
+    std::string key = fmt::format("{}|{}", static_cast<const void*>(instance.type().get()), callee.name());
+    for (const auto& use : source_self->uses()) {
+      if (use.user->kind() != c10::prim::GetAttr) continue;
+      const std::string name = use.user->s(c10::attr::name);
+      if (!instance.hasattr(name)) continue;
+      c10::IValue value = instance.attr(name);
+      if (!(value.isBool() || value.isInt() || value.isDouble() || value.isString() || value.isNone())) continue;
+      key += fmt::format("|{}={}", name, value.isNone() ? std::string("None") : c10::str(value));
+      folded.emplace_back(name, value);
+    }
+    if (auto cached = specialized_.find(key); cached != specialized_.end()) return cached->second;
+    auto body = source->copy();
     Value* self = body->inputs().at(0);
     std::vector<Node*> reads;
     for (const auto& use : self->uses())
       if (use.user->kind() == c10::prim::GetAttr) reads.push_back(use.user);
     for (Node* read : reads) {
       const std::string name = read->s(c10::attr::name);
-      if (!instance.hasattr(name)) continue;
-      c10::IValue value = instance.attr(name);
-      if (!(value.isBool() || value.isInt() || value.isDouble() || value.isString() || value.isNone()))
-        continue;
+      auto value = std::find_if(folded.begin(), folded.end(), [&](const auto& f) { return f.first == name; });
+      if (value == folded.end()) continue;
       WithInsertPoint guard(read);
-      read->output()->replaceAllUsesWith(body->insertConstant(value));
+      read->output()->replaceAllUsesWith(body->insertConstant(value->second));
       read->destroy();
     }
     torch::jit::ConstantPropagation(body);
     torch::jit::EliminateDeadCode(body);
+    specialized_.emplace(key, body);
     return body;
   }
 
@@ -253,7 +279,8 @@ class FragmentOpInserter {
   /// the location is rank-local and gets no op).
   Value* instrument(Value* value, const std::string& location, Node* insert_before) {
     WithInsertPoint guard(insert_before);
-    if (const ir::FragmentRule* rule = table_.rule_at(location)) {
+    auto found = rules_.find(location);
+    if (const ir::FragmentRule* rule = found == rules_.end() ? nullptr : found->second) {
       Value* loc = graph_->insertConstant(location);
       Value* rule_text = graph_->insertConstant(ir::to_json(*rule).dump());
       Value* whole = insert_op(kGather, {value, loc, rule_text}, value->type());
@@ -284,6 +311,10 @@ class FragmentOpInserter {
   const std::string& source_;
   std::shared_ptr<Graph> graph_;
   Value* self_ = nullptr;
+  /// Fragment rules by location (from the table).
+  std::unordered_map<std::string, const ir::FragmentRule*> rules_;
+  /// Specialized callee bodies (see specialize).
+  std::unordered_map<std::string, std::shared_ptr<Graph>> specialized_;
   /// Rank-local values and the fragmented location each derives from.
   std::unordered_map<Value*, std::string> derived_from_;
 };
