@@ -60,13 +60,24 @@ class FragmentOpInserter {
     if (any_fragment_op(graph_->block()))
       fail("{}: already rewritten (its forward holds frag:: fragment ops); rewrite the original export",
            source_);
-    self_ = graph_->inputs().at(0);
     for (const auto& layer : table_.layers) {
       if (layer.input) rules_[ir::input_location(layer.path)] = &layer.input->rule;
       if (layer.output) rules_[ir::output_location(layer.path)] = &layer.output->rule;
     }
     GRAPH_DUMP("before insert_fragment_ops:", graph_);
-    process_block(graph_->block());
+    // The root graph is rebuilt from a copy of itself, node by node, always
+    // appending: inserting into the middle of a large graph renumbers its
+    // topological positions again and again, which is quadratic.
+    auto original = graph_->copy();
+    Block* block = graph_->block();
+    block->return_node()->removeAllInputs();
+    std::vector<Node*> old_nodes(block->nodes().begin(), block->nodes().end());
+    for (auto it = old_nodes.rbegin(); it != old_nodes.rend(); ++it) (*it)->destroy();
+    Env env;
+    for (size_t i = 0; i < original->inputs().size(); ++i) env[original->inputs()[i]] = graph_->inputs()[i];
+    paths_[graph_->inputs().at(0)] = "";
+    emit_block(original->block(), block, env);
+    for (Value* output : original->outputs()) block->registerOutput(lookup(env, output));
     settle_location_lists();
     GRAPH_DUMP("after insert_fragment_ops:", graph_);
     // Graph::lint is quadratic in LibTorch (nodes × blocks): about a second
@@ -76,22 +87,86 @@ class FragmentOpInserter {
   }
 
  private:
-  void process_block(Block* block) { process_range(block->nodes().front(), block->return_node()); }
+  using Env = std::unordered_map<Value*, Value*>;
 
-  /// Processes the nodes from `node` up to (not including) `end`.
-  void process_range(Node* node, Node* end) {
-    while (node != end) {
-      Node* next = node->next();
+  Value* lookup(const Env& env, Value* value) const {
+    auto it = env.find(value);
+    TORCH_INTERNAL_ASSERT(it != env.end(), "insert_fragment_ops: value %", value->debugName(), " not emitted yet");
+    return it->second;
+  }
+
+  /// Appends the nodes of `source` (of the original graph or a callee body)
+  /// to `destination`, inlining calls and instrumenting their boundaries.
+  void emit_block(Block* source, Block* destination, Env& env) {
+    for (Node* node : source->nodes()) {
       if (node->kind() == c10::prim::CallMethod) {
-        next = handle_call(node);
+        emit_call(node, destination, env);
       } else if (node->kind() == c10::prim::CallFunction) {
-        next = inline_function(node);
-      } else if (!is_fragment_op(node)) {
-        for (Block* inner : node->blocks()) process_block(inner);
-        propagate_rank_local(node);
+        emit_function(node, destination, env);
+      } else {
+        emit_node(node, destination, env);
       }
-      node = next;
     }
+  }
+
+  /// Copies one ordinary node (and its blocks, recursively).
+  void emit_node(Node* node, Block* destination, Env& env) {
+    Node* copy = graph_->createClone(node, [&](Value* v) { return lookup(env, v); }, /*copy_blocks=*/false);
+    destination->appendNode(copy);
+    for (size_t i = 0; i < node->outputs().size(); ++i) env[node->output(i)] = copy->output(i);
+    for (Block* inner : node->blocks()) {
+      Block* copied = copy->addBlock();
+      for (Value* input : inner->inputs()) env[input] = copied->addInput()->copyMetadata(input);
+      emit_block(inner, copied, env);
+      for (Value* output : inner->outputs()) copied->registerOutput(lookup(env, output));
+    }
+    if (copy->kind() == c10::prim::GetAttr) {
+      auto parent = paths_.find(copy->input(0));
+      if (parent != paths_.end() && copy->output()->type()->cast<c10::ClassType>())
+        paths_[copy->output()] = join_path(parent->second, copy->s(c10::attr::name));
+    }
+    propagate_rank_local(copy);
+  }
+
+  /// Inlines a submodule call: instruments its input, emits the callee's
+  /// specialized body (deeper calls first, so rank-local values are known),
+  /// then instruments its output.
+  void emit_call(Node* call, Block* destination, Env& env) {
+    std::vector<Value*> arguments;
+    for (Value* input : call->inputs()) arguments.push_back(lookup(env, input));
+    auto path = paths_.find(arguments[0]);
+    if (path == paths_.end()) fail("{}: a method call on a module the pass cannot resolve to a path", source_);
+    const std::string module_path = path->second;
+    const std::string method = call->s(c10::attr::name);
+    torch::jit::Module callee_module = module_at(module_path);
+    auto& callee = torch::jit::toGraphFunction(callee_module.get_method(method).function());
+    const bool located = !module_path.empty() && method == "forward";
+    if (located && arguments.size() >= 2 && arguments[1]->type()->isSubtypeOf(*c10::TensorType::get()))
+      arguments[1] = instrument(arguments[1], ir::input_location(module_path), destination);
+    auto body = specialize(callee, callee_module);
+    Env inner;
+    for (size_t i = 0; i < arguments.size(); ++i) inner[body->inputs()[i]] = arguments[i];
+    emit_block(body->block(), destination, inner);
+    for (size_t i = 0; i < call->outputs().size(); ++i) env[call->output(i)] = lookup(inner, body->outputs()[i]);
+    if (located && call->outputs().size() == 1)
+      env[call->output()] = instrument_output(env[call->output()], ir::output_location(module_path), destination);
+  }
+
+  /// Inlines a free function (fragkit.distributed's all-reduce, a rotary
+  /// helper): the model's collectives must be visible to the rank-local
+  /// analysis.
+  void emit_function(Node* call, Block* destination, Env& env) {
+    auto function_type = call->input(0)->type()->cast<c10::FunctionType>();
+    auto* function = function_type ? torch::jit::tryToGraphFunction(*function_type->function()) : nullptr;
+    if (function == nullptr) {  // not a TorchScript function: an ordinary op
+      emit_node(call, destination, env);
+      return;
+    }
+    auto body = function->graph();
+    Env inner;
+    for (size_t i = 0; i < body->inputs().size(); ++i) inner[body->inputs()[i]] = lookup(env, call->input(i + 1));
+    emit_block(body->block(), destination, inner);
+    for (size_t i = 0; i < call->outputs().size(); ++i) env[call->output(i)] = lookup(inner, body->outputs()[i]);
   }
 
   /// A module called several times lists its locations once. A location whole
@@ -129,16 +204,6 @@ class FragmentOpInserter {
     for (Value* output : node->outputs()) derived_from_[output] = origin;
   }
 
-  /// The module path of a class-typed value: a GetAttr chain from the root's self.
-  std::optional<std::string> module_path(Value* value) const {
-    if (value == self_) return std::string();
-    Node* node = value->node();
-    if (node->kind() != c10::prim::GetAttr) return std::nullopt;
-    auto parent = module_path(node->input(0));
-    if (!parent) return std::nullopt;
-    return join_path(*parent, node->s(c10::attr::name));
-  }
-
   torch::jit::Module module_at(const std::string& path) const {
     torch::jit::Module module = root_;
     size_t start = 0;
@@ -151,65 +216,6 @@ class FragmentOpInserter {
     return module;
   }
 
-  /// Instruments a submodule call's input, inlines the call, processes the
-  /// inlined body (deeper calls first, so rank-local values are known), then
-  /// instruments the output. Returns the node after the call's region.
-  Node* handle_call(Node* call) {
-    Node* const before = call->prev();
-    Node* const after = call->next();
-    const std::string method = call->s(c10::attr::name);
-    auto path = module_path(call->input(0));
-    if (!path) fail("{}: a method call on a module the pass cannot resolve to a path", source_);
-    torch::jit::Module callee_module = module_at(*path);
-    auto& callee = torch::jit::toGraphFunction(callee_module.get_method(method).function());
-    const bool located = !path->empty() && method == "forward";
-    if (located && call->inputs().size() >= 2 &&
-        call->input(1)->type()->isSubtypeOf(*c10::TensorType::get()))
-      call->replaceInput(1, instrument(call->input(1), ir::input_location(*path), call));
-    auto body = specialize(callee, callee_module);
-    auto outputs = torch::jit::inlineCallTo(call, &callee, body.get());
-    // Holds the call's result while the body is processed: inlining a deeper
-    // call replaces its output value (`return self.norm(x)`), and the holder's
-    // input follows that replacement.
-    Node* holder = nullptr;
-    if (located && outputs.size() == 1) {
-      WithInsertPoint guard(after);
-      holder = graph_->insertNode(graph_->create(c10::prim::TupleConstruct, {outputs[0]}, 1));
-    }
-    process_range(before->next(), holder != nullptr ? holder : after);
-    if (holder != nullptr) {
-      Value* result = holder->input(0);
-      holder->destroy();
-      instrument_output(result, ir::output_location(*path), after);
-    }
-    return after;
-  }
-
-  /// Inlines a free function (fragkit.distributed's all-reduce, a rotary
-  /// helper): the model's collectives must be visible to the rank-local
-  /// analysis. Returns the node after the inlined region.
-  Node* inline_function(Node* call) {
-    Node* const before = call->prev();
-    Node* const after = call->next();
-    auto function_type = call->input(0)->type()->cast<c10::FunctionType>();
-    auto* function = function_type ? torch::jit::tryToGraphFunction(*function_type->function()) : nullptr;
-    if (function == nullptr) {  // not a TorchScript function: leave it, treat as an ordinary op
-      propagate_rank_local(call);
-      return after;
-    }
-    call->removeInput(0);  // the function constant; the callee takes the rest
-    torch::jit::inlineCallTo(call, function, function->graph().get());
-    process_range(before->next(), after);
-    return after;
-  }
-
-  /// A copy of the callee's own graph (not its optimized, already inlined
-  /// one: its submodule calls must stay visible so they get locations too),
-  /// with this instance's scalar config attributes folded into constants and
-  /// the branches they decide removed. After inlining the graph belongs to one
-  /// instance, so this is exact; it also tells the rank-local analysis that,
-  /// say, a RowParallelLinear with reduce_results=True returns an all-reduced
-  /// value on every path.
   /// Instances of one class with equal folded config (the 80 decoder layers
   /// of one file) share one specialized body, keyed by class, method and the
   /// folded values.
@@ -247,38 +253,34 @@ class FragmentOpInserter {
     return body;
   }
 
-  void instrument_output(Value* output, const std::string& location, Node* insert_before) {
-    if (output->type()->isSubtypeOf(*c10::TensorType::get())) {
-      Value* replaced = instrument(output, location, insert_before);
-      if (replaced != output) output->replaceAllUsesAfterNodeWith(replaced->node(), replaced);
-      return;
-    }
+  /// Instruments a call's output and returns the value its users get.
+  Value* instrument_output(Value* output, const std::string& location, Block* destination) {
+    if (output->type()->isSubtypeOf(*c10::TensorType::get())) return instrument(output, location, destination);
     auto tuple = output->type()->cast<c10::TupleType>();
-    if (!tuple || tuple->elements().empty() ||
-        !tuple->elements()[0]->isSubtypeOf(*c10::TensorType::get()))
-      return;
+    if (!tuple || tuple->elements().empty() || !tuple->elements()[0]->isSubtypeOf(*c10::TensorType::get()))
+      return output;
     // (output, output_bias): the main output is the first element.
-    WithInsertPoint guard(insert_before);
+    WithInsertPoint guard(destination);
     Node* unpack = graph_->insertNode(graph_->createTupleUnpack(output));
     propagate_rank_local(unpack);
-    Value* main = instrument(unpack->output(0), location, insert_before);
+    Value* main = instrument(unpack->output(0), location, destination);
     if (main == unpack->output(0)) {
       for (Value* element : unpack->outputs()) derived_from_.erase(element);
       unpack->destroy();
-      return;
+      return output;
     }
     std::vector<Value*> elements(unpack->outputs().begin(), unpack->outputs().end());
     elements[0] = main;
     Node* rebuilt = graph_->insertNode(graph_->createTuple(elements));
     propagate_rank_local(rebuilt);
-    output->replaceAllUsesAfterNodeWith(rebuilt, rebuilt->output());
+    return rebuilt->output();
   }
 
-  /// Inserts the ops for `location` on `value` before `insert_before` and
+  /// Appends the ops for `location` on `value` to `destination` and
   /// returns the value the model should carry on with (`value` itself where
   /// the location is rank-local and gets no op).
-  Value* instrument(Value* value, const std::string& location, Node* insert_before) {
-    WithInsertPoint guard(insert_before);
+  Value* instrument(Value* value, const std::string& location, Block* destination) {
+    WithInsertPoint guard(destination);
     auto found = rules_.find(location);
     if (const ir::FragmentRule* rule = found == rules_.end() ? nullptr : found->second) {
       Value* loc = graph_->insertConstant(location);
@@ -310,7 +312,8 @@ class FragmentOpInserter {
   ir::FragmentTable& table_;
   const std::string& source_;
   std::shared_ptr<Graph> graph_;
-  Value* self_ = nullptr;
+  /// Module paths of the module-typed values of the rebuilt graph.
+  std::unordered_map<Value*, std::string> paths_;
   /// Fragment rules by location (from the table).
   std::unordered_map<std::string, const ir::FragmentRule*> rules_;
   /// Specialized callee bodies (see specialize).

@@ -7,37 +7,44 @@
 // rotates from one iteration to the next (ABC, BCA, CAB, …):
 //
 //  (a) the rewritten graph with nothing registered vs the original export:
-//        original   run_forward on the plain rank file (load_and_check_rank_module,
-//                   no rewrite);
-//        rewritten  ShardedModel::load of the same file (rewritten in memory),
-//                   forward with no intervention;
-//        inlined    the same rewritten graph with every frag:: op removed again
-//                   (what the inlining alone does, without the idle triples);
+//        original     run_forward on the plain rank file (load_and_check_rank_module,
+//                     no rewrite);
+//        rewritten    ShardedModel::load of the same file (rewritten in memory),
+//                     forward with no intervention;
+//        stripped     the same rewritten graph with every frag:: op removed again
+//                     (what the inlining alone does, without the idle ops);
+//        passthrough  the rewritten graph called directly with no
+//                     InterventionRuntime: the ops pass their input through;
 //      target: rewritten / original <= 1.02.
 //  (b) a save (ShardedModel::save) at EVERY fragmented location of the table vs
 //      the same rewritten model without saves, against the raw collectives the
 //      saved bytes need:
 //        plain      the rewritten model, nothing registered;
-//        saves      a second rewritten model with a save at every fragmented location;
+//        saves      a second rewritten model with a save at every fragmented
+//                   location (its saves freed after each forward, inside the timing);
 //        raw        for each fragmented location, a tensor of the piece's shape
-//                   through the tp communicator's all_gather or all_reduce
-//                   (ir::collective_for), nothing else;
+//                   (recorded by a first forward with the saves) through the tp
+//                   communicator's all_gather or all_reduce (ir::collective_for);
 //        raw+asm    raw plus what the runtime does around it outside the graph:
 //                   ir::whole_from_pieces and the save's clone;
 //      extra = median(saves) - median(plain); target: extra / raw <= 1.15.
-//  Then a micro-benchmark of the idle ops alone (TorchScript loops of
-//  frag::gather/intervene/split triples and of lone frag::intervene ops on rank
-//  0), and the per-forward cost they predict for the model's op counts.
+//  Then, on rank 0 alone: the idle ops in TorchScript loops (ns per
+//  gather/intervene/split triple and per lone intervene), and the frag ops of a
+//  whole forward alone (the model's locations and rules, begin_forward before
+//  each call) with an empty runtime and with none.
 //
-// Every time is per forward, the slower of the two ranks in each iteration
-// (each rank times itself after a barrier; both do identical work in the same
-// order); the tables show medians over the iterations.
+// Every time is per forward: each rank times `--block` calls back to back after
+// a barrier; the sample is the slower rank's mean; the tables show medians (and
+// minima) over the iterations, the median CPU time of the rank's own thread, and
+// the spread. Both ranks do identical work in the same order.
 //
 //   bazel build //tools/bench:runtime_benchmark
 //   bazel-bin/tools/bench/runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T]
-//                                           [--micro N] [--locations] [EXPORT_DIR ...]
+//                                           [--micro N] [--locations] [--graphs] [EXPORT_DIR ...]
 //   bazel-bin/tools/bench/runtime_benchmark --profile VARIANT [--iters N] [EXPORT_DIR]   (one variant
-//       only, original|rewritten|stripped|saves|raw|raw+asm, for `perf record`)
+//       only, original|rewritten|stripped|passthrough|saves|raw|raw+asm, for `perf record`)
+//   --locations: list every fragmented location with its collective and shapes;
+//   --graphs: compare the node kinds of the optimized plans of rewritten and stripped.
 //
 // With no folders it uses //tests/models:llama_tp2 ("tiny") and
 // //tests/models:bench_llama_h256_tp2 ("large"), found in its runfiles or under
@@ -476,17 +483,28 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     }
   };
 
+  // The rewritten graph called directly, with no InterventionRuntime on this
+  // thread: the ops pass their input through (fragment_ops.cpp).
+  auto run_passthrough = [&] {
+    torch::NoGradGuard no_grad;
+    rewritten.module().forward({ids});
+  };
+  run_passthrough();
+
   if (!options.profile.empty()) {  // one variant only, no barriers in between
     barrier();
     for (int i = 0; i < options.warmup + options.iters; ++i) {
       if (options.profile == "original") runtime::run_forward(original, ids);
       else if (options.profile == "rewritten") rewritten.forward(ids);
       else if (options.profile == "stripped") runtime::run_forward(inlined, ids);
-      else if (options.profile == "passthrough") torch::NoGradGuard(), rewritten.module().forward({ids});
-      else if (options.profile == "saves") saving.forward(ids), saving.clear_saved();
+      else if (options.profile == "passthrough") run_passthrough();
+      else if (options.profile == "saves") {
+        saving.forward(ids);
+        saving.clear_saved();
+      }
       else if (options.profile == "raw") run_raw(false);
       else if (options.profile == "raw+asm") run_raw(true);
-      else throw std::runtime_error("--profile takes original, rewritten, stripped, saves, raw or raw+asm");
+      else throw std::runtime_error("--profile takes original, rewritten, stripped, passthrough, saves, raw or raw+asm");
     }
     barrier();
     return;
@@ -506,14 +524,6 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     }
   };
 
-  // The rewritten graph called directly, with no InterventionRuntime on this
-  // thread: the ops pass their input through (fragment_ops.cpp).
-  auto run_passthrough = [&] {
-    torch::NoGradGuard no_grad;
-    rewritten.module().forward({ids});
-  };
-  run_passthrough();
-
   // Runs the variants once each per iteration, the order rotating from one
   // iteration to the next (ABC, BCA, CAB, …) so that no variant always runs
   // first or right after a given other one.
@@ -526,7 +536,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
         timed(series, i >= options.warmup, body);
       }
   };
-  // (a) original / rewritten / stripped.
+  // (a) original / rewritten / stripped / pass-through.
   interleave({{"original", [&] { runtime::run_forward(original, ids); }},
               {"rewritten", [&] { rewritten.forward(ids); }},
               {"inlined", [&] { runtime::run_forward(inlined, ids); }},
@@ -729,10 +739,12 @@ std::string default_folder(const std::string& argv0, const std::string& name) {
 }
 
 int usage() {
-  std::cerr << "usage: runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T] [--micro N] "
-               "[--locations] [--profile VARIANT] [EXPORT_DIR ...]\n"
-               "  --profile VARIANT: run only original|rewritten|stripped|saves|raw|raw+asm, warmup+iters times\n"
-               "                     on both ranks, and print no table (for perf record)\n";
+  std::cerr << "usage: runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T] [--micro N]\n"
+               "                         [--locations] [--graphs] [--profile VARIANT] [EXPORT_DIR ...]\n"
+               "  --locations        list every fragmented location with its collective and shapes\n"
+               "  --graphs           compare the optimized plans of the rewritten and stripped graphs\n"
+               "  --profile VARIANT  run only original|rewritten|stripped|passthrough|saves|raw|raw+asm,\n"
+               "                     warmup+iters times on both ranks, and print no table (for perf record)\n";
   return 2;
 }
 
@@ -771,15 +783,14 @@ int main(int argc, char** argv) {
   }
 
   std::string command = fmt::format("bazel-bin/tools/bench/runtime_benchmark --iters {} --warmup {} --block {} "
-                                    "--batch {} --tokens {} --micro {}{}",
+                                    "--batch {} --tokens {} --micro {}{}{}",
                                     options.iters, options.warmup, options.block, options.batch, options.tokens,
-                                    options.micro,
-                                    options.locations ? " --locations" : "");
+                                    options.micro, options.locations ? " --locations" : "",
+                                    options.graphs ? " --graphs" : "");
   for (const auto& folder : folders) command += " " + folder;
   fmt::print("runtime_benchmark: tp = 2 as two threads over Gloo, 1 intra-op thread per rank, libtorch {}\n",
              TORCH_VERSION);
-  fmt::print("rerun: cd {} && bazel build //tools/bench:runtime_benchmark //tests/models:llama_tp2 "
-             "//tests/models:bench_llama_h256_tp2 && {}\n",
+  fmt::print("rerun: cd {} && bazel build //tools/bench:runtime_benchmark && {}\n",
              std::filesystem::current_path().string(), command);
   std::fflush(stdout);
 
