@@ -52,16 +52,27 @@ std::vector<Row> fragmented_rows(const ir::FragmentTable& table) {
   return rows;
 }
 
+/// Rank files given together must come from one export (when they say which).
+void check_one_export(const std::vector<std::string>& files, const std::vector<std::string>& export_ids) {
+  for (size_t r = 1; r < files.size(); ++r)
+    if (!export_ids[0].empty() && !export_ids[r].empty() && export_ids[r] != export_ids[0])
+      fail("{} and {} come from different exports ({} vs {})", files[0], files[r], export_ids[0], export_ids[r]);
+}
+
 std::vector<ir::FragmentTable> analyze_files(const std::vector<std::string>& files,
                                              const passes::LayerAliases& aliases) {
   std::vector<ir::FragmentTable> tables;
+  std::vector<std::string> export_ids;
   for (const auto& file : files) {
     auto rank = runtime::load_rank_module(file);
+    export_ids.push_back(rank.info.export_id);
     if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
       fail("{}: already rewritten by frag rewrite; inspect reads the original export", file);
     tables.push_back(passes::analyze_fragments(rank.module, aliases, file));
   }
+  // Layouts first: they name what differs; then the export ids.
   passes::check_tables_agree(files, tables);
+  check_one_export(files, export_ids);
   return tables;
 }
 
@@ -140,6 +151,9 @@ int rewrite_command(const RewriteArguments& args) {
   const auto aliases = load_aliases(args.rules_file);
   std::vector<std::string> targets;
   if (args.files.size() == 1 && !std::filesystem::is_directory(args.output)) {
+    auto parent = std::filesystem::path(args.output).parent_path();
+    if (!parent.empty() && !std::filesystem::is_directory(parent))
+      fail("-o {}: the folder {} does not exist", args.output, parent.string());
     targets.push_back(args.output);
   } else {
     if (!std::filesystem::is_directory(args.output))
@@ -153,16 +167,19 @@ int rewrite_command(const RewriteArguments& args) {
   }
   std::vector<std::string> temporaries;
   std::vector<ir::FragmentTable> tables;
+  std::vector<std::string> export_ids;
   try {
     for (size_t i = 0; i < args.files.size(); ++i) {
       const auto& file = args.files[i];
       auto rank = runtime::load_rank_module(file);
       if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
         fail("{}: already rewritten by frag rewrite; give the original export", file);
+      export_ids.push_back(rank.info.export_id);
       auto table = passes::rewrite_for_fragments(rank.module, aliases, file);
       tables.push_back(table);
-      passes::check_tables_agree(std::vector<std::string>(args.files.begin(), args.files.begin() + i + 1),
-                                 tables);
+      const std::vector<std::string> so_far(args.files.begin(), args.files.begin() + i + 1);
+      passes::check_tables_agree(so_far, tables);
+      check_one_export(so_far, export_ids);
       torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
       extra[runtime::kRuleTableFile] = ir::to_json(table).dump(1);
       temporaries.push_back(temporary_beside(targets[i]));

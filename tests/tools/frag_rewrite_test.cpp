@@ -417,3 +417,27 @@ TEST(RewriteRefuses, ABadRulesFile) {
 
 }  // namespace
 }  // namespace frag
+
+namespace frag {
+namespace {
+
+TEST(RewriteRefusesMore, RankFilesFromDifferentExports) {
+  auto folder = testing::temporary_folder();
+  auto result = testing::run_command({testing::frag_binary(), "rewrite", testing::model_files("llama_tp2")[0],
+                                      testing::model_files("llama_seed1_tp2")[1], "-o", folder});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("come from different exports"), std::string::npos) << result.output;
+  EXPECT_TRUE(std::filesystem::is_empty(folder)) << "nothing written";
+}
+
+TEST(RewriteRefusesMore, AnOutputFileInAMissingFolderBeforeAnyWork) {
+  auto folder = testing::temporary_folder();
+  auto target = folder + "/missing/out.pt";
+  auto result = testing::run_command({testing::frag_binary(), "rewrite", testing::model_files("llama_tp1")[0], "-o", target});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("-o " + target + ": the folder " + folder + "/missing does not exist"), std::string::npos)
+      << result.output;
+}
+
+}  // namespace
+}  // namespace frag

@@ -123,7 +123,7 @@ for block in re.split(r"\n(?=\d+/\d+ Testing: )", text):
     totals[0] += p; totals[1] += f; totals[2] += s
     failed_cases = re.findall(r"^\[  FAILED  \] (\S+)", block, re.M)
     failed_cases = sorted(set(c for c in failed_cases if not re.match(r"\d+$", c)))
-    print("%-34s %-6s %3d passed, %d failed, %d skipped%s" % (
+    print("%-44s %-4s %4d passed, %d failed, %d skipped%s" % (
         name, "PASS" if passed_entry else "FAIL", p, f, s,
         ("  [" + ", ".join(failed_cases[:8]) + (" ..." if len(failed_cases) > 8 else "") + "]") if failed_cases else ""))
 print("%d passed, %d failed, %d skipped" % tuple(totals))
