@@ -28,4 +28,9 @@ template <typename... Args>
   throw Error(fmt::format(format, std::forward<Args>(args)...));
 }
 
+/// `text` up to its first newline (all of it if it has none): the part of a
+/// LibTorch, c10d or TorchScript message worth quoting in a one-line error,
+/// without the backtrace or traceback that follows.
+inline std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
 }  // namespace frag

@@ -532,7 +532,12 @@ torch::Tensor whole_from_pieces(const FragmentRule& rule,
     case LayoutKind::kVocabShard: {
       whole_shape(rule, pieces[0].sizes());
       const int64_t d = normalized_dim(rule, pieces[0].sizes(), "piece");
-      return cat_fresh(pieces, d).narrow(d, 0, rule.org_vocab).contiguous();
+      // Only the real rows of each piece: the padding is never copied.
+      const int64_t w = pieces[0].size(d);
+      std::vector<at::Tensor> parts;
+      for (int64_t r = 0; r < p && r * w < rule.org_vocab; ++r)
+        parts.push_back(pieces[r].narrow(d, 0, std::min(w, rule.org_vocab - r * w)));
+      return cat_fresh(parts, d);
     }
   }
   fail("fragment rule has unknown kind {}", static_cast<int>(rule.kind));

@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 #include "ir/op_schemas.h"
+#include "passes/module_path.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -138,7 +139,7 @@ class FragmentOpInserter {
     if (path == paths_.end()) fail("{}: a method call on a module the pass cannot resolve to a path", source_);
     const std::string module_path = path->second;
     const std::string method = call->s(c10::attr::name);
-    torch::jit::Module callee_module = module_at(module_path);
+    torch::jit::Module callee_module = module_at(root_, module_path);
     auto& callee = torch::jit::toGraphFunction(callee_module.get_method(method).function());
     const bool located = !module_path.empty() && method == "forward";
     if (located && arguments.size() >= 2 && arguments[1]->type()->isSubtypeOf(*c10::TensorType::get()))
@@ -202,18 +203,6 @@ class FragmentOpInserter {
     if (source == nullptr) return;
     const std::string origin = *source;
     for (Value* output : node->outputs()) derived_from_[output] = origin;
-  }
-
-  torch::jit::Module module_at(const std::string& path) const {
-    torch::jit::Module module = root_;
-    size_t start = 0;
-    while (start < path.size()) {
-      size_t end = path.find('.', start);
-      if (end == std::string::npos) end = path.size();
-      module = module.attr(path.substr(start, end - start)).toModule();
-      start = end + 1;
-    }
-    return module;
   }
 
   /// Instances of one class with equal folded config (the 80 decoder layers

@@ -2,6 +2,7 @@
 #include "runtime/ad_hoc_call.h"
 
 #include "ir/error.h"
+#include "passes/module_path.h"
 
 #include <fmt/ranges.h>
 
@@ -27,24 +28,9 @@ torch::Tensor main_output(const c10::IValue& output, const std::string& path) {
 
 }  // namespace
 
-torch::jit::Module AdHocCaller::module_at(const std::string& path) const {
-  torch::jit::Module module = root_;
-  size_t start = 0;
-  while (start < path.size()) {
-    size_t end = path.find('.', start);
-    if (end == std::string::npos) end = path.size();
-    const std::string name = path.substr(start, end - start);
-    if (!module.hasattr(name) || !module.attr(name).isModule())
-      fail("unknown module '{}' ('{}' is not a submodule of '{}')", path, name, path.substr(0, start ? start - 1 : 0));
-    module = module.attr(name).toModule();
-    start = end + 1;
-  }
-  return module;
-}
-
 void AdHocCaller::check_callable(const std::string& path, size_t tensors) const {
   if (path.empty()) fail("an empty module path cannot be called");
-  auto module = module_at(path);
+  auto module = passes::module_at(root_, path);
   auto method = module.find_method("forward");
   if (!method) fail("{} has no call wrapper: it has no forward method", path);
   const size_t arguments = method->function().getSchema().arguments().size() - 1;  // minus self
@@ -62,7 +48,7 @@ void AdHocCaller::check_callable(const std::string& path, size_t tensors) const 
 
 int64_t AdHocCaller::expected_input_width(const std::string& path) const {
   if (const auto* layer = table_->layer(path)) {
-    auto module = module_at(path);
+    auto module = passes::module_at(root_, path);
     if (layer->input && layer->input->whole_width) return *layer->input->whole_width;
     for (const char* name : {"input_size", "embedding_dim", "hidden_size"})
       if (layer->kind != "VocabParallelEmbedding" && layer->kind != "LogitsProcessor" && module.hasattr(name) &&
@@ -85,7 +71,7 @@ torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& 
   torch::Tensor input = whole;
   if (layer && layer->input)
     input = ir::piece_of_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
-  auto module = module_at(path);
+  auto module = passes::module_at(root_, path);
   std::vector<c10::IValue> inputs{input};
   for (size_t i = 1; i < wholes.size(); ++i) inputs.emplace_back(wholes[i]);
   torch::NoGradGuard no_grad;

@@ -52,8 +52,6 @@ class AdHocCaller {
                             const std::vector<torch::Tensor>& wholes) const;
 
  private:
-  torch::jit::Module module_at(const std::string& path) const;
-
   torch::jit::Module root_;
   const ir::FragmentTable* table_;
 };

@@ -11,20 +11,23 @@
 namespace frag::runtime {
 namespace {
 
-at::Tensor gather(const at::Tensor& piece, std::string location, std::string rule) {
+// The string arguments are views of the graph's constants: no copies per call.
+std::string_view view(c10::string_view text) { return {text.data(), text.size()}; }
+
+at::Tensor gather(const at::Tensor& piece, c10::string_view location, c10::string_view rule) {
   auto* runtime = current_intervention_runtime();
-  return runtime == nullptr ? piece : runtime->gather(piece, location, rule);
+  return runtime == nullptr ? piece : runtime->gather(piece, view(location), view(rule));
 }
 
-at::Tensor intervene(const at::Tensor& value, std::string location, bool fragmented) {
+at::Tensor intervene(const at::Tensor& value, c10::string_view location, bool fragmented) {
   auto* runtime = current_intervention_runtime();
-  return runtime == nullptr ? value : runtime->intervene(value, location, fragmented);
+  return runtime == nullptr ? value : runtime->intervene(value, view(location), fragmented);
 }
 
-at::Tensor split(const at::Tensor& value, const at::Tensor& piece, std::string location,
-                 std::string rule) {
+at::Tensor split(const at::Tensor& value, const at::Tensor& piece, c10::string_view location,
+                 c10::string_view rule) {
   auto* runtime = current_intervention_runtime();
-  return runtime == nullptr ? piece : runtime->split(value, piece, location, rule);
+  return runtime == nullptr ? piece : runtime->split(value, piece, view(location), view(rule));
 }
 
 }  // namespace

@@ -59,8 +59,6 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
-  static std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
@@ -80,9 +78,8 @@ std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c1
   } catch (const frag::Error&) {
     throw;
   } catch (const std::exception& e) {
-    std::string text = e.what();
     fail("could not connect gloo group '{}' (rank {} of {}) within {} ms: {}", prefix, rank, size,
-         timeout.count(), text.substr(0, text.find('\n')));
+         timeout.count(), first_line(e.what()));
   }
 }
 

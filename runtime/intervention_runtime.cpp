@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <mutex>
 
 namespace frag::runtime {
@@ -26,65 +27,91 @@ void check_replacement(const torch::Tensor& original, const torch::Tensor& repla
 
 }  // namespace
 
+InterventionRuntime::Location& InterventionRuntime::at(std::string_view location) {
+  auto it = locations_.find(location);
+  if (it != locations_.end()) return *it->second;
+  auto state = std::make_unique<Location>();
+  state->name = std::string(location);
+  const std::string_view key = state->name;  // views the entry's own storage
+  return *locations_.emplace(key, std::move(state)).first->second;
+}
+
+const InterventionRuntime::Location* InterventionRuntime::find(std::string_view location) const {
+  auto it = locations_.find(location);
+  return it == locations_.end() ? nullptr : it->second.get();
+}
+
+InterventionRuntime::Location& InterventionRuntime::in_this_forward(std::string_view location) {
+  Location& state = at(location);
+  if (state.forward != forward_) {
+    state.forward = forward_;
+    state.visits = 0;
+    state.visit = -1;
+    state.gathered = state.edited = false;
+  }
+  return state;
+}
+
 void InterventionRuntime::add(const std::string& location, Hook hook, std::optional<int64_t> visit,
                               bool edits) {
-  hooks_[location].push_back(Registered{visit, std::move(hook), edits});
+  at(location).hooks.push_back(Registered{visit, std::move(hook), edits});
 }
 
-void InterventionRuntime::clear() { hooks_.clear(); }
-
-void InterventionRuntime::begin_forward() {
-  visit_counts_.clear();
-  open_.clear();
+void InterventionRuntime::clear() {
+  for (auto& [name, state] : locations_) state->hooks.clear();
 }
+
+void InterventionRuntime::begin_forward() { ++forward_; }
 
 bool InterventionRuntime::has_hooks_at(const std::string& location) const {
-  auto it = hooks_.find(location);
-  return it != hooks_.end() && !it->second.empty();
+  const Location* state = find(location);
+  return state != nullptr && !state->hooks.empty();
 }
 
 std::vector<std::string> InterventionRuntime::hooked_locations() const {
-  std::vector<std::string> locations;
-  for (const auto& [location, hooks] : hooks_)
-    if (!hooks.empty()) locations.push_back(location);
-  return locations;
+  std::vector<std::string> hooked;
+  for (const auto& [name, state] : locations_)
+    if (!state->hooks.empty()) hooked.push_back(state->name);
+  std::sort(hooked.begin(), hooked.end());
+  return hooked;
 }
 
 int64_t InterventionRuntime::collectives_at(const std::string& location) const {
-  auto it = collectives_.find(location);
-  return it == collectives_.end() ? 0 : it->second;
+  const Location* state = find(location);
+  return state == nullptr ? 0 : state->collectives;
 }
 
 int64_t InterventionRuntime::visits_at(const std::string& location) const {
-  auto it = visit_counts_.find(location);
-  return it == visit_counts_.end() ? 0 : it->second;
+  const Location* state = find(location);
+  return state == nullptr || state->forward != forward_ ? 0 : state->visits;
 }
 
-bool InterventionRuntime::waiting(const std::string& location, int64_t visit) const {
-  auto it = hooks_.find(location);
-  if (it == hooks_.end()) return false;
-  for (const auto& registered : it->second)
+bool InterventionRuntime::waiting(const Location& state, int64_t visit) {
+  for (const auto& registered : state.hooks)
     if (!registered.visit || *registered.visit == visit) return true;
   return false;
 }
 
-int64_t InterventionRuntime::open_visit(const std::string& location) {
-  const int64_t visit = visit_counts_[location]++;
-  open_[location] = OpenVisit{visit, false, false};
-  return visit;
+int64_t InterventionRuntime::open_visit(Location& state) {
+  state.visit = state.visits++;
+  state.gathered = state.edited = false;
+  return state.visit;
 }
 
-const ir::FragmentRule& InterventionRuntime::rule(const std::string& rule_json) {
-  auto it = rules_.find(rule_json);
-  if (it == rules_.end()) it = rules_.emplace(rule_json, ir::rule_from_json(nlohmann::json::parse(rule_json))).first;
-  return it->second;
+const ir::FragmentRule& InterventionRuntime::rule(Location& state, std::string_view rule_json) {
+  if (!state.rule || state.rule_json != rule_json) {
+    state.rule = ir::rule_from_json(nlohmann::json::parse(rule_json));
+    state.rule_json = std::string(rule_json);
+  }
+  return *state.rule;
 }
 
-torch::Tensor InterventionRuntime::gather(const torch::Tensor& piece, const std::string& location,
-                                          const std::string& rule_json) {
-  const int64_t visit = open_visit(location);
-  if (!waiting(location, visit)) return piece;
-  const ir::FragmentRule& fragment_rule = rule(rule_json);
+torch::Tensor InterventionRuntime::gather(const torch::Tensor& piece, std::string_view location,
+                                          std::string_view rule_json) {
+  Location& state = in_this_forward(location);
+  const int64_t visit = open_visit(state);
+  if (!waiting(state, visit)) return piece;
+  const ir::FragmentRule& fragment_rule = rule(state, rule_json);
   Communicator& group = current_rank_context().group(fragment_rule.group);
   if (group.size() != fragment_rule.group_size)
     fail("{} is fragmented over {} ranks of group '{}', but this run's group has {}", location,
@@ -101,18 +128,18 @@ torch::Tensor InterventionRuntime::gather(const torch::Tensor& piece, const std:
       whole = piece.clone();
       break;
   }
-  ++collectives_[location];
-  open_[location].gathered = true;
-  open_[location].rule = &fragment_rule;
+  ++state.collectives;
+  state.gathered = true;
   return whole;
 }
 
-torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, const std::string& location,
+torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, std::string_view location,
                                              bool fragmented) {
-  const int64_t visit = fragmented ? open_[location].visit : open_visit(location);
-  if (!waiting(location, visit)) return value;
-  VisitInfo info{location, visit, fragmented ? open_[location].rule : nullptr};
-  auto& hooks = hooks_[location];
+  Location& state = in_this_forward(location);
+  const int64_t visit = fragmented ? state.visit : open_visit(state);
+  if (!waiting(state, visit)) return value;
+  auto& hooks = state.hooks;
+  VisitInfo info{state.name, visit, fragmented && state.rule ? &*state.rule : nullptr};
   torch::Tensor current = value;
   if (!fragmented) {
     // A gathered whole is already a fresh tensor; a whole location's value is
@@ -126,23 +153,30 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, const s
   const torch::Tensor start = current;
   const auto version = start._version();
   bool replaced = false;
-  for (auto& registered : hooks) {
+  // Hooks from the last editing one on may change the whole; a hook before it
+  // that kept the whole without a copy would see it change.
+  size_t last_edit = 0;
+  for (size_t i = 0; i < hooks.size(); ++i)
+    if (hooks[i].edits && (!hooks[i].visit || *hooks[i].visit == visit)) last_edit = i + 1;
+  for (size_t i = 0; i < hooks.size(); ++i) {
+    auto& registered = hooks[i];
     if (registered.visit && *registered.visit != visit) continue;
+    info.may_keep = fragmented && !replaced && start._version() == version && i + 1 >= last_edit;
     if (auto replacement = registered.hook(current, info)) {
-      check_replacement(current, *replacement, location);
+      check_replacement(current, *replacement, state.name);
       current = *replacement;
       replaced = true;
     }
   }
-  open_[location].edited = replaced || start._version() != version;
+  state.edited = replaced || start._version() != version;
   return current;
 }
 
 torch::Tensor InterventionRuntime::split(const torch::Tensor& value, const torch::Tensor& piece,
-                                         const std::string& location, const std::string& rule_json) {
-  const OpenVisit& state = open_[location];
+                                         std::string_view location, std::string_view rule_json) {
+  Location& state = in_this_forward(location);
   if (!state.gathered || !state.edited) return piece;  // reads hand back the original piece
-  const ir::FragmentRule& fragment_rule = rule(rule_json);
+  const ir::FragmentRule& fragment_rule = rule(state, rule_json);
   const int64_t rank = current_rank_context().group(fragment_rule.group).rank();
   return ir::piece_of_whole(fragment_rule, value, rank).to(piece.options());
 }

@@ -26,10 +26,10 @@
 #include <torch/torch.h>
 
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -40,6 +40,10 @@ struct VisitInfo {
   const std::string& location;
   int64_t visit;                    ///< 0 for a module's first call in this forward, 1 for its second, …
   const ir::FragmentRule* rule;     ///< nullptr at a whole location
+  /// The hook may keep `whole` as it is, without a copy: it is the runtime's
+  /// own fresh tensor (gathered, not the model's and not a replacement) and no
+  /// hook after this one on this visit may change it. A save keeps it then.
+  bool may_keep = false;
 };
 
 /// An intervention. It gets the whole tensor and may read it, edit it in
@@ -71,11 +75,12 @@ class InterventionRuntime {
   /// Visits of `location` in the current forward.
   int64_t visits_at(const std::string& location) const;
 
-  // The op kernels (runtime/fragment_ops.cpp) call these.
-  torch::Tensor gather(const torch::Tensor& piece, const std::string& location, const std::string& rule_json);
-  torch::Tensor intervene(const torch::Tensor& value, const std::string& location, bool fragmented);
-  torch::Tensor split(const torch::Tensor& value, const torch::Tensor& piece, const std::string& location,
-                      const std::string& rule_json);
+  // The op kernels (runtime/fragment_ops.cpp) call these. The strings are the
+  // graph's constants; they are looked up without copies.
+  torch::Tensor gather(const torch::Tensor& piece, std::string_view location, std::string_view rule_json);
+  torch::Tensor intervene(const torch::Tensor& value, std::string_view location, bool fragmented);
+  torch::Tensor split(const torch::Tensor& value, const torch::Tensor& piece, std::string_view location,
+                      std::string_view rule_json);
 
  private:
   struct Registered {
@@ -83,22 +88,32 @@ class InterventionRuntime {
     Hook hook;
     bool edits;
   };
-  struct OpenVisit {
-    int64_t visit = -1;
+  /// Everything about one location. Entries live as long as the runtime (the
+  /// per-forward part is reset lazily by `forward`), so a forward allocates
+  /// nothing here.
+  struct Location {
+    std::string name;                  ///< the key's storage
+    std::vector<Registered> hooks;
+    int64_t collectives = 0;           ///< since construction
+    int64_t forward = -1;              ///< the forward the fields below belong to
+    int64_t visits = 0;                ///< in that forward
+    int64_t visit = -1;                ///< the open visit
     bool gathered = false;
     bool edited = false;
-    const ir::FragmentRule* rule = nullptr;  ///< set by gather
+    std::string rule_json;             ///< the rule `rule` was parsed from
+    std::optional<ir::FragmentRule> rule;
   };
 
-  bool waiting(const std::string& location, int64_t visit) const;
-  int64_t open_visit(const std::string& location);
-  const ir::FragmentRule& rule(const std::string& rule_json);
+  Location& at(std::string_view location);
+  const Location* find(std::string_view location) const;
+  /// The entry with its per-forward state current.
+  Location& in_this_forward(std::string_view location);
+  static bool waiting(const Location& state, int64_t visit);
+  static int64_t open_visit(Location& state);
+  static const ir::FragmentRule& rule(Location& state, std::string_view rule_json);
 
-  std::unordered_map<std::string, std::vector<Registered>> hooks_;
-  std::unordered_map<std::string, int64_t> visit_counts_;
-  std::unordered_map<std::string, OpenVisit> open_;
-  std::unordered_map<std::string, int64_t> collectives_;
-  std::unordered_map<std::string, ir::FragmentRule> rules_;
+  std::unordered_map<std::string_view, std::unique_ptr<Location>> locations_;
+  int64_t forward_ = 0;
 };
 
 /// The runtime the ops use on this thread: a thread-local one when set, else

@@ -24,8 +24,6 @@ int env_int(const char* name, int fallback) {
   return static_cast<int>(value);
 }
 
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
 std::string to_string(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
 std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
 

@@ -10,8 +10,6 @@
 namespace frag::runtime {
 namespace {
 
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
 ExportInfo read_export_info(const std::string& path, const torch::jit::Module& module,
                             const std::string& json_text) {
   ExportInfo info;
@@ -88,7 +86,7 @@ std::string interpreter_message(const std::string& text) {
   auto at = text.rfind(marker);
   std::string message = at == std::string::npos ? text : text.substr(at + marker.size());
   while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
-  return message.substr(0, message.find('\n'));
+  return first_line(message);
 }
 
 torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids) {

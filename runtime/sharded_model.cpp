@@ -88,8 +88,9 @@ void ShardedModel::on(const std::string& location, Hook hook, std::optional<int6
 void ShardedModel::save(const std::string& location, const std::string& name, std::optional<int64_t> visit) {
   on(
       location,
-      [this, name](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
-        saved_[save_prefix_ + name].push_back(whole.detach().clone());
+      [this, name](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+        // A gathered whole that nothing edits after this save is kept as is: no copy.
+        saved_[save_prefix_ + name].push_back(info.may_keep ? whole.detach() : whole.detach().clone());
         return std::nullopt;
       },
       visit, "save:" + name, /*edits=*/false);
@@ -191,9 +192,9 @@ void ShardedModel::clear() {
 }
 
 void ShardedModel::agree_on_interventions() {
-  std::vector<std::string> sorted = descriptors_;
+  // In registration order: hooks at one location run in that order, so it is part of the plan.
   const std::string mine = fmt::format(
-      "{:016x}", digest(fmt::format("{}\n{}", fmt::join(sorted, "\n"), ir::to_json(table_).dump())));
+      "{:016x}", digest(fmt::format("{}\n{}", fmt::join(descriptors_, "\n"), ir::to_json(table_).dump())));
   auto all = context_->exchange(fmt::format("interventions/{}", exchanges_++), mine);
   for (size_t r = 0; r < all.size(); ++r)
     if (all[r] != all[0])

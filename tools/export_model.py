@@ -4,11 +4,17 @@
     /usr/bin/python3 tools/export_model.py --model llama --tp 2 --out DIR [--kv-heads K] [--layers L]
                                            [--ep] [--seed S] [--dtype float32|bfloat16]
                                            [--hidden H] [--intermediate I] [--heads N] [--head-dim D]
-                                           [--vocab V]
+                                           [--vocab V] [--mlp gated|plain]
 
 The size flags override the model config's defaults (tiny: hidden 64, 8 heads of
 8, intermediate 128, vocab 1000); without them the export is the tiny model. When
 --hidden or --heads is given without --head-dim, the head size is hidden // heads.
+
+--mlp picks the llama MLP: "gated" (the default, Llama's: a MergedColumnParallelLinear
+gate_up_proj, SiLU-and-mul, a RowParallelLinear down_proj) or "plain" (GPT-NeoX /
+GPT-2 style: a ColumnParallelLinear up_proj with gather_output=False, so its output
+is a plain shard on the last dim, GELU, a RowParallelLinear down_proj). The default
+exports exactly what an export without the flag does.
 
 Writes DIR/rank{r}.pt for r in 0..tp-1 (tp 1 gives the whole model).
 """
@@ -21,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from fragkit.export import export  # noqa: E402
-from fragkit.models import LlamaConfig, Qwen2MoeConfig, llama_builder, qwen2_moe_builder  # noqa: E402
+from fragkit.models import (LLAMA_MLP_KINDS, LlamaConfig, Qwen2MoeConfig, llama_builder,  # noqa: E402
+                            qwen2_moe_builder)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,6 +51,9 @@ def main(argv=None) -> int:
                    help="size of one attention head (default 8 for llama; hidden // heads when --hidden "
                         "or --heads is given)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1000)")
+    p.add_argument("--mlp", choices=list(LLAMA_MLP_KINDS), default=None,
+                   help="llama only: the MLP, 'gated' (default: gate_up_proj, SiLU-and-mul, down_proj) or "
+                        "'plain' (up_proj ColumnParallelLinear with gather_output=False, GELU, down_proj)")
     args = p.parse_args(argv)
 
     if args.tp < 1:
@@ -69,8 +79,12 @@ def main(argv=None) -> int:
         if args.model == "llama":
             if args.ep:
                 p.error("--ep applies to --model qwen2_moe only")
+            if args.mlp is not None:
+                overrides["mlp"] = args.mlp
             build = llama_builder(LlamaConfig(**overrides))
         else:
+            if args.mlp is not None:
+                p.error("--mlp applies to --model llama only")
             build = qwen2_moe_builder(Qwen2MoeConfig(**overrides), enable_expert_parallel=args.ep)
         paths = export(build, args.tp, args.out, seed=args.seed)
     except (ValueError, NotImplementedError) as e:

@@ -1,6 +1,7 @@
 """Exports reference models with the Python kit at build time (genrules)."""
 
-def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dtype = None, seed = None):
+def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dtype = None, seed = None,
+                 mlp = None):
     """Writes <name>/rank{r}.pt for r < tp by running tools/export_model.py."""
     flags = "--model %s --tp %d" % (model, tp)
     if kv_heads:
@@ -13,6 +14,8 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
         flags += " --seed %d" % seed
     if dtype:
         flags += " --dtype %s" % dtype
+    if mlp:
+        flags += " --mlp %s" % mlp
     native.genrule(
         name = name,
         srcs = ["//tools:fragkit"],

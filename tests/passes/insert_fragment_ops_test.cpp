@@ -118,10 +118,11 @@ void expect_triple(const std::vector<FragOp>& ops, const std::string& location,
     EXPECT_EQ(split.node->input(1), gather.node->input(0));
     // The model carries on with the split's piece: the original piece has no
     // other user after the split.
-    for (const auto& use : gather.node->input(0)->uses())
-      if (use.user != gather.node && use.user != split.node)
-        EXPECT_TRUE(use.user->isBefore(gather.node))
-            << "piece used after the triple: " << *use.user;
+    for (const auto& use : gather.node->input(0)->uses()) {
+      if (use.user != gather.node && use.user != split.node) {
+        EXPECT_TRUE(use.user->isBefore(gather.node)) << "piece used after the triple: " << *use.user;
+      }
+    }
   }
 }
 

@@ -73,6 +73,7 @@ class TPEquivalence(unittest.TestCase):
 
         w2 = _World(cls.root, 2)
         w2.add("llama", llama_builder(LlamaConfig()), [ids])
+        w2.add("llama_plain_mlp", llama_builder(LlamaConfig(mlp="plain")), [ids])
         w2.add("qwen2_moe", qwen2_moe_builder(Qwen2MoeConfig()), [ids])
         w2.add("qwen2_moe_ep", qwen2_moe_builder(Qwen2MoeConfig(norm_topk_prob=True), True), [ids])
         w2.add("column_gather",
@@ -96,6 +97,7 @@ class TPEquivalence(unittest.TestCase):
         w4.add("llama_kv2", llama_builder(LlamaConfig(num_key_value_heads=2)), [ids])
         w4.add("llama_mqa", llama_builder(LlamaConfig(num_key_value_heads=1, num_hidden_layers=1)), [ids])
         w4.add("qwen2_moe", qwen2_moe_builder(Qwen2MoeConfig(num_hidden_layers=1)), [ids])
+        w4.add("llama_plain_mlp", llama_builder(LlamaConfig(mlp="plain")), [ids])
         cls.w4 = w4
         w2.run()
         w4.run()
@@ -117,6 +119,12 @@ class TPEquivalence(unittest.TestCase):
         self.assertEqual(tuple(self.w2.expected["llama"].shape), (2, 7, 1000))
         std = self.w2.expected["llama"].std().item()
         self.assertTrue(0.1 < std < 10.0, std)  # logits O(1)
+
+    def test_llama_plain_mlp_tp2_and_tp4(self):
+        # up_proj a plain ColumnParallelLinear (gather_output=False), GELU, down_proj a RowParallelLinear.
+        self._check(self.w2, "llama_plain_mlp")
+        self._check(self.w4, "llama_plain_mlp")
+        self.assertFalse(torch.allclose(self.w2.expected["llama_plain_mlp"], self.w2.expected["llama"], atol=1e-2))
 
     def test_qwen2_moe_tp2(self):
         self._check(self.w2, "qwen2_moe")

@@ -7,48 +7,23 @@
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
 #include "runtime/sharded_model.h"
+#include "tests/support/model_ranks.h"
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
 
 #include <gtest/gtest.h>
 
 #include <functional>
-#include <thread>
 
 namespace frag::runtime {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::model_files;
+using testing::on_ranks;
 
 constexpr double kTolerance = 2e-5;
 
 torch::Tensor token_ids() {
   return torch::tensor({1, 2, 3, 4, 5, 6, 7, 8, 999, 17, 42, 63, 64, 65, 500, 0}, torch::kLong).reshape({2, 8});
-}
-
-std::vector<std::string> on_ranks(const std::string& export_name, const std::function<void(int, ShardedModel&)>& body) {
-  auto files = model_files(export_name);
-  const int world = static_cast<int>(files.size());
-  const int port = tools::find_free_port();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        RendezvousOptions options;
-        options.rank = rank;
-        options.world_size = world;
-        options.master_port = port;
-        options.timeout = 30s;
-        auto model = ShardedModel::load(RankContext::connect(options), files[rank]);
-        body(rank, model);
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
 }
 
 void expect_no_errors(const std::vector<std::string>& errors) {

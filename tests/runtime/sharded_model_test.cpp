@@ -9,19 +9,17 @@
 #include "ir/error.h"
 #include "runtime/safetensors.h"
 #include "runtime/sharded_model.h"
+#include "tests/support/model_ranks.h"
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
 
 #include <gtest/gtest.h>
-
-#include <functional>
-#include <thread>
 
 namespace frag::runtime {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::model_files;
+using testing::on_ranks;
 using testing::temporary_folder;
 
 /// Tolerances for fp32: a tp=N run sums in another order than tp=1.
@@ -30,35 +28,6 @@ constexpr double kLogitTolerance = 1e-4;
 
 torch::Tensor token_ids() {
   return torch::tensor({1, 2, 3, 4, 5, 6, 7, 8, 999, 17, 42, 63, 64, 65, 500, 0}, torch::kLong).reshape({2, 8});
-}
-
-/// Runs body(model) on every rank of an export (threads; tp=1 runs inline).
-/// Returns each rank's error ("" for none).
-std::vector<std::string> on_ranks(const std::string& export_name,
-                                  const std::function<void(int, ShardedModel&)>& body,
-                                  std::chrono::milliseconds timeout = 30s) {
-  auto files = model_files(export_name);
-  const int world = static_cast<int>(files.size());
-  const int port = tools::find_free_port();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        RendezvousOptions options;
-        options.rank = rank;
-        options.world_size = world;
-        options.master_port = port;
-        options.timeout = timeout;
-        auto model = ShardedModel::load(RankContext::connect(options), files[rank]);
-        body(rank, model);
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
 }
 
 void expect_no_errors(const std::vector<std::string>& errors) {
@@ -91,6 +60,10 @@ struct Pair {
 
 class Equivalence : public ::testing::TestWithParam<Pair> {};
 
+/// The llama exports with the GPT-NeoX style MLP (tests/models/BUILD: --mlp plain): up_proj is a plain
+/// ColumnParallelLinear (gather_output=False), GELU, then down_proj.
+bool is_plain_mlp(const std::string& name) { return name.rfind("llama_plain_mlp", 0) == 0; }
+
 /// Every location kind the model has: whole, fragmented of each layout.
 std::vector<std::string> save_locations(const std::string& name) {
   std::vector<std::string> locations = {
@@ -101,7 +74,11 @@ std::vector<std::string> save_locations(const std::string& name) {
       "model.layers.1.self_attn.qkv_proj.output",
       "lm_head.output",                             // vocab shard
   };
-  if (name.rfind("llama", 0) == 0) {
+  if (is_plain_mlp(name)) {
+    locations.push_back("model.layers.0.mlp.up_proj.output");  // plain column output: shard(-1)
+    locations.push_back("model.layers.1.mlp.up_proj.output");
+    locations.push_back("model.layers.1.mlp.down_proj.input");
+  } else if (name.rfind("llama", 0) == 0) {
     locations.push_back("model.layers.0.mlp.gate_up_proj.output");  // merged segments
     locations.push_back("model.layers.1.mlp.down_proj.input");
   } else {
@@ -136,7 +113,8 @@ TEST_P(Equivalence, EditsChangeTheLogitsAsAtTp1) {
   write_safetensors(folder + "/values.safetensors",
                     {{"steer", torch::randn({64})}, {"row_in", torch::randn({2, 8, 128}) * 0.5},
                      {"psum", torch::randn({16, 64})}});
-  const bool llama = std::string(GetParam().sharded).rfind("llama", 0) == 0;
+  const bool plain_mlp = is_plain_mlp(GetParam().sharded);
+  const bool llama = !plain_mlp && std::string(GetParam().sharded).rfind("llama", 0) == 0;
   std::vector<nlohmann::json> edits = {
       // across the q/k boundary (q is 64 wide)
       {{"at", "model.layers.0.self_attn.qkv_proj.output"}, {"do", "zero"}, {"index", "...,56:72"}},
@@ -144,7 +122,27 @@ TEST_P(Equivalence, EditsChangeTheLogitsAsAtTp1) {
       {{"at", "model.layers.0.self_attn.o_proj.input"}, {"do", "scale"}, {"by", 1.5}, {"index", "...,8:40"}},
       {{"at", "lm_head.output"}, {"do", "scale"}, {"by", 2.0}, {"index", "...,0:500"}},
   };
-  if (llama) {
+  if (plain_mlp) {
+    // Slices of the plain column output that cross the boundaries between rank pieces: the whole width
+    // (from the tp=1 run) and the rank count (from the export) give the piece width.
+    const std::string up = "model.layers.0.mlp.up_proj.output";
+    const int64_t width = run_plan(GetParam().whole, nlohmann::json::array({{{"at", up}, {"do", "save"}, {"as", "up"}}}),
+                                   "").saved.at("up").at(0).size(-1);
+    const int64_t ranks = static_cast<int64_t>(model_files(GetParam().sharded).size());
+    ASSERT_EQ(width % ranks, 0);
+    const int64_t piece = width / ranks;  // rank r holds [r*piece, (r+1)*piece)
+    ASSERT_GE(piece, 16);
+    auto slice = [](int64_t a, int64_t b) { return "...," + std::to_string(a) + ":" + std::to_string(b); };
+    const int64_t last = (ranks - 1) * piece;  // the boundary before the last rank's piece
+    write_safetensors(folder + "/up.safetensors",
+                      {{"set", torch::randn({2, 8, 16}) * 2}, {"add", torch::randn({12}) * 3}});
+    edits.push_back({{"at", up}, {"do", "zero"}, {"index", slice(piece - 8, piece + 8)}});          // ranks 0|1
+    edits.push_back({{"at", up}, {"do", "scale"}, {"by", -2.0}, {"index", slice(piece / 2, width - piece / 2)}});  // all
+    edits.push_back({{"at", up}, {"do", "set"}, {"value", "up.safetensors:set"}, {"index", slice(last - 5, last + 11)}});
+    edits.push_back({{"at", "model.layers.1.mlp.up_proj.output"}, {"do", "add"}, {"value", "up.safetensors:add"},
+                     {"index", slice(piece - 3, piece + 9)}});
+    edits.push_back({{"at", "model.layers.1.mlp.down_proj.input"}, {"do", "set"}, {"value", "values.safetensors:row_in"}});
+  } else if (llama) {
     // across the gate/up boundary (gate is 128 wide)
     edits.push_back({{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "scale"}, {"by", -0.5}, {"index", "...,120:136"}});
     edits.push_back({{"at", "model.layers.1.mlp.down_proj.input"}, {"do", "set"}, {"value", "values.safetensors:row_in"}});
@@ -175,6 +173,8 @@ TEST_P(Equivalence, AReadOnlyPlanGivesBitIdenticalLogits) {
 
 INSTANTIATE_TEST_SUITE_P(ReferenceModels, Equivalence,
                          ::testing::Values(Pair{"llama_tp1", "llama_tp2"}, Pair{"llama_kv2_tp1", "llama_kv2_tp4"},
+                                           Pair{"llama_plain_mlp_tp1", "llama_plain_mlp_tp2"},
+                                           Pair{"llama_plain_mlp_tp1", "llama_plain_mlp_tp4"},
                                            Pair{"moe_tp1", "moe_tp2"}, Pair{"moe_tp1", "moe_tp4"},
                                            Pair{"moe_tp1", "moe_ep_tp2"}),
                          [](const auto& info) { return std::string(info.param.sharded); });
@@ -204,6 +204,48 @@ TEST(OncePerVisit, ManyInterventionsAtOneLocationCostOneCollective) {
     const int64_t plain = group.collective_count() - plain_before;
     EXPECT_EQ(plain_before - before, plain + 1);
   }));
+}
+
+TEST(OncePerVisit, ManyInterventionsAtAPlainColumnOutputCostOneCollective) {
+  FRAG_REQUIRE_GLOO();
+  // up_proj.output of the plain MLP is a shard(-1) fragment: several readers and an editor at one
+  // visit share one gather (the split back after the edit is local).
+  const std::string busy = "model.layers.0.mlp.up_proj.output";
+  const std::string idle = "model.layers.1.mlp.up_proj.output";
+  for (const std::string name : {"llama_plain_mlp_tp2", "llama_plain_mlp_tp4"}) {
+    SCOPED_TRACE(name);
+    const int64_t ranks = static_cast<int64_t>(model_files(name).size());
+    expect_no_errors(on_ranks(name, [&](int, ShardedModel& model) {
+      std::vector<torch::Tensor> seen;
+      for (int i = 0; i < 3; ++i)
+        model.on(busy, [&seen](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+          seen.push_back(whole);
+          return std::nullopt;
+        }, std::nullopt, "reader", /*edits=*/false);
+      model.on(busy, [](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+        return whole * 0.5;
+      }, std::nullopt, "editor", /*edits=*/true);
+      model.save(busy, "up");
+      auto& group = model.context().group("tp");
+      const int64_t before = group.collective_count();
+      model.forward(token_ids());
+      const int64_t with_hooks = group.collective_count() - before;
+      EXPECT_EQ(model.interventions().collectives_at(busy), 1);
+      EXPECT_EQ(model.interventions().collectives_at(idle), 0);
+      EXPECT_EQ(model.interventions().visits_at(busy), 1);
+      ASSERT_EQ(seen.size(), 3u);
+      for (const auto& t : seen) EXPECT_EQ(t.data_ptr(), seen[0].data_ptr()) << "all see the one whole tensor";
+      EXPECT_EQ(seen[0].size(-1), 128) << "the whole intermediate, not a piece";
+      EXPECT_EQ(seen[0].size(-1) % ranks, 0);
+      ASSERT_EQ(model.saved().count("up"), 1u);
+      EXPECT_EQ(model.saved().at("up").at(0).sizes(), seen[0].sizes());
+      // The model's own collectives plus exactly one gather.
+      model.clear();
+      const int64_t plain_before = group.collective_count();
+      model.forward(token_ids());
+      EXPECT_EQ(with_hooks, group.collective_count() - plain_before + 1);
+    }));
+  }
 }
 
 TEST(OncePerVisit, NothingWaitingCostsNoCollective) {

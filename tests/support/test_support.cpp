@@ -1,5 +1,7 @@
-//===- tests/support/test_support.cpp - Paths and subprocesses for tests -===//
+//===- tests/support/test_support.cpp - Paths, subprocesses and ranks ---===//
 #include "tests/support/test_support.h"
+
+#include "tools/launcher.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -9,10 +11,20 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
 namespace frag::testing {
+namespace {
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+}  // namespace
 
 std::string data_path(const std::string& relative) {
   const char* root = std::getenv("FRAG_TEST_DATA");
@@ -87,6 +99,52 @@ CommandResult run_command(const std::vector<std::string>& argv,
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path);
   out << text;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+FragOutput frag(const std::vector<std::string>& args, std::chrono::seconds limit) {
+  // stdout comes back through run_command's log; stderr goes to a file of its own.
+  const std::string err = temporary_folder() + "/stderr.txt";
+  std::string command = "exec " + shell_quote(frag_binary());
+  for (const auto& a : args) command += " " + shell_quote(a);
+  command += " 2>" + shell_quote(err);
+  auto result = run_command({"/bin/sh", "-c", command}, {}, limit);
+  return FragOutput{result.exit_code, result.output, read_text(err)};
+}
+
+std::vector<std::string> run_ranks(
+    int world, std::chrono::milliseconds timeout,
+    const std::function<void(int rank, const std::shared_ptr<runtime::RankContext>& context)>& body) {
+  const int port = tools::find_free_port();
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        runtime::RendezvousOptions options;
+        options.rank = rank;
+        options.world_size = world;
+        options.master_port = port;
+        options.timeout = timeout;
+        body(rank, runtime::RankContext::connect(options));
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
 }
 
 }  // namespace frag::testing

@@ -1,4 +1,4 @@
-//===- tests/support/test_support.h - Paths and subprocesses for tests -*- C++ -*-===//
+//===- tests/support/test_support.h - Paths, subprocesses and ranks -*- C++ -*-===//
 //
 // Tests find built files (exports, the frag binary) relative to a data root:
 // $FRAG_TEST_DATA if set (CMake sets it to the build folder), else the current
@@ -9,9 +9,12 @@
 #pragma once
 
 #include "runtime/communicator.h"
+#include "runtime/rank_context.h"
 
 #include <chrono>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -55,5 +58,32 @@ CommandResult run_command(const std::vector<std::string>& argv,
 
 /// Writes `text` to `path`.
 void write_text(const std::string& path, const std::string& text);
+
+/// The bytes of the file at `path` ("" if it cannot be read).
+std::string read_text(const std::string& path);
+
+/// The lines of `text`, without their newlines.
+std::vector<std::string> lines_of(const std::string& text);
+
+/// What one run of the frag binary printed, stdout and stderr apart.
+struct FragOutput {
+  int exit_code = -1;
+  std::string out;  ///< stdout only
+  std::string err;  ///< stderr only
+};
+
+/// Runs `frag ARGS...` (frag_binary()) with the hard limit of run_command.
+FragOutput frag(const std::vector<std::string>& args, std::chrono::seconds limit = std::chrono::seconds(120));
+
+/// Runs body(rank, context) for every rank of a `world`-rank group, each rank
+/// a thread of this process with its own RankContext, connected through a TCP
+/// store on a free local port and Gloo (real sockets, as between processes),
+/// `timeout` bounding the rendezvous and every collective. The context is not
+/// made current on the thread: a body that runs frag:: ops outside a
+/// ShardedModel sets a ScopedRankContext itself. Returns each rank's error
+/// message, "" for none.
+std::vector<std::string> run_ranks(
+    int world, std::chrono::milliseconds timeout,
+    const std::function<void(int rank, const std::shared_ptr<runtime::RankContext>& context)>& body);
 
 }  // namespace frag::testing

@@ -18,61 +18,26 @@
 #include <torch/script.h>
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
-#include <sstream>
 
 namespace frag {
 namespace {
 
-using testing::frag_binary;
+using testing::frag;
+using testing::lines_of;
 using testing::model_files;
-using testing::run_command;
+using testing::read_text;
 using testing::temporary_folder;
 using testing::write_text;
 
 // ---------------------------------------------------------------------------
-// Running frag with stdout and stderr apart
-
-struct Output {
-  int exit_code = -1;
-  std::string out;  ///< stdout only
-  std::string err;  ///< stderr only
-};
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-/// Runs `frag ARGS...`; stdout and stderr come back separately.
-Output frag(const std::vector<std::string>& args) {
-  const std::string err = temporary_folder() + "/stderr.txt";
-  std::string command = "exec " + shell_quote(frag_binary());
-  for (const auto& a : args) command += " " + shell_quote(a);
-  command += " 2>" + shell_quote(err);
-  auto result = run_command({"/bin/sh", "-c", command}, {}, std::chrono::seconds(120));
-  return Output{result.exit_code, result.output, read_text(err)};
-}
+// Running frag (testing::frag: stdout and stderr apart)
 
 std::vector<std::string> with(std::vector<std::string> head, const std::vector<std::string>& tail) {
   head.insert(head.end(), tail.begin(), tail.end());
   return head;
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
 }
 
 // ---------------------------------------------------------------------------
@@ -189,6 +154,27 @@ ExpectedTable llama_expected(const std::string& qkv_layout, int64_t qkv_width) {
   return t;
 }
 
+/// The tiny llama with the GPT-NeoX style MLP (export_model.py --mlp plain): up_proj is a plain
+/// ColumnParallelLinear (gather_output=False), so its output is shard(-1) of the whole intermediate
+/// (128); GELU; down_proj's input is the row shard as in llama.
+constexpr int64_t kPlainMlpIntermediate = 128;
+
+ExpectedTable llama_plain_mlp_expected() {
+  ExpectedTable t;
+  for (std::string n : {"0", "1"}) {
+    const std::string l = "model.layers." + n;
+    t[l + ".self_attn.qkv_proj.output"] = {"QKVParallelLinear", "segments q=64 k=32 v=32", 128, "tp"};
+    t[l + ".self_attn.o_proj.input"] = {"RowParallelLinear", "shard(-1)", 64, "tp"};
+    t[l + ".mlp.up_proj.output"] = {"ColumnParallelLinear", "shard(-1)", kPlainMlpIntermediate, "tp"};
+    t[l + ".mlp.down_proj.input"] = {"RowParallelLinear", "shard(-1)", kPlainMlpIntermediate, "tp"};
+  }
+  t["lm_head.output"] = {"ParallelLMHead", "vocab shard, org 1000, padded 1024", 1000, "tp"};
+  t["logits_processor.input"] = {"LogitsProcessor", "vocab shard, org 1000, padded 1024", 1000, "tp"};
+  return t;
+}
+
+bool is_plain_mlp(const std::string& name) { return name.rfind("llama_plain_mlp", 0) == 0; }
+
 /// The tiny qwen2-moe: attention as llama, 4 experts of intermediate 32 whose
 /// output stays a partial sum (reduce_results=False), a shared expert MLP of
 /// intermediate 64 whose down_proj output stays a partial sum too.
@@ -236,6 +222,9 @@ const Case kCases[] = {
     // 2 kv heads at tp 4: each rank holds one kv head, every kv head on 2 ranks.
     {"llama_kv2_tp4", "llama_kv2_tp1", 4, 11,
      [] { return llama_expected("segments q=64 k=16 v=16, kv replicas 2", 96); }},
+    // A plain ColumnParallelLinear output (up_proj, gather_output=False): shard(-1).
+    {"llama_plain_mlp_tp2", "llama_plain_mlp_tp1", 2, 11, llama_plain_mlp_expected},
+    {"llama_plain_mlp_tp4", "llama_plain_mlp_tp1", 4, 11, llama_plain_mlp_expected},
     {"moe_tp2", "moe_tp1", 2, 17, [] { return moe_expected(2); }},
     {"moe_tp4", "moe_tp1", 4, 17, [] { return moe_expected(4); }},
     // Expert parallel: the layer's tp_size is 1 and ep_size 2; the partial sum spans tp×ep = 2.
@@ -352,7 +341,8 @@ TEST_P(InspectReference, JsonHoldsTheSameFragmentsWithTheirRules) {
       EXPECT_EQ(rule.segment_sizes, (std::vector<int64_t>{e.whole_width / 2, e.whole_width / 2}));
     } else if (rule.kind == ir::LayoutKind::kShard) {
       EXPECT_EQ(rule.dim, -1);
-      EXPECT_EQ(side, "input");  // only row layers' inputs are plain shards here
+      // Plain shards here: row layers' inputs and a plain column layer's output.
+      EXPECT_EQ(side, e.class_name == "ColumnParallelLinear" ? "output" : "input");
     } else if (rule.kind == ir::LayoutKind::kPartialSum) {
       EXPECT_EQ(side, "output");
     } else {
@@ -439,9 +429,10 @@ TEST_P(InspectReference, ValuesBetweenColumnAndRowLayersAreRankLocal) {
     for (const char* v : {".self_attn.rotary_emb.output", ".self_attn.attn.input", ".self_attn.attn.output"})
       expected[l + v] = l + ".self_attn.qkv_proj.output";
     const std::string mlp = moe ? l + ".mlp.shared_expert" : l + ".mlp";
-    // SiLU-and-mul between gate_up_proj and down_proj.
-    expected[mlp + ".act_fn.input"] = mlp + ".gate_up_proj.output";
-    expected[mlp + ".act_fn.output"] = mlp + ".gate_up_proj.output";
+    // SiLU-and-mul between gate_up_proj and down_proj (GELU after up_proj in the plain MLP).
+    const std::string column = mlp + (is_plain_mlp(c.name) ? ".up_proj.output" : ".gate_up_proj.output");
+    expected[mlp + ".act_fn.input"] = column;
+    expected[mlp + ".act_fn.output"] = column;
     // The shared expert MLP returns down_proj's partial sum; the block all-reduces later.
     if (moe) expected[mlp + ".output"] = mlp + ".down_proj.output";
   }
@@ -462,6 +453,31 @@ TEST(Inspect, Llama2RankLocalActFnComesFromGateUp) {
   EXPECT_EQ(whole.count("model.embed_tokens.output"), 1u);
   EXPECT_EQ(text.fragmented.count("model.layers.0.mlp.act_fn.output"), 0u);
   EXPECT_EQ(whole.count("model.layers.0.mlp.act_fn.output"), 0u);
+}
+
+TEST(Inspect, PlainColumnOutputIsALastDimShardOfTheWholeIntermediate) {
+  // llama with the plain MLP at tp 2: up_proj.output is one rank's [..., 64] block of the
+  // whole [..., 128] activation, rank r holding columns [r*64, (r+1)*64).
+  auto file = model_files("llama_plain_mlp_tp2")[0];
+  auto json = inspect_json({file});
+  const nlohmann::json* up = nullptr;
+  for (const auto& f : json["fragmented"])
+    if (f["location"] == "model.layers.0.mlp.up_proj.output") up = &f;
+  ASSERT_NE(up, nullptr) << "up_proj.output is not fragmented";
+  EXPECT_EQ((*up)["class"], "ColumnParallelLinear");
+  EXPECT_EQ((*up)["side"], "output");
+  EXPECT_EQ((*up)["layout"], "shard(-1)");
+  EXPECT_EQ((*up)["whole_width"], kPlainMlpIntermediate);
+  ir::FragmentRule rule = ir::rule_from_json((*up)["rule"]);
+  EXPECT_EQ(rule.kind, ir::LayoutKind::kShard);
+  EXPECT_EQ(rule.dim, -1);
+  EXPECT_EQ(rule.group, "tp");
+  EXPECT_EQ(rule.group_size, 2);
+  // The column layer's input is replicated: whole.
+  EXPECT_EQ(json_strings(json["whole"]).count("model.layers.0.mlp.up_proj.input"), 1u);
+  auto text = inspect_text({file});
+  EXPECT_EQ(text.fragmented["model.layers.0.mlp.up_proj.output"],
+            (TextRow{"ColumnParallelLinear", "shard(-1)", "[..., 128]", "tp (2 ranks)"}));
 }
 
 class InspectTp1 : public ::testing::TestWithParam<const char*> {};
@@ -499,7 +515,8 @@ TEST_P(InspectTp1, OnlyThePaddedVocabIsFragmentedAndNothingIsRankLocal) {
     EXPECT_EQ(whole.count(location), 1u) << location;
   const bool moe = std::string(GetParam()).rfind("moe", 0) == 0;
   const std::string mlp = moe ? "model.layers.0.mlp.shared_expert" : "model.layers.0.mlp";
-  for (const char* location : {".gate_up_proj.output", ".down_proj.input", ".act_fn.output"})
+  const char* column = is_plain_mlp(GetParam()) ? ".up_proj.output" : ".gate_up_proj.output";
+  for (const char* location : {column, ".down_proj.input", ".act_fn.output"})
     EXPECT_EQ(whole.count(mlp + location), 1u) << mlp + location;
   if (moe) {
     EXPECT_EQ(whole.count("model.layers.0.mlp.experts.output"), 1u);
@@ -514,7 +531,7 @@ TEST_P(InspectTp1, OnlyThePaddedVocabIsFragmentedAndNothingIsRankLocal) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ReferenceModels, InspectTp1,
-                         ::testing::Values("llama_tp1", "llama_kv2_tp1", "moe_tp1"),
+                         ::testing::Values("llama_tp1", "llama_kv2_tp1", "llama_plain_mlp_tp1", "moe_tp1"),
                          [](const auto& info) { return std::string(info.param); });
 
 // ---------------------------------------------------------------------------
@@ -555,7 +572,7 @@ TEST_P(InspectAllRanks, AllRankFilesGiveTheReportOfOne) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ReferenceModels, InspectAllRanks,
-                         ::testing::Values("llama_tp2", "llama_kv2_tp4", "moe_tp4"),
+                         ::testing::Values("llama_tp2", "llama_kv2_tp4", "llama_plain_mlp_tp4", "moe_tp4"),
                          [](const auto& info) { return std::string(info.param); });
 
 // ---------------------------------------------------------------------------

@@ -19,64 +19,34 @@
 #include <torch/script.h>
 
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 namespace frag {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::frag_binary;
+using testing::frag;
+using testing::FragOutput;
+using testing::lines_of;
 using testing::model_files;
-using testing::run_command;
+using testing::read_text;
 using testing::temporary_folder;
 using testing::write_text;
 
 constexpr const char* kRulesFile = "fragments/rules.json";
+/// The hard limit on one frag command here (a rewrite of every rank, a run of
+/// the rewritten files).
+constexpr std::chrono::seconds kFragLimit(180);
 
 // ---------------------------------------------------------------------------
-// Running frag with stdout and stderr apart
-
-struct Output {
-  int exit_code = -1;
-  std::string out;  ///< stdout only
-  std::string err;  ///< stderr only
-};
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-Output frag(const std::vector<std::string>& args, std::chrono::seconds limit = std::chrono::seconds(180)) {
-  const std::string err = temporary_folder() + "/stderr.txt";
-  std::string command = "exec " + shell_quote(frag_binary());
-  for (const auto& a : args) command += " " + shell_quote(a);
-  command += " 2>" + shell_quote(err);
-  auto result = run_command({"/bin/sh", "-c", command}, {}, limit);
-  return Output{result.exit_code, result.output, read_text(err)};
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
-}
+// Running frag (testing::frag: stdout and stderr apart)
 
 /// `frag rewrite FILES -o OUTPUT`.
-Output rewrite(const std::vector<std::string>& files, const std::string& output) {
+FragOutput rewrite(const std::vector<std::string>& files, const std::string& output) {
   std::vector<std::string> args{"rewrite"};
   args.insert(args.end(), files.begin(), files.end());
   args.insert(args.end(), {"-o", output});
-  return frag(args);
+  return frag(args, kFragLimit);
 }
 
 /// Names in a folder, sorted.
@@ -87,7 +57,7 @@ std::set<std::string> listing(const std::string& folder) {
 }
 
 /// Expects exit 1, nothing on stdout and one "frag: error: " line holding every `expected`.
-void expect_error(const Output& result, const std::vector<std::string>& expected) {
+void expect_error(const FragOutput& result, const std::vector<std::string>& expected) {
   EXPECT_EQ(result.exit_code, 1) << result.err;
   EXPECT_EQ(result.out, "") << "a failing rewrite reported outputs";
   auto lines = lines_of(result.err);
@@ -161,7 +131,7 @@ void expect_rewritten_like(const std::string& rewritten, const std::string& orig
   EXPECT_EQ(info.value("tp_rank", -1), tp_rank);
 
   // The table is the one inspect reports for the original.
-  auto inspect = frag({"inspect", original, "--json"});
+  auto inspect = frag({"inspect", original, "--json"}, kFragLimit);
   ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
   auto report = parse(inspect.out);
   ASSERT_TRUE(table["layers"].is_array());
@@ -281,7 +251,7 @@ torch::Tensor run_logits(const std::vector<std::string>& files, const std::strin
   args.insert(args.end(), files.begin(), files.end());
   args.insert(args.end(), {"--world", std::to_string(files.size()), "--input", ids_file(folder), "--out", out,
                            "--timeout", "60"});
-  auto result = frag(args);
+  auto result = frag(args, kFragLimit);
   EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
   if (!fs::exists(out)) {
     ADD_FAILURE() << "frag run wrote no " << out;
@@ -410,7 +380,8 @@ TEST(RewriteRefuses, ABadRulesFile) {
   auto folder = temporary_folder();
   write_text(folder + "/rules.json", R"({"layers": {"Foo": "Bar"}})");
   auto result = frag({"rewrite", model_files("llama_tp2")[0], "-o", folder + "/out.pt", "--rules",
-                      folder + "/rules.json"});
+                      folder + "/rules.json"},
+                     kFragLimit);
   expect_error(result, {folder + "/rules.json", "unknown kind \"Bar\""});
   EXPECT_EQ(listing(folder), (std::set<std::string>{"rules.json"}));
 }

@@ -16,7 +16,7 @@
 // pass gives about 2.0).
 //
 //   bazel build //tools/bench:rewrite_benchmark
-//   bazel-bin/tools/bench/rewrite_benchmark [--reps N] [--warmup N] [FILE.pt ...]
+//   bazel-bin/tools/bench/rewrite_benchmark [--reps N (>= 5)] [--warmup N] [FILE.pt ...]
 //   bazel-bin/tools/bench/rewrite_benchmark --profile-rewrite N FILE.pt   (N rewrites, nothing
 //       else, for `perf record`)
 //
@@ -35,6 +35,7 @@
 #include <torch/csrc/jit/passes/freeze_module.h>
 #include <torch/script.h>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -205,17 +206,24 @@ std::string default_file(const std::string& argv0, int layers) {
 int main(int argc, char** argv) {
   int reps = 7, warmup = 1, profile_rewrite = 0;
   std::vector<std::string> files;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if ((a == "--reps" || a == "--warmup" || a == "--profile-rewrite") && i + 1 < argc) {
-      (a == "--reps" ? reps : a == "--warmup" ? warmup : profile_rewrite) = std::stoi(argv[++i]);
-    } else if (a == "-h" || a == "--help") {
-      std::cout << "usage: rewrite_benchmark [--reps N (>=5, default 7)] [--warmup N (default 1)] [FILE.pt ...]\n"
-                   "       rewrite_benchmark --profile-rewrite N FILE.pt\n";
-      return 0;
-    } else {
-      files.push_back(a);
-    }
+  CLI::App app{"Rewrite time vs model depth (rewrite_for_fragments, its two steps, LibTorch's freeze_module, "
+               "save), one rank file after another. With no files: rank 0 of the exports "
+               "//tests/models:bench_llama_l{40,80,160}_tp2."};
+  app.add_option("files", files, "Rank files (FILE.pt), in order of depth")->check(CLI::ExistingFile);
+  app.add_option("--reps", reps, "Measured repetitions per file (medians and minima over them)")
+      ->capture_default_str()
+      ->check(CLI::Range(5, 100000));
+  app.add_option("--warmup", warmup, "Unmeasured rewrites and freezes per file before the measured ones")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
+  app.add_option("--profile-rewrite", profile_rewrite,
+                 "Only rewrite the one FILE.pt N times, nothing else, for `perf record` (0: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
   }
   if (profile_rewrite > 0) {  // only the pass, for a profiler
     if (files.size() != 1) {
@@ -241,7 +249,6 @@ int main(int argc, char** argv) {
                              files[0], stats.median(), stats.min(), profile_rewrite, lint.median());
     return 0;
   }
-  reps = std::max(reps, 5);
   if (files.empty())
     for (int layers : {40, 80, 160}) files.push_back(default_file(argv[0], layers));
 

@@ -2,6 +2,8 @@
 
 Module names follow vLLM / Hugging Face (model.embed_tokens, model.layers.N.self_attn.qkv_proj, ...).
 ``forward(input_ids int64 [B, T]) -> logits [B, T, org_vocab]`` (gathered, padding dropped).
+``LlamaConfig(mlp="plain")`` swaps Llama's gated MLP for a GPT-NeoX style one (``PlainMLP``: up_proj, GELU,
+down_proj), whose up_proj output is a plain column shard.
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -12,6 +14,7 @@ from torch import Tensor, nn
 
 from .distributed import tensor_model_parallel_all_reduce
 from .layers import (
+    ColumnParallelLinear,
     FusedMoE,
     LogitsProcessor,
     MergedColumnParallelLinear,
@@ -40,6 +43,12 @@ class LlamaConfig:
     max_position_embeddings: int = 512
     attention_bias: bool = False
     dtype: torch.dtype = torch.float32
+    # "gated": gate_up_proj (MergedColumnParallelLinear) -> SiLU-and-mul -> down_proj (Llama's MLP).
+    # "plain": up_proj (ColumnParallelLinear, gather_output=False) -> GELU -> down_proj (GPT-NeoX / GPT-2 style).
+    mlp: str = "gated"
+
+
+LLAMA_MLP_KINDS = ("gated", "plain")
 
 
 @dataclass
@@ -212,6 +221,31 @@ class LlamaMLP(nn.Module):
         return x
 
 
+class PlainMLP(nn.Module):
+    """up_proj (column, output stays S(-1)) -> GELU -> down_proj (row, input S(-1), all-reduced): GPT-NeoX style.
+
+    The value between the two layers is a plain shard of the whole activation on the last dim."""
+
+    _fragkit_stable_annotations: int
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int,
+                 params_dtype: Optional[torch.dtype] = None, reduce_results: bool = True, prefix: str = ""):
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False, gather_output=False,
+                                            params_dtype=params_dtype, prefix=prefix + ".up_proj",
+                                            tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, input_is_parallel=True,
+                                           params_dtype=params_dtype, reduce_results=reduce_results,
+                                           prefix=prefix + ".down_proj", tp_rank=tp_rank, tp_size=tp_size)
+        self.act_fn = nn.GELU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        up, _ = self.up_proj(x)
+        x = self.act_fn(up)
+        x, _ = self.down_proj(x)
+        return x
+
+
 class LlamaAttention(nn.Module):
     hidden_size: int
     total_num_heads: int
@@ -264,8 +298,12 @@ class LlamaDecoderLayer(nn.Module):
         self.hidden_size = config.hidden_size
         self.self_attn = LlamaAttention(config, tp_rank, tp_size, bias=config.attention_bias,
                                         prefix=prefix + ".self_attn")
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
-                            params_dtype=config.dtype, prefix=prefix + ".mlp")
+        mlp_kind = getattr(config, "mlp", "gated")
+        if mlp_kind not in LLAMA_MLP_KINDS:
+            raise ValueError("unknown Llama MLP kind %r (one of %s)" % (mlp_kind, ", ".join(LLAMA_MLP_KINDS)))
+        mlp_cls = PlainMLP if mlp_kind == "plain" else LlamaMLP
+        self.mlp = mlp_cls(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
+                           params_dtype=config.dtype, prefix=prefix + ".mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 

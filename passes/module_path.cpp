@@ -1,0 +1,23 @@
+//===- passes/module_path.cpp - Submodules by dotted path ----------------===//
+#include "passes/module_path.h"
+
+#include "ir/error.h"
+
+namespace frag::passes {
+
+torch::jit::Module module_at(const torch::jit::Module& root, const std::string& path) {
+  torch::jit::Module module = root;
+  size_t start = 0;
+  while (start < path.size()) {
+    size_t end = path.find('.', start);
+    if (end == std::string::npos) end = path.size();
+    const std::string name = path.substr(start, end - start);
+    if (!module.hasattr(name) || !module.attr(name).isModule())
+      fail("unknown module '{}' ('{}' is not a submodule of '{}')", path, name, path.substr(0, start ? start - 1 : 0));
+    module = module.attr(name).toModule();
+    start = end + 1;
+  }
+  return module;
+}
+
+}  // namespace frag::passes
