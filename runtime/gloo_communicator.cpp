@@ -35,17 +35,25 @@ class GlooCommunicator final : public Communicator {
   std::string backend() const override { return "gloo"; }
 
  protected:
+  // c10d's Gloo (LibTorch 1.13) has no bfloat16 kernels: sums go through
+  // float32 (exact for the inputs, one rounding at the end, the same on every
+  // rank), gathers move the 16-bit patterns as float16, which Gloo only copies
+  // (bit-exact; it has no int16).
   torch::Tensor do_all_reduce(const torch::Tensor& x) override {
-    std::vector<at::Tensor> tensors{x.contiguous().clone()};
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    std::vector<at::Tensor> tensors{bf16 ? x.to(torch::kFloat) : x.contiguous().clone()};
     wait(group_->allreduce(tensors), "all_reduce");
-    return tensors[0];
+    return bf16 ? tensors[0].to(torch::kBFloat16) : tensors[0];
   }
 
   std::vector<torch::Tensor> do_all_gather(const torch::Tensor& x) override {
-    std::vector<at::Tensor> input{x.contiguous()};
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    std::vector<at::Tensor> input{bf16 ? x.contiguous().view(torch::kHalf) : x.contiguous()};
     std::vector<std::vector<at::Tensor>> output(1);
     for (int r = 0; r < size_; ++r) output[0].push_back(torch::empty_like(input[0]));
     wait(group_->allgather(output, input), "all_gather");
+    if (bf16)
+      for (auto& piece : output[0]) piece = piece.view(torch::kBFloat16);
     return output[0];
   }
 
@@ -54,8 +62,9 @@ class GlooCommunicator final : public Communicator {
     try {
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      fail("gloo {} failed on rank {} of {} (a peer died or timed out after {} ms): {}", what,
-           rank_, size_, timeout_.count(), first_line(e.what()));
+      fail("gloo {} failed on rank {} of {} (a peer that dies or stays away fails it after the {} ms "
+           "timeout): {}",
+           what, rank_, size_, timeout_.count(), first_line(e.what()));
     }
   }
 

@@ -129,10 +129,15 @@ class NcclCommunicator final : public Communicator {
   void wait_for_comm(const char* what) {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     ncclResult_t state = ncclInProgress;
-    while (state == ncclInProgress) {
+    // A collective's enqueue finishes within microseconds: spin first (a 1 ms
+    // sleep here cost every collective a millisecond), then back off to
+    // sleeps for the long waits of a communicator's init.
+    for (int polls = 0; state == ncclInProgress; ++polls) {
       check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
-      if (state == ncclInProgress && std::chrono::steady_clock::now() > deadline) abort(what);
-      if (state == ncclInProgress) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (state != ncclInProgress) break;
+      if (std::chrono::steady_clock::now() > deadline) abort(what);
+      if (polls < 10000) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     check_nccl(state, what);
   }

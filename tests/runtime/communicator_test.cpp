@@ -66,6 +66,32 @@ TEST_P(GlooRanks, AllReduceSumsAndAllGatherKeepsRankOrder) {
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
+TEST_P(GlooRanks, BFloat16GathersBitExactAndSumsOnceRounded) {
+  FRAG_REQUIRE_GLOO();
+  const int world = GetParam();
+  auto errors = run_ranks(world, 20s, [world](int rank, const Context& context) {
+    // Deterministic (the ranks are threads: no shared random generator), with
+    // full bf16 mantissas; sums of a few such values are exact in float32.
+    auto of_rank = [](int r) {
+      return ((torch::arange(15, torch::kFloat).reshape({3, 5}) * 0.3711 + r * 1.1317).sin() * 10)
+          .to(torch::kBFloat16);
+    };
+    auto x = of_rank(rank);
+    auto pieces = context->group("tp").all_gather(x);
+    ASSERT_EQ(static_cast<int>(pieces.size()), world);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(pieces[r].scalar_type(), torch::kBFloat16);
+      EXPECT_TRUE(torch::equal(pieces[r], of_rank(r))) << "piece of rank " << r;
+    }
+    auto sum = context->group("tp").all_reduce(x);
+    EXPECT_EQ(sum.scalar_type(), torch::kBFloat16);
+    auto expected = torch::zeros({3, 5});
+    for (int r = 0; r < world; ++r) expected += of_rank(r).to(torch::kFloat);
+    EXPECT_TRUE(torch::equal(sum, expected.to(torch::kBFloat16)));
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 TEST_P(GlooRanks, ModelOpsRouteToTheCurrentContext) {
   FRAG_REQUIRE_GLOO();
   const int world = GetParam();

@@ -1,27 +1,43 @@
-//===- tools/bench/gpu_forward_benchmark.cpp - Rewritten vs original on one GPU ===//
+//===- tools/bench/gpu_forward_benchmark.cpp - Rewritten vs original on GPUs ===//
 //
-// World size 1 on a CUDA device: forward time of the original export vs the
-// same file rewritten in memory with nothing registered (every location's ops
-// present, none waiting), and with a save at a whole location per layer.
-// Runs are interleaved (A B A B …) so drift hits both alike; times are
-// medians of CUDA-synchronised forwards.
+// One process per GPU (NCCL), or world size 1. Forward time, CUDA-synchronised,
+// of five variants run interleaved in an order that rotates every iteration:
+//   original      the plain rank file (no rewrite);
+//   rewritten     the same file rewritten in memory, nothing registered;
+//   layer saves   rewritten, a save at every decoder layer's output;
+//   frag saves    rewritten, a save at every fragmented location of the table;
+//   raw in fwd    the rewritten graph with each frag::gather replaced by the
+//                 bare NCCL collective of its piece (tools/bench/raw_collectives.h):
+//                 the collectives the fragment saves need, where a hand-written
+//                 model would run them.
+// Ratios: rewritten / original (target <= 1.02) and (frag saves - rewritten) /
+// (raw in fwd - rewritten) (target <= 1.15). Rank 0 prints medians.
 //
-//   gpu_forward_benchmark FILE.pt [--tokens N] [--iterations K]
+//   gpu_forward_benchmark FILE.pt [--tokens N] [--iterations K]                 world size 1
+//   RANK=r LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=P \
+//     gpu_forward_benchmark 'DIR/rank{rank}.pt' ...                            one process per GPU
 //
 //===----------------------------------------------------------------------===//
+#include "ir/fragment_table.h"
+#include "passes/rewrite_for_fragments.h"
+#include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
 #include "runtime/sharded_model.h"
+#include "tools/bench/raw_collectives.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <torch/csrc/jit/api/function_impl.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -30,16 +46,23 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+std::string for_rank(std::string path, int rank) {
+  const auto at = path.find("{rank}");
+  if (at != std::string::npos) path.replace(at, 6, std::to_string(rank));
+  return path;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  using namespace frag;
   using namespace frag::runtime;
   std::string file;
   int64_t tokens = 512;
   int iterations = 20;
-  CLI::App app{"One CUDA device, world size 1: forward time of an export vs the same file rewritten in memory "
-               "(nothing registered, and a save at every decoder layer's output)."};
-  app.add_option("file", file, "Rank file (FILE.pt) of a tp=1 export")->required()->check(CLI::ExistingFile);
+  CLI::App app{"CUDA, one process per GPU over NCCL (or world size 1): forward time of an export vs the same "
+               "file rewritten in memory, with saves, and with the raw collectives the saves need."};
+  app.add_option("file", file, "Rank file; with WORLD_SIZE > 1 a path containing {rank}")->required();
   app.add_option("--tokens", tokens, "Tokens in the one input sequence (the reference Llama holds 512 positions)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
@@ -55,48 +78,106 @@ int main(int argc, char** argv) {
     std::cerr << "gpu_forward_benchmark: no CUDA device\n";
     return 1;
   }
-  const torch::Device device(torch::kCUDA, 0);
-  auto context = RankContext::single_rank();
-  auto original = load_rank_module(file, device);
-  auto rewritten = ShardedModel::load(context, file, device);
-  auto saving = ShardedModel::load(context, file, device);
-  int layers = 0;
-  for (const auto& location : saving.table().whole)
-    if (location.rfind("model.layers.", 0) == 0 && location.size() > 7 &&
-        location.compare(location.size() - 7, 7, ".output") == 0 &&
-        std::count(location.begin(), location.end(), '.') == 3) {
-      saving.save(location, location);
-      ++layers;
+  try {
+    const char* world_env = std::getenv("WORLD_SIZE");
+    const bool distributed = world_env != nullptr && std::atoi(world_env) > 1;
+    std::shared_ptr<RankContext> context;
+    int local_rank = 0;
+    if (distributed) {
+      auto options = RendezvousOptions::from_env();
+      options.backend = "nccl";
+      local_rank = options.local_rank;
+      context = RankContext::connect(options);
+    } else {
+      context = RankContext::single_rank();
     }
-  auto ids = torch::randint(0, 1000, {1, tokens}, torch::TensorOptions().dtype(torch::kLong)).to(device);
-  auto time = [&](const std::function<void()>& f) {
-    torch::cuda::synchronize();
-    auto start = std::chrono::steady_clock::now();
-    f();
-    torch::cuda::synchronize();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  };
-  std::vector<double> a, b, c;
-  for (int i = 0; i < iterations + 3; ++i) {
-    double ta = time([&] { run_forward(original, ids); });
-    double tb = time([&] { rewritten.forward(ids); });
-    double tc = time([&] {
-      saving.clear_saved();
-      saving.forward(ids);
-    });
-    if (i >= 3) {  // warm-up
-      a.push_back(ta);
-      b.push_back(tb);
-      c.push_back(tc);
+    ScopedRankContext scope(context);  // the original's and the raw graph's own collectives
+    const int rank = context->rank();
+    const std::string path = for_rank(file, rank);
+    const torch::Device device(torch::kCUDA, local_rank);
+
+    auto original = load_and_check_rank_module(*context, path, device);
+    auto rewritten = ShardedModel::load(context, path, device);
+    auto layer_saving = ShardedModel::load(context, path, device);
+    auto frag_saving = ShardedModel::load(context, path, device);
+    auto raw = load_and_check_rank_module(*context, path, device);
+    passes::rewrite_for_fragments(raw.module, passes::LayerAliases{}, path);
+    bench::replace_gathers_with_raw_collectives(
+        torch::jit::toGraphFunction(raw.module.get_method("forward").function()).graph()->block());
+
+    int layers = 0, fragmented = 0;
+    for (const auto& location : layer_saving.table().whole)
+      if (location.rfind("model.layers.", 0) == 0 && location.size() > 7 &&
+          location.compare(location.size() - 7, 7, ".output") == 0 &&
+          std::count(location.begin(), location.end(), '.') == 3) {
+        layer_saving.save(location, location);
+        ++layers;
+      }
+    for (const auto& layer : frag_saving.table().layers) {
+      if (layer.input) frag_saving.save(ir::input_location(layer.path), ir::input_location(layer.path)), ++fragmented;
+      if (layer.output)
+        frag_saving.save(ir::output_location(layer.path), ir::output_location(layer.path)), ++fragmented;
     }
+
+    torch::manual_seed(0);  // the same ids on every rank
+    auto ids = torch::randint(0, 1000, {1, tokens}, torch::TensorOptions().dtype(torch::kLong)).to(device);
+    auto time = [&](const std::function<void()>& f) {
+      torch::cuda::synchronize();
+      auto start = std::chrono::steady_clock::now();
+      f();
+      torch::cuda::synchronize();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    };
+    struct Variant {
+      std::string name;
+      std::function<void()> run;
+      std::vector<double> ms;
+    };
+    std::vector<Variant> variants{
+        {"original export", [&] { run_forward(original, ids); }, {}},
+        {"rewritten, nothing registered", [&] { rewritten.forward(ids); }, {}},
+        {fmt::format("rewritten, save at {} layer outputs", layers),
+         [&] {
+           layer_saving.forward(ids);
+           layer_saving.clear_saved();
+         },
+         {}},
+        {fmt::format("rewritten, save at {} fragmented locations", fragmented),
+         [&] {
+           frag_saving.forward(ids);
+           frag_saving.clear_saved();
+         },
+         {}},
+        {"raw collectives of those saves, in the forward",
+         [&] {
+           run_forward(raw, ids);
+           bench::raw_kept().clear();
+         },
+         {}},
+    };
+    const size_t n = variants.size();
+    for (int i = 0; i < iterations + 3; ++i)
+      for (size_t k = 0; k < n; ++k) {
+        auto& v = variants[(i + k) % n];
+        const double ms = time(v.run);
+        if (i >= 3) v.ms.push_back(ms);
+      }
+    if (rank != 0) return 0;
+    std::vector<double> med;
+    for (auto& v : variants) med.push_back(median(v.ms));
+    fmt::print("file {}  tokens {}  iterations {}  world {}  dtype {}\n", path, tokens, iterations,
+               context->world_size(), c10::toString((*original.module.parameters().begin()).scalar_type()));
+    fmt::print("{:<50} {:>10}\n", "forward (median ms, rank 0)", "");
+    for (size_t k = 0; k < n; ++k)
+      fmt::print("{:<50} {:>10.3f}   / original {:.4f}\n", variants[k].name, med[k], med[k] / med[0]);
+    fmt::print("ratio rewritten / original: {:.4f} (target <= 1.02)\n", med[1] / med[0]);
+    if (fragmented > 0 && med[4] > med[1])
+      fmt::print("ratio (frag saves - rewritten) / (raw in fwd - rewritten): {:.3f} (target <= 1.15); extra "
+                 "{:.3f} ms vs {:.3f} ms\n",
+                 (med[3] - med[1]) / (med[4] - med[1]), med[3] - med[1], med[4] - med[1]);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "gpu_forward_benchmark: error: " << e.what() << "\n";
+    return 1;
   }
-  const double ma = median(a), mb = median(b), mc = median(c);
-  fmt::print("file {}  tokens {}  iterations {}  device {}\n", file, tokens, iterations,
-             torch::cuda::device_count());
-  fmt::print("{:<44} {:>10}\n", "forward (median ms)", "");
-  fmt::print("{:<44} {:>10.3f}\n", "original export", ma);
-  fmt::print("{:<44} {:>10.3f}   ratio {:.4f}\n", "rewritten, nothing registered", mb, mb / ma);
-  fmt::print("{:<44} {:>10.3f}   ratio {:.4f}\n", fmt::format("rewritten, save at {} layer outputs", layers), mc,
-             mc / ma);
-  return 0;
 }

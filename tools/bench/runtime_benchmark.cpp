@@ -26,7 +26,8 @@
 //                   bare collective of its piece (frag_bench::raw_collective:
 //                   all_gather or all_reduce, no assembly, no runtime): the
 //                   collectives the saved bytes need, where a hand-written
-//                   model would run them;
+//                   model would run them, their results kept to the end of the
+//                   forward and freed inside the timing, as the saves are;
 //        raw        the same collectives alone, back to back, on piece-shaped
 //                   tensors (recorded by a first forward with the saves);
 //        raw+asm    raw plus what the runtime does around it outside the graph:
@@ -66,6 +67,7 @@
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
 #include "runtime/sharded_model.h"
+#include "tools/bench/raw_collectives.h"
 #include "tools/launcher.h"
 
 #include <torch/csrc/jit/api/compilation_unit.h>
@@ -249,45 +251,6 @@ void strip_fragment_ops(torch::jit::Block* block) {
   }
 }
 
-/// The bare collective of one piece, as a hand-written tensor-parallel model
-/// would place it: all_gather or all_reduce over the rule's group, no
-/// assembly into a whole, no runtime.
-at::Tensor raw_collective(const at::Tensor& piece, std::string rule_json) {
-  thread_local std::map<std::string, ir::FragmentRule> rules;
-  auto it = rules.find(rule_json);
-  if (it == rules.end()) it = rules.emplace(rule_json, ir::rule_from_json(nlohmann::json::parse(rule_json))).first;
-  auto& group = runtime::current_rank_context().group(it->second.group);
-  switch (ir::collective_for(it->second)) {
-    case ir::CollectiveKind::kAllReduce: return group.all_reduce(piece);
-    case ir::CollectiveKind::kAllGather: return group.all_gather(piece)[0];
-    case ir::CollectiveKind::kNone: break;
-  }
-  return piece;
-}
-
-TORCH_LIBRARY(frag_bench, m) { m.def("raw_collective(Tensor piece, str rule) -> Tensor", &raw_collective); }
-
-/// Replaces every frag::gather by frag_bench::raw_collective of its piece:
-/// with no InterventionRuntime on the thread, intervene and split then pass
-/// the collective's result by and hand the model its piece, so the forward
-/// runs the raw collectives exactly where the saves gather.
-void replace_gathers_with_raw_collectives(torch::jit::Block* block) {
-  static const auto gather = c10::Symbol::fromQualString("frag::gather");
-  static const auto raw = c10::Symbol::fromQualString("frag_bench::raw_collective");
-  for (auto it = block->nodes().begin(); it != block->nodes().end();) {
-    torch::jit::Node* node = *it;
-    ++it;
-    for (torch::jit::Block* inner : node->blocks()) replace_gathers_with_raw_collectives(inner);
-    if (node->kind() != gather) continue;
-    torch::jit::Graph& graph = *node->owningGraph();
-    torch::jit::Node* collective = graph.create(raw, {node->input(0), node->input(2)});
-    collective->insertBefore(node);
-    collective->output()->setType(node->output()->type());
-    node->output()->replaceAllUsesWith(collective->output());
-    node->destroy();
-  }
-}
-
 int64_t count_decoder_layers(const torch::jit::Module& module) {
   int64_t n = 0;
   const std::string prefix = "model.layers.";
@@ -450,7 +413,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
   auto saving = runtime::ShardedModel::load(context, path);
   auto raw_in_forward = runtime::load_and_check_rank_module(*context, path);
   passes::rewrite_for_fragments(raw_in_forward.module, passes::LayerAliases{}, path);
-  replace_gathers_with_raw_collectives(forward_graph(raw_in_forward.module)->block());
+  bench::replace_gathers_with_raw_collectives(forward_graph(raw_in_forward.module)->block());
 
   const auto& table = rewritten.table();
   std::vector<std::string> locations;
@@ -484,6 +447,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
   barrier();
   before = tp.collective_count();
   auto logits_raw_in_forward = runtime::run_forward(raw_in_forward, ids);
+  bench::raw_kept().clear();
   const int64_t collectives_raw_in_forward = tp.collective_count() - before;
   barrier();
   int64_t at_before = 0;
@@ -549,6 +513,11 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     }
   };
 
+  auto run_raw_in_forward = [&] {
+    runtime::run_forward(raw_in_forward, ids);
+    bench::raw_kept().clear();  // frees what the collectives received (inside the timing, as the saves)
+  };
+
   // The rewritten graph called directly, with no InterventionRuntime on this
   // thread: the ops pass their input through (fragment_ops.cpp).
   auto run_passthrough = [&] {
@@ -568,7 +537,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
         saving.forward(ids);
         saving.clear_saved();
       }
-      else if (options.profile == "rawfwd") runtime::run_forward(raw_in_forward, ids);
+      else if (options.profile == "rawfwd") run_raw_in_forward();
       else if (options.profile == "raw") run_raw(false);
       else if (options.profile == "raw+asm") run_raw(true);
       else throw std::runtime_error("--profile takes original, rewritten, stripped, passthrough, saves, rawfwd, raw or raw+asm");
@@ -615,7 +584,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
                  saving.forward(ids);
                  saving.clear_saved();  // frees last forward's saves (inside the timing: the saves' cost)
                }},
-              {"rawfwd", [&] { runtime::run_forward(raw_in_forward, ids); }},
+              {"rawfwd", [&] { run_raw_in_forward(); }},
               {"raw", [&] { run_raw(false); }},
               {"raw+asm", [&] { run_raw(true); }}});
 
