@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <regex>
+#include <sstream>
 
 namespace frag::runtime {
 namespace {
@@ -82,6 +84,14 @@ RankModule load_and_check_rank_module(RankContext& context, const std::string& p
 /// The user-facing message inside an error raised through the TorchScript
 /// interpreter (which wraps it in a traceback).
 std::string interpreter_message(const std::string& text) {
+  // A TorchScript `raise X("...")` ends the text with "builtins.XError: ..." after the tracebacks.
+  static const std::regex raised(R"(^(?:builtins\.)?\w*(?:Error|Exception): (.+)$)");
+  std::istringstream lines(text);
+  std::string line, last_raised;
+  std::smatch match;
+  while (std::getline(lines, line))
+    if (std::regex_match(line, match, raised) && line.rfind("RuntimeError: ", 0) != 0) last_raised = match[1];
+  if (!last_raised.empty()) return last_raised;
   const std::string marker = "RuntimeError: ";
   auto at = text.rfind(marker);
   std::string message = at == std::string::npos ? text : text.substr(at + marker.size());

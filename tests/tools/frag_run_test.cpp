@@ -136,6 +136,20 @@ TEST(RunBadInput, MalformedTokenIds) {
       << result.output;
 }
 
+TEST(RunBadInput, ASequenceLongerThanTheModelsPositions) {
+  auto folder = temporary_folder();
+  std::string ids;
+  for (int i = 0; i < 513; ++i) ids += std::to_string(i % 100) + (i + 1 < 513 ? " " : "\n");
+  write_text(folder + "/long.txt", ids);
+  auto result = run_command({frag_binary(), "run", model_files("llama_tp1")[0], "--input", folder + "/long.txt",
+                             "--out", folder + "/out.safetensors"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("a sequence of 513 tokens is longer than the model's max_position_embeddings (512)"),
+            std::string::npos)
+      << result.output;
+  EXPECT_FALSE(std::filesystem::exists(folder + "/out.safetensors"));
+}
+
 TEST(RunBadInput, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
   FRAG_REQUIRE_GLOO();
   // Rank 0 of 2 under an external launcher; rank 1 never starts.

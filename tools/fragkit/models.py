@@ -158,6 +158,10 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([rot, rest], dim=-1).to(x.dtype).reshape(shape)
 
     def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> Tuple[Tensor, Tensor]:
+        # A shape check (no device sync): past the cache, index_select fails deep inside, or asserts on a GPU.
+        if positions.size(-1) > self.max_position_embeddings:
+            raise ValueError("a sequence of {} tokens is longer than the model's max_position_embeddings ({})"
+                             .format(positions.size(-1), self.max_position_embeddings))
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         half = self.rotary_dim // 2
         cos = cos_sin[..., :half]
