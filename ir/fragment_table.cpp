@@ -34,6 +34,15 @@ const FragmentRule* FragmentTable::rule_at(const std::string& location) const {
   return nullptr;
 }
 
+std::vector<std::string> FragmentTable::fragmented_locations() const {
+  std::vector<std::string> locations;
+  for (const auto& layer : layers) {
+    if (layer.input) locations.push_back(input_location(layer.path));
+    if (layer.output) locations.push_back(output_location(layer.path));
+  }
+  return locations;
+}
+
 const LayerEntry* FragmentTable::layer(const std::string& path) const {
   for (const auto& layer : layers)
     if (layer.path == path) return &layer;

@@ -73,6 +73,8 @@ struct FragmentTable {
   const FragmentRule* rule_at(const std::string& location) const;
   /// The layer entry of a module path, or nullptr.
   const LayerEntry* layer(const std::string& path) const;
+  /// Every fragmented location, in layer order (a layer's input before its output).
+  std::vector<std::string> fragmented_locations() const;
 };
 
 inline constexpr const char* kTableFormat = "fragments.table/1";

@@ -31,6 +31,10 @@ from fragkit.models import (LLAMA_MLP_KINDS, LlamaConfig, Qwen2MoeConfig, llama_
                             qwen2_moe_builder)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Size flags and the config fields they set (unset flags keep the config's defaults).
+CONFIG_FLAGS = {"kv_heads": "num_key_value_heads", "layers": "num_hidden_layers", "hidden": "hidden_size",
+                "intermediate": "intermediate_size", "heads": "num_attention_heads", "vocab": "vocab_size",
+                "head_dim": "head_dim"}
 
 
 def main(argv=None) -> int:
@@ -59,21 +63,10 @@ def main(argv=None) -> int:
     if args.tp < 1:
         p.error("--tp must be >= 1")
     overrides = {"dtype": DTYPES[args.dtype]}
-    if args.kv_heads is not None:
-        overrides["num_key_value_heads"] = args.kv_heads
-    if args.layers is not None:
-        overrides["num_hidden_layers"] = args.layers
-    if args.hidden is not None:
-        overrides["hidden_size"] = args.hidden
-    if args.intermediate is not None:
-        overrides["intermediate_size"] = args.intermediate
-    if args.heads is not None:
-        overrides["num_attention_heads"] = args.heads
-    if args.vocab is not None:
-        overrides["vocab_size"] = args.vocab
-    if args.head_dim is not None:
-        overrides["head_dim"] = args.head_dim
-    elif args.hidden is not None or args.heads is not None:
+    for flag, field in CONFIG_FLAGS.items():
+        if getattr(args, flag) is not None:
+            overrides[field] = getattr(args, flag)
+    if args.head_dim is None and (args.hidden is not None or args.heads is not None):
         overrides["head_dim"] = None  # hidden_size // num_attention_heads
     try:
         if args.model == "llama":

@@ -10,6 +10,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "ir/fragment_rule.h"
+#include "ir/fragment_table.h"
 
 #include <gtest/gtest.h>
 
@@ -806,6 +807,22 @@ TEST_F(FragmentRuleTest, TensorArgumentErrors) {
         whole_from_pieces(gate_up, {torch::zeros({2, 6}), torch::zeros({2, 6})});
       },
       {"expected a piece of size 8", "found 6"});
+}
+
+TEST(FragmentTable, FragmentedLocationsInLayerOrderInputFirst) {
+  FragmentTable table;
+  LayerEntry qkv{"model.layers.0.self_attn.qkv_proj", "QKVParallelLinear", "QKVParallelLinear", std::nullopt,
+                 FragmentedSide{FragmentRule::qkv(8, 4, 8, 8, kTpGroup, 2), 128}, {}};
+  LayerEntry row{"model.layers.0.self_attn.o_proj", "RowParallelLinear", "RowParallelLinear",
+                 FragmentedSide{FragmentRule::shard(-1, kTpGroup, 2), 64},
+                 FragmentedSide{FragmentRule::partial_sum(kTpGroup, 2), 64}, {}};
+  LayerEntry embed{"model.embed_tokens", "VocabParallelEmbedding", "VocabParallelEmbedding", std::nullopt,
+                   std::nullopt, {"whole"}};
+  table.layers = {qkv, embed, row};
+  EXPECT_EQ(table.fragmented_locations(),
+            (std::vector<std::string>{"model.layers.0.self_attn.qkv_proj.output", "model.layers.0.self_attn.o_proj.input",
+                                      "model.layers.0.self_attn.o_proj.output"}));
+  EXPECT_TRUE(FragmentTable{}.fragmented_locations().empty());
 }
 
 }  // namespace

@@ -113,10 +113,9 @@ int main(int argc, char** argv) {
         layer_saving.save(location, location);
         ++layers;
       }
-    for (const auto& layer : frag_saving.table().layers) {
-      if (layer.input) frag_saving.save(ir::input_location(layer.path), ir::input_location(layer.path)), ++fragmented;
-      if (layer.output)
-        frag_saving.save(ir::output_location(layer.path), ir::output_location(layer.path)), ++fragmented;
+    for (const auto& location : frag_saving.table().fragmented_locations()) {
+      frag_saving.save(location, location);
+      ++fragmented;
     }
 
     torch::manual_seed(0);  // the same ids on every rank

@@ -21,6 +21,7 @@ Prints medians (rank 0) and (hooks - plain) / (raw - plain), to read beside gpu_
     python3 tools/bench/python_hooks_benchmark.py $E --tokens 128 --iterations 40 & done; wait
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -101,7 +102,7 @@ def main():
                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                          head_dim=args.head_dim, vocab_size=args.vocab, num_hidden_layers=args.layers, dtype=dtype)
     torch.manual_seed(rank)
-    with torch.device(device) if hasattr(torch, "get_default_device") else _nullcontext():
+    with torch.device(device) if hasattr(torch, "get_default_device") else contextlib.nullcontext():
         model = LlamaForCausalLM(config, tp_rank=rank, tp_size=world)
     model = model.to(device=device, dtype=dtype).eval()
 
@@ -198,14 +199,6 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     return 0 if exact else 1
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

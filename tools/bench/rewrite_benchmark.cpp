@@ -29,6 +29,7 @@
 #include "passes/insert_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/rank_module.h"
+#include "tools/bench/reference_exports.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -184,23 +185,6 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
   return r;
 }
 
-/// The default input: a bench export's rank 0 in the runfiles, or under bazel-bin/.
-std::string default_file(const std::string& argv0, int layers) {
-  const std::string relative = fmt::format("tests/models/bench_llama_l{}_tp2/rank0.pt", layers);
-  std::vector<std::string> candidates;
-  if (const char* dir = std::getenv("RUNFILES_DIR")) candidates.push_back(std::string(dir) + "/fragments/" + relative);
-  candidates.push_back(argv0 + ".runfiles/fragments/" + relative);
-  candidates.push_back(relative);
-  candidates.push_back("bazel-bin/" + relative);
-  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY"))
-    candidates.push_back(std::string(ws) + "/bazel-bin/" + relative);
-  for (const auto& c : candidates)
-    if (std::filesystem::exists(c)) return c;
-  std::cerr << "rewrite_benchmark: cannot find " << relative
-            << "; build //tests/models:bench_llama_l" << layers << "_tp2 or pass files\n";
-  std::exit(2);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -250,7 +234,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (files.empty())
-    for (int layers : {40, 80, 160}) files.push_back(default_file(argv[0], layers));
+    for (int layers : {40, 80, 160}) files.push_back(frag::bench::reference_export(argv[0], fmt::format("bench_llama_l{}_tp2", layers), "rank0.pt",
+                                                                "rewrite_benchmark") +
+                                      "/rank0.pt");
 
   std::string scratch = (std::filesystem::temp_directory_path() / "rewrite_benchmark_XXXXXX").string();
   if (mkdtemp(scratch.data()) == nullptr) {

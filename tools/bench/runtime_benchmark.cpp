@@ -68,6 +68,7 @@
 #include "runtime/rank_module.h"
 #include "runtime/sharded_model.h"
 #include "tools/bench/raw_collectives.h"
+#include "tools/bench/reference_exports.h"
 #include "tools/launcher.h"
 
 #include <torch/csrc/jit/api/compilation_unit.h>
@@ -76,14 +77,12 @@
 #include <torch/csrc/jit/frontend/sugared_value.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
-#include <torch/library.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include <time.h>
 
@@ -416,11 +415,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
   bench::replace_gathers_with_raw_collectives(forward_graph(raw_in_forward.module)->block());
 
   const auto& table = rewritten.table();
-  std::vector<std::string> locations;
-  for (const auto& layer : table.layers) {
-    if (layer.input) locations.push_back(ir::input_location(layer.path));
-    if (layer.output) locations.push_back(ir::output_location(layer.path));
-  }
+  const std::vector<std::string> locations = table.fragmented_locations();
   for (const auto& location : locations) saving.save(location, location);
 
   int64_t vocab = 1000;
@@ -770,23 +765,6 @@ void print_result(const ModelResult& r, const Options& options) {
   }
 }
 
-/// A default export: its folder in the runfiles, or under bazel-bin/.
-std::string default_folder(const std::string& argv0, const std::string& name) {
-  const std::string relative = "tests/models/" + name;
-  std::vector<std::string> candidates;
-  if (const char* dir = std::getenv("RUNFILES_DIR")) candidates.push_back(std::string(dir) + "/fragments/" + relative);
-  candidates.push_back(argv0 + ".runfiles/fragments/" + relative);
-  candidates.push_back(relative);
-  candidates.push_back("bazel-bin/" + relative);
-  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY"))
-    candidates.push_back(std::string(ws) + "/bazel-bin/" + relative);
-  for (const auto& c : candidates)
-    if (std::filesystem::exists(c + "/rank0.pt")) return c;
-  std::cerr << "runtime_benchmark: cannot find " << relative << "/rank0.pt; build //tests/models:" << name
-            << " or pass export folders\n";
-  std::exit(2);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -815,9 +793,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (folders.empty()) {
-    options.exports = {{"tiny (llama_tp2: hidden 64, 2 layers, vocab 1000)", default_folder(argv[0], "llama_tp2"), 400},
+    options.exports = {{"tiny (llama_tp2: hidden 64, 2 layers, vocab 1000)", bench::reference_export(argv[0], "llama_tp2", "rank0.pt", "runtime_benchmark"), 400},
                        {"large (bench_llama_h256_tp2: hidden 256, intermediate 768, 8 heads, 4 layers, vocab 2048)",
-                        default_folder(argv[0], "bench_llama_h256_tp2"), 80}};
+                        bench::reference_export(argv[0], "bench_llama_h256_tp2", "rank0.pt", "runtime_benchmark"), 80}};
   } else {
     for (const auto& folder : folders) options.exports.push_back({folder, folder, 80});
   }

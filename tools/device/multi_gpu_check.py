@@ -114,7 +114,7 @@ def plans(folder, inspect, dtype):
         paths[name] = os.path.join(folder, name + ".json")
         with open(paths[name], "w") as f:
             json.dump({"interventions": steps}, f, indent=1)
-    return paths
+    return paths, len(edit)
 
 
 def main():
@@ -161,7 +161,7 @@ def main():
                 folder = os.path.join(work, "%s_%s_tp2" % (model, dtype))
                 tp2 = export(folder, MODELS[model], 2, dtype)
                 inspect = json.loads(run([args.frag, "inspect", "--json", "--all", tp2[0]]))
-                plan = plans(folder, inspect, dtype)
+                plan, edits = plans(folder, inspect, dtype)
                 out = lambda name: os.path.join(folder, name + ".safetensors")  # noqa: E731
                 ref_plain = frag_run(tp1, 1, out("tp1_plain"))
                 ref_read = frag_run(tp1, 1, out("tp1_read"), plan["read"])
@@ -191,7 +191,7 @@ def main():
             diff = (edit["logits"] - ref_edit["logits"]).abs().max().item()
             tol = tolerance(dtype, ref_edit["logits"])
             effect = (ref_edit["logits"] - ref_plain["logits"]).abs().max().item()
-            check(label + ": %d edits change logits as at tp=1" % len(json.load(open(plan["edit"]))["interventions"]),
+            check(label + ": %d edits change logits as at tp=1" % edits,
                   diff <= tol and effect > 10 * tol,
                   "max diff %.2e (tol %.2e); the edits move tp=1 logits by %.2e" % (diff, tol, effect))
     print("%d passed, %d failed" % (passed, failed))
