@@ -26,12 +26,17 @@ std::optional<FragmentedSide> side_from_json(const nlohmann::json& j) {
 std::string input_location(const std::string& path) { return path + ".input"; }
 std::string output_location(const std::string& path) { return path + ".output"; }
 
-const FragmentRule* FragmentTable::rule_at(const std::string& location) const {
+const FragmentedSide* FragmentTable::side_at(const std::string& location) const {
   for (const auto& layer : layers) {
-    if (layer.input && location == input_location(layer.path)) return &layer.input->rule;
-    if (layer.output && location == output_location(layer.path)) return &layer.output->rule;
+    if (layer.input && location == input_location(layer.path)) return &*layer.input;
+    if (layer.output && location == output_location(layer.path)) return &*layer.output;
   }
   return nullptr;
+}
+
+const FragmentRule* FragmentTable::rule_at(const std::string& location) const {
+  const FragmentedSide* side = side_at(location);
+  return side == nullptr ? nullptr : &side->rule;
 }
 
 std::vector<std::string> FragmentTable::fragmented_locations() const {

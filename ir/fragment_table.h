@@ -69,6 +69,8 @@ struct FragmentTable {
   /// Module-boundary locations holding rank-local values (filled by the rewrite).
   std::vector<RankLocalLocation> rank_local;
 
+  /// The fragmented side at a location, or nullptr where it is not fragmented.
+  const FragmentedSide* side_at(const std::string& location) const;
   /// The rule at a location, or nullptr where it is not fragmented.
   const FragmentRule* rule_at(const std::string& location) const;
   /// The layer entry of a module path, or nullptr.

@@ -55,10 +55,12 @@ InterventionRuntime::Location& InterventionRuntime::in_this_forward(std::string_
 void InterventionRuntime::add(const std::string& location, Hook hook, std::optional<int64_t> visit,
                               bool edits) {
   at(location).hooks.push_back(Registered{visit, std::move(hook), edits});
+  ++changes_;
 }
 
 void InterventionRuntime::clear() {
   for (auto& [name, state] : locations_) state->hooks.clear();
+  ++changes_;
 }
 
 void InterventionRuntime::begin_forward() { ++forward_; }

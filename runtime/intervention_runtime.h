@@ -62,6 +62,9 @@ class InterventionRuntime {
            bool edits = true);
   /// Removes every hook.
   void clear();
+  /// Counts add() and clear() calls: a caller that specializes the graph to
+  /// the hooked locations knows when to do it again.
+  int64_t changes() const { return changes_; }
   /// Starts a forward: visit counters go back to 0.
   void begin_forward();
 
@@ -72,7 +75,8 @@ class InterventionRuntime {
 
   /// Collectives the triples at `location` ran (since construction).
   int64_t collectives_at(const std::string& location) const;
-  /// Visits of `location` in the current forward.
+  /// Visits of `location` in the current forward (counted where ops run: a
+  /// graph specialized to the hooked locations has none elsewhere).
   int64_t visits_at(const std::string& location) const;
 
   // The op kernels (runtime/fragment_ops.cpp) call these. The strings are the
@@ -114,6 +118,7 @@ class InterventionRuntime {
 
   std::unordered_map<std::string_view, std::unique_ptr<Location>> locations_;
   int64_t forward_ = 0;
+  int64_t changes_ = 0;
 };
 
 /// The runtime the ops use on this thread: a thread-local one when set, else

@@ -99,11 +99,12 @@ std::string interpreter_message(const std::string& text) {
   return first_line(message);
 }
 
-torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids) {
+torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids, torch::jit::Function* forward) {
   torch::NoGradGuard no_grad;
   c10::IValue output;
   try {
-    output = rank_module.module.forward({input_ids});
+    output = forward == nullptr ? rank_module.module.forward({input_ids})
+                                : (*forward)({rank_module.module._ivalue(), input_ids});
   } catch (const c10::Error& e) {
     fail("{}: forward failed: {}", rank_module.path, interpreter_message(e.what_without_backtrace()));
   } catch (const Error&) {

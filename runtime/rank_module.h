@@ -48,7 +48,10 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
 RankModule load_and_check_rank_module(RankContext& context, const std::string& path,
                                       const torch::Device& device = torch::kCPU);
 
-/// Runs forward(input_ids) without autograd and returns the logits.
-torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids);
+/// Runs forward(input_ids) without autograd and returns the logits: the
+/// module's own forward, or `forward` (a graph of forward's signature, self
+/// first, such as a copy specialized by passes::remove_fragment_ops_except).
+torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids,
+                          torch::jit::Function* forward = nullptr);
 
 }  // namespace frag::runtime

@@ -3,9 +3,11 @@
 
 #include "ir/error.h"
 #include "passes/insert_fragment_ops.h"
+#include "passes/remove_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
 
 #include <fmt/ranges.h>
+#include <torch/csrc/jit/api/function_impl.h>
 
 #include <algorithm>
 
@@ -35,6 +37,7 @@ ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std:
   ShardedModel model;
   model.context_ = std::move(context);
   model.rank_ = load_and_check_rank_module(*model.context_, path, device);
+  model.device_ = device;
   auto& extra = model.rank_.extra_files;
   std::string error;
   try {
@@ -96,20 +99,36 @@ void ShardedModel::save(const std::string& location, const std::string& name, st
       visit, "save:" + name, /*edits=*/false);
 }
 
+void ShardedModel::check_against_width(const PlanStep& step, int64_t width, const std::string& where) const {
+  if (step.index) step.index->check_last_dim(width, where);
+  if (step.action == "call") {
+    const int64_t expected = caller().expected_input_width(step.modules.front());
+    if (expected > 0 && width != expected)
+      fail("{}: {} takes a whole input of width {}, but {} is {} wide", where, step.modules.front(), expected, step.at,
+           width);
+  }
+  if (step.value_tensor.defined() && step.value_tensor.dim() > 0) {
+    // Only an index that ends on the last dim (one item, or "...," first) says which part of it is selected.
+    const bool last_dim_indexed = !step.index || step.index->items.size() == 1 ||
+                                  step.index->items.front().kind == IndexItem::Kind::kEllipsis;
+    if (!last_dim_indexed) return;
+    const int64_t selected = step.index ? step.index->select(torch::empty({width}), step.at).size(-1) : width;
+    const int64_t last = step.value_tensor.size(-1);
+    if (last != 1 && last != selected)
+      fail("{}: value {} has last dim {}, but the selected whole has width {}", where, step.value, last, selected);
+  }
+}
+
 void ShardedModel::apply(const Plan& plan) {
   // Check everything first: a bad step must fail before anything is registered or run.
   const auto dtype = model_dtype(rank_.module);
+  std::vector<WidthCheck> later;
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const auto& step = plan.steps[i];
     const std::string where = fmt::format("{}: intervention {} ({} at {})", plan.source, i, step.action, step.at);
     check_location(step.at, where);
-    std::optional<int64_t> width;
-    for (const auto& layer : table_.layers) {
-      if (layer.input && ir::input_location(layer.path) == step.at) width = layer.input->whole_width;
-      if (layer.output && ir::output_location(layer.path) == step.at) width = layer.output->whole_width;
-    }
-    if (step.index && width) step.index->check_last_dim(*width, where);
     if (step.action == "call") {
+      if (step.modules.empty()) fail("{}: \"modules\" is empty", where);
       auto calls = caller();
       for (const auto& path : step.modules) {
         try {
@@ -118,31 +137,50 @@ void ShardedModel::apply(const Plan& plan) {
           fail("{}: {}", where, e.what());
         }
       }
-      if (step.modules.empty()) fail("{}: \"modules\" is empty", where);
-      const int64_t expected = calls.expected_input_width(step.modules.front());
-      if (width && expected > 0 && *width != expected)
-        fail("{}: {} takes a whole input of width {}, but {} is {} wide", where, step.modules.front(), expected,
-             step.at, *width);
     }
-    if (step.value_tensor.defined()) {
-      if (step.value_tensor.scalar_type() != dtype)
-        fail("{}: value {} is {}, but the model computes in {}", where, step.value,
-             c10::toString(step.value_tensor.scalar_type()), c10::toString(dtype));
-      if (width && step.value_tensor.dim() > 0) {
-        auto selected = step.index && (step.index->items.size() == 1 ||
-                                       step.index->items.front().kind == IndexItem::Kind::kEllipsis)
-                            ? step.index->select(torch::empty({*width}), step.at).size(-1)
-                            : *width;
-        const int64_t last = step.value_tensor.size(-1);
-        if (!step.index || step.index->items.size() == 1 ||
-            step.index->items.front().kind == IndexItem::Kind::kEllipsis)
-          if (last != 1 && last != selected)
-            fail("{}: value {} has last dim {}, but the selected whole has width {}", where, step.value, last,
-                 selected);
-      }
-    }
+    if (step.value_tensor.defined() && step.value_tensor.scalar_type() != dtype)
+      fail("{}: value {} is {}, but the model computes in {}", where, step.value,
+           c10::toString(step.value_tensor.scalar_type()), c10::toString(dtype));
+    const bool needs_width = step.index || step.action == "call" || step.value_tensor.defined();
+    if (!needs_width) continue;
+    if (auto width = whole_width_at(step.at)) check_against_width(step, *width, where);
+    else later.push_back({step, where});  // a whole location not yet seen: checked before the next forward
   }
   for (const auto& step : plan.steps) register_step(step);
+  width_checks_.insert(width_checks_.end(), later.begin(), later.end());
+}
+
+std::optional<int64_t> ShardedModel::whole_width_at(const std::string& location) const {
+  if (const auto* side = table_.side_at(location); side && side->whole_width) return *side->whole_width;
+  if (auto it = probed_widths_.find(location); it != probed_widths_.end()) return it->second;
+  return std::nullopt;
+}
+
+void ShardedModel::check_widths_at_whole_locations() {
+  // Whole locations (decoder layer outputs, residual streams) have no width in
+  // the rule table. Learn them from one forward of a single token with
+  // read-only hooks (no collective beyond the model's own; every rank holds the
+  // same checks, agreed by digest) and check the steps before the real forward.
+  auto pending = std::move(width_checks_);
+  width_checks_.clear();
+  auto probe = std::make_shared<InterventionRuntime>();
+  for (const auto& check : pending)
+    if (!probe->has_hooks_at(check.step.at))
+      probe->add(
+          check.step.at,
+          [this](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+            if (whole.dim() > 0) probed_widths_.emplace(info.location, whole.size(-1));
+            return std::nullopt;
+          },
+          std::nullopt, /*edits=*/false);
+  {
+    ScopedRankContext rank_scope(context_);
+    ScopedInterventionRuntime runtime_scope(probe);
+    probe->begin_forward();
+    run_forward(rank_, torch::zeros({1, 1}, torch::TensorOptions().dtype(torch::kLong).device(device_)));
+  }
+  for (const auto& check : pending)
+    if (auto width = whole_width_at(check.step.at)) check_against_width(check.step, *width, check.where);
 }
 
 void ShardedModel::register_step(const PlanStep& step) {
@@ -187,6 +225,7 @@ void ShardedModel::register_step(const PlanStep& step) {
 
 void ShardedModel::clear() {
   runtime_->clear();
+  width_checks_.clear();
   descriptors_.clear();
   agreed_ = false;
 }
@@ -206,10 +245,29 @@ void ShardedModel::agree_on_interventions() {
 
 torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
   if (!agreed_) agree_on_interventions();
+  if (!width_checks_.empty()) check_widths_at_whole_locations();
   ScopedRankContext rank_scope(context_);
   ScopedInterventionRuntime runtime_scope(runtime_);
   runtime_->begin_forward();
-  return run_forward(rank_, input_ids);
+  return run_forward(rank_, input_ids, forward_function());
+}
+
+torch::jit::Function* ShardedModel::forward_function() {
+  if (!specialize_) return nullptr;
+  if (runtime_->changes() == specialized_at_changes_) return specialized_forward_;
+  auto hooked = runtime_->hooked_locations();
+  specialized_at_changes_ = runtime_->changes();
+  for (const auto& [locations, function] : specialized_)
+    if (locations == hooked) return specialized_forward_ = function.get();
+  constexpr size_t kKept = 8;  // a generation loop alternates few sets; a server may churn
+  if (specialized_.size() == kKept) specialized_.erase(specialized_.begin());
+  auto graph = torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph()->copy();
+  passes::remove_fragment_ops_except(*graph, {hooked.begin(), hooked.end()});
+  auto function = std::make_shared<torch::jit::GraphFunction>(
+      c10::QualifiedName(fmt::format("__torch__.frag.forward_at_{}_locations", hooked.size())), std::move(graph),
+      nullptr);
+  specialized_.emplace_back(std::move(hooked), function);
+  return specialized_forward_ = function.get();
 }
 
 torch::Tensor ShardedModel::call(const std::vector<std::string>& paths, const torch::Tensor& whole) {

@@ -66,7 +66,11 @@ class ShardedModel {
           const std::string& label = "hook", bool edits = true);
   /// Saves the whole value at `location` under `name` on every visit (or one).
   void save(const std::string& location, const std::string& name, std::optional<int64_t> visit = std::nullopt);
-  /// Registers every step of a plan, after checking it all (locations, indices, values).
+  /// Registers every step of a plan, after checking it all (locations, indices,
+  /// values' dtypes and widths). Whole locations have no width in the rule
+  /// table: steps there are checked at the next forward, before it runs,
+  /// against widths learned from one single-token forward with read-only
+  /// hooks (every rank alike).
   void apply(const Plan& plan);
   /// Removes every intervention.
   void clear();
@@ -74,7 +78,16 @@ class ShardedModel {
   /// Runs forward(input_ids). Before the first forward after a change of
   /// interventions the ranks compare digests of their interventions and rule
   /// tables, and all refuse if any differs: no rank enters a collective another skips.
+  /// By default it runs a copy of the rewritten graph that keeps the fragment
+  /// ops only at locations with interventions (passes::remove_fragment_ops_except),
+  /// made again when the interventions change (kept for the last few sets);
+  /// elsewhere the forward is the original export's, with no op to dispatch.
   torch::Tensor forward(const torch::Tensor& input_ids);
+  /// Whether forward specializes the graph to the hooked locations (true, the
+  /// default) or always runs the full rewrite (every location's ops, idle
+  /// where nothing waits). Both compute the same values.
+  void set_specialize(bool specialize) { specialize_ = specialize; }
+
   /// Greedy decoding of `steps` tokens (the whole sequence is recomputed each
   /// step); interventions apply at every step and saves are keyed "step{k}.{name}".
   /// Returns the tokens, input included.
@@ -96,6 +109,15 @@ class ShardedModel {
   void check_location(const std::string& location, const std::string& what) const;
   void agree_on_interventions();
   void register_step(const PlanStep& step);
+  /// A step's index, value and call input against the whole's last-dim width.
+  void check_against_width(const PlanStep& step, int64_t width, const std::string& where) const;
+  /// The last-dim width of the whole at `location`: from the rule table, or
+  /// learned by a probe forward (whole locations), else unknown.
+  std::optional<int64_t> whole_width_at(const std::string& location) const;
+  /// Runs the checks `apply` could not make yet (see the .cpp).
+  void check_widths_at_whole_locations();
+  /// The forward to run: nullptr for the module's own (the full rewrite).
+  torch::jit::Function* forward_function();
 
   std::shared_ptr<RankContext> context_;
   RankModule rank_;
@@ -106,6 +128,19 @@ class ShardedModel {
   int64_t exchanges_ = 0;
   std::string save_prefix_;
   SavedTensors saved_;
+  torch::Device device_ = torch::kCPU;
+  /// Plan steps at whole locations of unknown width, checked before the next forward.
+  struct WidthCheck {
+    PlanStep step;
+    std::string where;
+  };
+  std::vector<WidthCheck> width_checks_;
+  std::map<std::string, int64_t> probed_widths_;
+  bool specialize_ = true;
+  int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `specialized_forward_` was chosen
+  torch::jit::Function* specialized_forward_ = nullptr;
+  /// Specialized forwards by their sorted hooked locations (the last few).
+  std::vector<std::pair<std::vector<std::string>, std::shared_ptr<torch::jit::Function>>> specialized_;
 };
 
 }  // namespace frag::runtime

@@ -161,23 +161,6 @@ std::vector<std::string> all_reduce_groups(const Module& m) {
 /// A whole-location constant as printed in the IR: [value="up.input"].
 std::string loc(const std::string& location) { return "[value=\"" + location + "\"]"; }
 
-const char* kActSource = "def forward(self, x):\n    return torch.relu(x)\n";
-
-/// root.forward: x → up (Column, tp 2) → act (relu) → down (Row, input parallel,
-/// reduce_results False) → [0].
-Module column_act_row(int64_t rank = 0) {
-  Module root = holder({{"up", column(2, rank, 8, 16)},
-                        {"act", plain("__torch__.Act", kActSource)},
-                        {"down", row(2, rank, 16, 8, /*input_is_parallel=*/true, /*reduce_results=*/false)}});
-  define(root, R"(
-def forward(self, x):
-    h = self.up.forward(x)[0]
-    a = self.act.forward(h)
-    return self.down.forward(a)[0]
-)");
-  return root;
-}
-
 // ----- one case per layer kind ---------------------------------------------
 
 TEST(InsertFragmentOps, ColumnActRowChain) {

@@ -293,4 +293,21 @@ inline Module holder(const std::vector<std::pair<std::string, Module>>& children
   return root;
 }
 
+inline const char* kActSource = "def forward(self, x):\n    return torch.relu(x)\n";
+
+/// root.forward: x → up (Column, tp 2) → act (relu) → down (Row, input parallel,
+/// reduce_results False) → [0].
+inline Module column_act_row(int64_t rank = 0) {
+  Module root = holder({{"up", column(2, rank, 8, 16)},
+                        {"act", plain("__torch__.Act", kActSource)},
+                        {"down", row(2, rank, 16, 8, /*input_is_parallel=*/true, /*reduce_results=*/false)}});
+  define(root, R"(
+def forward(self, x):
+    h = self.up.forward(x)[0]
+    a = self.act.forward(h)
+    return self.down.forward(a)[0]
+)");
+  return root;
+}
+
 }  // namespace frag::passes::testing

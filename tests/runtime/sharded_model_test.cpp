@@ -273,6 +273,63 @@ TEST(OncePerVisit, VisitIndexSelectsOneCall) {
   }));
 }
 
+TEST(Specialization, RunsAsTheFullRewriteWithAndWithoutInterventions) {
+  FRAG_REQUIRE_GLOO();
+  for (const std::string name : {"llama_tp2", "moe_tp2"}) {
+    SCOPED_TRACE(name);
+    expect_no_errors(on_ranks(name, [&](int, ShardedModel& model) {
+      // (What the specialized graph holds is shown in tests/passes/remove_fragment_ops_test.)
+      const auto plain_specialized = model.forward(token_ids());
+      model.set_specialize(false);
+      const auto plain_full = model.forward(token_ids());
+      EXPECT_TRUE(torch::equal(plain_specialized, plain_full));
+
+      for (const auto& location : save_locations(name)) model.save(location, location);
+      model.on("model.layers.1.output", [](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+        whole.mul_(0.5);
+        return std::nullopt;
+      });
+      const auto edited_full = model.forward(token_ids());
+      const SavedTensors saved_full = model.saved();
+      model.clear_saved();
+      model.set_specialize(true);
+      const auto edited_specialized = model.forward(token_ids());
+      EXPECT_FALSE(torch::equal(edited_full, plain_full)) << "the edit must matter";
+      EXPECT_TRUE(torch::equal(edited_specialized, edited_full));
+      ASSERT_EQ(model.saved().size(), saved_full.size());
+      for (const auto& [location, values] : saved_full)
+        EXPECT_TRUE(torch::equal(model.saved().at(location).at(0), values.at(0))) << location;
+    }));
+  }
+}
+
+TEST(Specialization, FollowsInterventionsChangedBetweenForwards) {
+  FRAG_REQUIRE_GLOO();
+  const std::string location = "model.layers.0.mlp.down_proj.input";
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    const auto plain = model.forward(token_ids());
+    EXPECT_EQ(model.interventions().collectives_at(location), 0);
+    model.save(location, "x");
+    model.forward(token_ids());
+    EXPECT_EQ(model.saved().count("x"), 1u) << "a save registered after a forward takes effect";
+    EXPECT_EQ(model.interventions().collectives_at(location), 1);
+    model.clear();
+    EXPECT_TRUE(torch::equal(model.forward(token_ids()), plain));
+    EXPECT_EQ(model.saved().at("x").size(), 1u) << "a cleared save does not run";
+    EXPECT_EQ(model.interventions().collectives_at(location), 1);
+    // Hooks added to the runtime itself, not through on(), are followed too.
+    int calls = 0;
+    model.interventions().add(location, [&calls](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+      ++calls;
+      return torch::zeros_like(whole);
+    });
+    const auto zeroed = model.forward(token_ids());
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(model.interventions().collectives_at(location), 2);
+    EXPECT_FALSE(torch::equal(zeroed, plain)) << "the replacement reached the model";
+  }));
+}
+
 TEST(Safety, ARankDivergentPlanIsRefusedNotHung) {
   FRAG_REQUIRE_GLOO();
   auto start = std::chrono::steady_clock::now();
@@ -311,22 +368,53 @@ TEST(Safety, BadPlansFailBeforeAnythingRuns) {
   expect_plan_error({{"at", "model.layers.0.output"}, {"do", "add"}, {"value", "v.safetensors:nope"}}, "has no tensor \"nope\"");
 }
 
-TEST(Safety, AWrongValueShapeAtAWholeLocationFailsEveryRankWithoutAHang) {
+TEST(Safety, StepsAtWholeLocationsAreCheckedBeforeTheForwardRuns) {
   FRAG_REQUIRE_GLOO();
-  // Whole locations have no width in the rule table: the shape is checked at
-  // the first visit, identically on every rank.
+  // Whole locations have no width in the rule table: the ranks learn it from a
+  // single-token forward with read-only hooks and refuse, all alike, before the
+  // forward runs (the save at an earlier location never sees a value).
   auto folder = temporary_folder();
-  write_safetensors(folder + "/v.safetensors", {{"wide", torch::zeros({65})}});
-  auto errors = on_ranks("llama_tp2", [&](int, ShardedModel& model) {
-    model.apply(Plan::from_json(nlohmann::json::array({{{"at", "model.layers.0.output"}, {"do", "add"},
-                                                        {"value", "v.safetensors:wide"}}}),
-                                "plan.json", folder));
-    model.forward(token_ids());
-  });
-  for (const auto& e : errors) {
-    EXPECT_NE(e.find("model.layers.0.output: value v.safetensors:wide of shape [65] does not fit"), std::string::npos) << e;
-    EXPECT_EQ(e.find("Traceback"), std::string::npos) << "one clean line: " << e;
+  write_safetensors(folder + "/v.safetensors", {{"wide", torch::zeros({65})}, {"fits", torch::ones({64})}});
+  const nlohmann::json first_save = {{"at", "model.embed_tokens.output"}, {"do", "save"}, {"as", "first"}};
+  const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+      {{{"at", "model.layers.0.output"}, {"do", "add"}, {"value", "v.safetensors:wide"}},
+       "plan.json: intervention 1 (add at model.layers.0.output): value v.safetensors:wide has last dim 65, but the "
+       "selected whole has width 64"},
+      {{{"at", "model.layers.1.output"}, {"do", "zero"}, {"index", "...,60:70"}},
+       "out of range on the last dim, whose whole width is 64"},
+      {{{"at", "model.layers.0.output"}, {"do", "call"}, {"as", "x"}, {"modules", {"model.layers.1.mlp.down_proj"}}},
+       "model.layers.1.mlp.down_proj takes a whole input of width 128, but model.layers.0.output is 64 wide"},
+  };
+  for (const auto& [bad_step, message] : cases) {
+    SCOPED_TRACE(bad_step.dump());
+    auto errors = on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+      model.apply(Plan::from_json(nlohmann::json::array({first_save, bad_step}), "plan.json", folder));
+      try {
+        model.forward(token_ids());
+      } catch (const Error&) {
+        EXPECT_TRUE(model.saved().empty()) << "the forward ran before the check";
+        throw;
+      }
+    });
+    for (const auto& e : errors) {
+      EXPECT_NE(e.find(message), std::string::npos) << e;
+      EXPECT_EQ(e.find("Traceback"), std::string::npos) << "one clean line: " << e;
+    }
   }
+  // A value that fits runs, and the width learned once is not probed again.
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    const nlohmann::json add = {{"at", "model.layers.0.output"}, {"do", "add"}, {"value", "v.safetensors:fits"}};
+    model.apply(Plan::from_json(nlohmann::json::array({first_save, add}), "plan.json", folder));
+    auto& group = model.context().group("tp");
+    const int64_t before = group.collective_count();
+    model.forward(token_ids());
+    const int64_t with_probe = group.collective_count() - before;
+    EXPECT_EQ(model.saved().at("first").size(), 1u);
+    model.apply(Plan::from_json(nlohmann::json::array({add}), "plan.json", folder));  // checked at once now
+    const int64_t again = group.collective_count();
+    model.forward(token_ids());
+    EXPECT_EQ(with_probe, 2 * (group.collective_count() - again)) << "one probe forward, then none";
+  }));
 }
 
 TEST(Generation, SteeringChangesTheGenerationAsAtTp1) {

@@ -1,15 +1,18 @@
 //===- tools/bench/gpu_forward_benchmark.cpp - Rewritten vs original on GPUs ===//
 //
 // One process per GPU (NCCL), or world size 1. Forward time, CUDA-synchronised,
-// of five variants run interleaved in an order that rotates every iteration:
+// of six variants run interleaved in an order that rotates every iteration:
 //   original      the plain rank file (no rewrite);
-//   rewritten     the same file rewritten in memory, nothing registered;
+//   rewritten     the same file rewritten in memory, nothing registered
+//                 (ShardedModel runs the graph specialized to no location);
 //   layer saves   rewritten, a save at every decoder layer's output;
 //   frag saves    rewritten, a save at every fragmented location of the table;
-//   raw in fwd    the rewritten graph with each frag::gather replaced by the
-//                 bare NCCL collective of its piece (tools/bench/raw_collectives.h):
-//                 the collectives the fragment saves need, where a hand-written
-//                 model would run them.
+//   raw in fwd    the rewritten graph with each triple replaced by the bare
+//                 NCCL collective of its piece and no other frag:: op
+//                 (tools/bench/raw_collectives.h): the collectives the fragment
+//                 saves need, where a hand-written model would run them;
+//   full graph    rewritten, nothing registered, specialization off (every
+//                 location's ops run idle).
 // Ratios: rewritten / original (target <= 1.02) and (frag saves - rewritten) /
 // (raw in fwd - rewritten) (target <= 1.15). Rank 0 prints medians.
 //
@@ -102,8 +105,10 @@ int main(int argc, char** argv) {
     auto frag_saving = ShardedModel::load(context, path, device);
     auto raw = load_and_check_rank_module(*context, path, device);
     passes::rewrite_for_fragments(raw.module, passes::LayerAliases{}, path);
-    bench::replace_gathers_with_raw_collectives(
-        torch::jit::toGraphFunction(raw.module.get_method("forward").function()).graph()->block());
+    bench::replace_fragment_ops_with_raw_collectives(
+        *torch::jit::toGraphFunction(raw.module.get_method("forward").function()).graph());
+    auto full = ShardedModel::load(context, path, device);
+    full.set_specialize(false);
 
     int layers = 0, fragmented = 0;
     for (const auto& location : layer_saving.table().whole)
@@ -153,6 +158,7 @@ int main(int argc, char** argv) {
            bench::raw_kept().clear();
          },
          {}},
+        {"rewritten, full graph (every location's ops, idle)", [&] { full.forward(ids); }, {}},
     };
     const size_t n = variants.size();
     for (int i = 0; i < iterations + 3; ++i)
@@ -169,7 +175,8 @@ int main(int argc, char** argv) {
     fmt::print("{:<50} {:>10}\n", "forward (median ms, rank 0)", "");
     for (size_t k = 0; k < n; ++k)
       fmt::print("{:<50} {:>10.3f}   / original {:.4f}\n", variants[k].name, med[k], med[k] / med[0]);
-    fmt::print("ratio rewritten / original: {:.4f} (target <= 1.02)\n", med[1] / med[0]);
+    fmt::print("ratio rewritten / original: {:.4f} (target <= 1.02); full graph / original {:.4f}\n", med[1] / med[0],
+               med[5] / med[0]);
     if (fragmented > 0 && med[4] > med[1])
       fmt::print("ratio (frag saves - rewritten) / (raw in fwd - rewritten): {:.3f} (target <= 1.15); extra "
                  "{:.3f} ms vs {:.3f} ms\n",

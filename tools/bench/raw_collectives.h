@@ -1,11 +1,11 @@
 //===- tools/bench/raw_collectives.h - The raw collectives a save needs, in the forward -*- C++ -*-===//
 //
 // The benchmarks' baseline for saves: the rewritten graph with every
-// frag::gather replaced by frag_bench::raw_collective, the bare collective of
-// its piece (all_gather or all_reduce over the rule's group, no assembly into
-// a whole, no InterventionRuntime). Run with no runtime on the thread,
-// intervene and split pass the result by and hand the model its piece, so the
-// forward runs exactly the collectives the saves run, in the same places.
+// gather -> intervene -> split triple replaced by frag_bench::raw_collective,
+// the bare collective of its piece (all_gather or all_reduce over the rule's
+// group, no assembly into a whole, no InterventionRuntime), and no other
+// frag:: op: the original export's computation plus exactly the collectives
+// the saves run, in the same places.
 // Their results are kept to the end of the forward (raw_kept(): a hand-written
 // save keeps its bytes too; dropped at once, the allocator would reuse the
 // memory for free) and freed by the caller inside its timing, as saves are.
@@ -17,12 +17,14 @@
 #pragma once
 
 #include "ir/fragment_rule.h"
+#include "passes/remove_fragment_ops.h"
 #include "runtime/rank_context.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -57,24 +59,35 @@ inline at::Tensor raw_collective(const at::Tensor& piece, c10::string_view rule_
   return piece;
 }
 
-TORCH_LIBRARY(frag_bench, m) { m.def("raw_collective(Tensor piece, str rule) -> Tensor", &raw_collective); }
+// CONSERVATIVE: the op has side effects for the JIT, so the executor's dead
+// code elimination keeps it although the graph does not use its result.
+TORCH_LIBRARY(frag_bench, m) {
+  m.def(torch::schema("raw_collective(Tensor piece, str rule) -> Tensor", c10::AliasAnalysisKind::CONSERVATIVE),
+        &raw_collective);
+}
 
-/// Replaces every frag::gather in `block` (and nested blocks) by frag_bench::raw_collective of its piece.
-inline void replace_gathers_with_raw_collectives(torch::jit::Block* block) {
+/// Specializes a rewritten graph to the raw collectives alone: every triple
+/// becomes frag_bench::raw_collective of its piece, placed where the gather
+/// was, and the model carries on with its own piece; every other frag:: op
+/// (whole locations) goes. What is left is the original export's computation
+/// plus the bare collectives.
+inline void replace_fragment_ops_with_raw_collectives(torch::jit::Graph& graph) {
   static const auto gather = c10::Symbol::fromQualString("frag::gather");
   static const auto raw = c10::Symbol::fromQualString("frag_bench::raw_collective");
-  for (auto it = block->nodes().begin(); it != block->nodes().end();) {
-    torch::jit::Node* node = *it;
-    ++it;
-    for (torch::jit::Block* inner : node->blocks()) replace_gathers_with_raw_collectives(inner);
-    if (node->kind() != gather) continue;
-    torch::jit::Graph& graph = *node->owningGraph();
+  std::vector<torch::jit::Node*> gathers;
+  std::function<void(torch::jit::Block*)> collect = [&](torch::jit::Block* block) {
+    for (torch::jit::Node* node : block->nodes()) {
+      for (torch::jit::Block* inner : node->blocks()) collect(inner);
+      if (node->kind() == gather) gathers.push_back(node);
+    }
+  };
+  collect(graph.block());
+  for (torch::jit::Node* node : gathers) {
     torch::jit::Node* collective = graph.create(raw, {node->input(0), node->input(2)});
     collective->insertBefore(node);
     collective->output()->setType(node->output()->type());
-    node->output()->replaceAllUsesWith(collective->output());
-    node->destroy();
   }
+  passes::remove_fragment_ops_except(graph, {});
 }
 
 }  // namespace frag::bench

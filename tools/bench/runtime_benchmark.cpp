@@ -10,10 +10,14 @@
 //        original     run_forward on the plain rank file (load_and_check_rank_module,
 //                     no rewrite);
 //        rewritten    ShardedModel::load of the same file (rewritten in memory),
-//                     forward with no intervention;
-//        stripped     the same rewritten graph with every frag:: op removed again
-//                     (what the inlining alone does, without the idle ops);
-//        passthrough  the rewritten graph called directly with no
+//                     forward with no intervention: ShardedModel runs the graph
+//                     specialized to the hooked locations (none here), see
+//                     passes/remove_fragment_ops.h;
+//        full         the same with set_specialize(false): the full rewrite,
+//                     every location's ops running idle;
+//        stripped     the rewritten graph with every frag:: op removed by the
+//                     same pass, run directly (what the inlining alone does);
+//        passthrough  the full rewritten graph called directly with no
 //                     InterventionRuntime: the ops pass their input through;
 //      target: rewritten / original <= 1.02.
 //  (b) a save (ShardedModel::save) at EVERY fragmented location of the table vs
@@ -22,9 +26,10 @@
 //        plain      the rewritten model, nothing registered;
 //        saves      a second rewritten model with a save at every fragmented
 //                   location (its saves freed after each forward, inside the timing);
-//        rawfwd     the rewritten graph with each frag::gather replaced by the
-//                   bare collective of its piece (frag_bench::raw_collective:
-//                   all_gather or all_reduce, no assembly, no runtime): the
+//        rawfwd     the rewritten graph with each triple replaced by the bare
+//                   collective of its piece (frag_bench::raw_collective:
+//                   all_gather or all_reduce, no assembly, no runtime) and no
+//                   other frag:: op: the
 //                   collectives the saved bytes need, where a hand-written
 //                   model would run them, their results kept to the end of the
 //                   forward and freed inside the timing, as the saves are;
@@ -51,7 +56,7 @@
 //   bazel-bin/tools/bench/runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T]
 //                                           [--micro N] [--locations] [--graphs] [EXPORT_DIR ...]
 //   bazel-bin/tools/bench/runtime_benchmark --profile VARIANT [--iters N] [EXPORT_DIR]   (one variant
-//       only, original|rewritten|stripped|passthrough|saves|rawfwd|raw|raw+asm, for `perf record`)
+//       only, original|rewritten|full|stripped|passthrough|saves|rawfwd|raw|raw+asm, for `perf record`)
 //   --locations: list every fragmented location with its collective and shapes;
 //   --graphs: compare the node kinds of the optimized plans of rewritten and stripped.
 //
@@ -166,6 +171,7 @@ struct ModelResult {
   int64_t collectives_original = 0, collectives_rewritten = 0, collectives_saves = 0;
   int64_t collectives_at_saved = 0;  ///< InterventionRuntime::collectives_at summed, one forward
   bool logits_equal_rewritten = false, logits_equal_inlined = false, logits_equal_saves = false;
+  bool logits_equal_full = false;
   bool logits_equal_raw_in_forward = false;
   int64_t collectives_raw_in_forward = 0;
   std::vector<int64_t> logits_shape;
@@ -229,23 +235,6 @@ void count_ops(torch::jit::Block* block, ModelResult& result) {
     else if (kind == "frag::intervene") {
       if (torch::jit::toIValue(node->input(2))->toBool()) ++result.intervenes_fragmented;
       else ++result.intervenes_whole;
-    }
-  }
-}
-
-/// Removes every frag::gather/intervene/split, wiring their inputs through.
-void strip_fragment_ops(torch::jit::Block* block) {
-  for (auto it = block->nodes().begin(); it != block->nodes().end();) {
-    torch::jit::Node* node = *it;
-    ++it;
-    for (torch::jit::Block* inner : node->blocks()) strip_fragment_ops(inner);
-    const std::string kind = node->kind().toQualString();
-    if (kind == "frag::gather" || kind == "frag::intervene") {
-      node->output()->replaceAllUsesWith(node->input(0));
-      node->destroy();
-    } else if (kind == "frag::split") {
-      node->output()->replaceAllUsesWith(node->input(1));
-      node->destroy();
     }
   }
 }
@@ -407,12 +396,13 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
   auto inlined = runtime::load_and_check_rank_module(*context, path);
   passes::rewrite_for_fragments(inlined.module, passes::LayerAliases{}, path);
   auto inlined_graph = forward_graph(inlined.module);
-  strip_fragment_ops(inlined_graph->block());
-  torch::jit::EliminateDeadCode(inlined_graph);
+  passes::remove_fragment_ops_except(*inlined_graph, {});
   auto saving = runtime::ShardedModel::load(context, path);
   auto raw_in_forward = runtime::load_and_check_rank_module(*context, path);
   passes::rewrite_for_fragments(raw_in_forward.module, passes::LayerAliases{}, path);
-  bench::replace_gathers_with_raw_collectives(forward_graph(raw_in_forward.module)->block());
+  bench::replace_fragment_ops_with_raw_collectives(*forward_graph(raw_in_forward.module));
+  auto full = runtime::ShardedModel::load(context, path);
+  full.set_specialize(false);
 
   const auto& table = rewritten.table();
   const std::vector<std::string> locations = table.fragmented_locations();
@@ -439,6 +429,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
   after = tp.collective_count();
   const int64_t collectives_rewritten = after - before;
   auto logits_inlined = runtime::run_forward(inlined, ids);
+  auto logits_full = full.forward(ids);
   barrier();
   before = tp.collective_count();
   auto logits_raw_in_forward = runtime::run_forward(raw_in_forward, ids);
@@ -477,6 +468,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     result.collectives_at_saved = at_after - at_before;
     result.logits_equal_rewritten = torch::equal(logits_original, logits_rewritten);
     result.logits_equal_inlined = torch::equal(logits_original, logits_inlined);
+    result.logits_equal_full = torch::equal(logits_original, logits_full);
     result.logits_equal_saves = torch::equal(logits_original, logits_saves);
     result.logits_equal_raw_in_forward = torch::equal(logits_original, logits_raw_in_forward);
     result.collectives_raw_in_forward = collectives_raw_in_forward;
@@ -526,6 +518,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     for (int i = 0; i < options.warmup + options.iters; ++i) {
       if (options.profile == "original") runtime::run_forward(original, ids);
       else if (options.profile == "rewritten") rewritten.forward(ids);
+      else if (options.profile == "full") full.forward(ids);
       else if (options.profile == "stripped") runtime::run_forward(inlined, ids);
       else if (options.profile == "passthrough") run_passthrough();
       else if (options.profile == "saves") {
@@ -535,7 +528,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
       else if (options.profile == "rawfwd") run_raw_in_forward();
       else if (options.profile == "raw") run_raw(false);
       else if (options.profile == "raw+asm") run_raw(true);
-      else throw std::runtime_error("--profile takes original, rewritten, stripped, passthrough, saves, rawfwd, raw or raw+asm");
+      else throw std::runtime_error("--profile takes original, rewritten, full, stripped, passthrough, saves, rawfwd, raw or raw+asm");
     }
     barrier();
     return;
@@ -567,9 +560,10 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
         timed(series, i >= options.warmup, body);
       }
   };
-  // (a) original / rewritten / stripped / pass-through.
+  // (a) original / rewritten / full / stripped / pass-through.
   interleave({{"original", [&] { runtime::run_forward(original, ids); }},
               {"rewritten", [&] { rewritten.forward(ids); }},
+              {"full", [&] { full.forward(ids); }},
               {"inlined", [&] { runtime::run_forward(inlined, ids); }},
               {"passthrough", [&] { run_passthrough(); }}});
   // (b) plain / saves / raw / raw+asm.
@@ -596,7 +590,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
       for (auto& [spec, plan] : state.execution_plans) walk(plan.graph->block());
       return kinds;
     };
-    auto a = plan_kinds(rewritten.module()), b = plan_kinds(inlined.module);
+    auto a = plan_kinds(full.module()), b = plan_kinds(inlined.module);
     std::set<std::string> all;
     for (auto& [k, n] : a) all.insert(k);
     for (auto& [k, n] : b) all.insert(k);
@@ -682,9 +676,11 @@ void print_result(const ModelResult& r, const Options& options) {
              r.collectives_original, r.collectives_rewritten, r.collectives_saves,
              r.collectives_saves - r.collectives_rewritten, r.collectives_at_saved);
   fmt::print("collectives per forward with the raw collectives in the forward: {}\n", r.collectives_raw_in_forward);
-  fmt::print("logits bit-identical to the original: rewritten {}, inlined {}, with saves {}, raw collectives in the "
+  fmt::print("logits bit-identical to the original: rewritten {}, full graph {}, inlined {}, with saves {}, raw "
+             "collectives in the "
              "forward {}\n",
-             r.logits_equal_rewritten ? "yes" : "NO", r.logits_equal_inlined ? "yes" : "NO",
+             r.logits_equal_rewritten ? "yes" : "NO", r.logits_equal_full ? "yes" : "NO",
+             r.logits_equal_inlined ? "yes" : "NO",
              r.logits_equal_saves ? "yes" : "NO", r.logits_equal_raw_in_forward ? "yes" : "NO");
   fmt::print("times: ms per forward, the slower rank of each iteration (the mean of {} calls back to back), over {}\n"
              "iterations after {} warm-up;\n"
@@ -703,16 +699,20 @@ void print_result(const ModelResult& r, const Options& options) {
   fmt::print("  {:<46} {:>9} {:>9} {:>9} {:>10}\n", "", "median", "min", "cpu", "IQR/median");
   row("original export (no rewrite)", "original");
   row("rewritten in memory (ShardedModel, no plan)", "rewritten");
+  row("rewritten, full graph (specialize off)", "full");
   row("rewritten, frag ops stripped again", "inlined");
-  row("rewritten graph, no runtime (ops pass through)", "passthrough");
+  row("full graph, no runtime (ops pass through)", "passthrough");
   ratio_row("ratio rewritten / original", "rewritten", "original",
             fmt::format("paired median {:.3f}; target <= 1.02: {} ({:+.1f} %)",
                         r.paired_ratio("rewritten", "original"), verdict(ratio_a, 1.02), (ratio_a - 1.02) * 100));
+  ratio_row("ratio full graph / original", "full", "original",
+            fmt::format("paired median {:.3f}; every location's ops idle", r.paired_ratio("full", "original")));
   ratio_row("ratio stripped / original", "inlined", "original", "the inlining alone");
-  ratio_row("ratio rewritten / stripped", "rewritten", "inlined",
-            fmt::format("the idle ops with their runtime ({:+.1f} us per forward)", (rewritten - inlined) * 1e3));
+  ratio_row("ratio rewritten / stripped", "rewritten", "inlined", "ShardedModel::forward around the same graph");
+  ratio_row("ratio full graph / stripped", "full", "inlined",
+            fmt::format("the idle ops with their runtime ({:+.1f} us per forward)", (r.med("full") - inlined) * 1e3));
   ratio_row("ratio no-runtime / stripped", "passthrough", "inlined", "the ops in the graph, passing through");
-  ratio_row("ratio rewritten / no-runtime", "rewritten", "passthrough", "ShardedModel::forward + runtime bookkeeping");
+  ratio_row("ratio full graph / no-runtime", "full", "passthrough", "ShardedModel::forward + runtime bookkeeping");
   fmt::print("\n(b) a save at each of the {} fragmented locations ({} collectives, {:.1f} KiB of pieces per forward)\n",
              r.pieces.size(), raw_collectives, piece_bytes / 1024.0);
   fmt::print("  {:<46} {:>9} {:>9} {:>9} {:>10}\n", "", "median", "min", "cpu", "IQR/median");
@@ -785,7 +785,7 @@ int main(int argc, char** argv) {
   app.add_flag("--graphs", options.graphs, "compare the optimized plans of the rewritten and stripped graphs");
   app.add_option("--profile", options.profile,
                  "run only this variant warmup+iters times on both ranks and print no table (for perf record)")
-      ->check(CLI::IsMember({"original", "rewritten", "stripped", "passthrough", "saves", "rawfwd", "raw",
+      ->check(CLI::IsMember({"original", "rewritten", "full", "stripped", "passthrough", "saves", "rawfwd", "raw",
                              "raw+asm"}));
   app.add_option("exports", folders, "tp-2 export folders (rank0.pt, rank1.pt); default: the tiny and larger "
                                      "reference exports")
