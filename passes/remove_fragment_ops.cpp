@@ -83,13 +83,17 @@ class FragmentOpRemover {
   /// The split of a gather → intervene → split chain whose middle values
   /// have no other use (so dropping the chain loses nothing).
   static Node* checked_triple(Node* split, const std::string& location) {
-    Node* intervene = split->input(0)->node();
-    Node* gather = intervene->input(0)->node();
-    const bool wired = intervene->kind() == kIntervene && gather->kind() == kGather &&
-                       intervene->output()->uses().size() == 1 && gather->output()->uses().size() == 1 &&
-                       gather->input(0) == split->input(1) && location_of(intervene, 1) == location &&
-                       location_of(gather, 1) == location;
-    if (!wired)
+    auto wired = [&] {
+      Node* intervene = split->input(0)->node();
+      if (intervene->kind() != kIntervene || intervene->output()->uses().size() != 1) return false;
+      auto fragmented = torch::jit::toIValue(intervene->input(2));
+      if (!fragmented || !fragmented->isBool() || !fragmented->toBool()) return false;
+      Node* gather = intervene->input(0)->node();
+      return gather->kind() == kGather && gather->output()->uses().size() == 1 &&
+             gather->input(0) == split->input(1) && location_of(intervene, 1) == location &&
+             location_of(gather, 1) == location;
+    };
+    if (!wired())
       fail("frag::split at {}: not the end of a gather -> intervene -> split triple over one piece; "
            "the graph was changed after insert_fragment_ops",
            location);

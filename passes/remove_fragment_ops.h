@@ -26,7 +26,8 @@ namespace frag::passes {
 /// Removes, in place, the frag::gather/intervene/split ops at every location
 /// not in `kept`. A triple whose nodes are not wired as insert_fragment_ops
 /// wires them is refused (frag::Error) before anything changes.
-/// Returns the number of locations' op groups removed.
+/// Returns the number of op groups removed: one per visit site (a triple or a
+/// lone intervene), so a location called twice counts twice.
 int64_t remove_fragment_ops_except(torch::jit::Graph& graph, const std::unordered_set<std::string>& kept);
 
 }  // namespace frag::passes

@@ -10,6 +10,7 @@
 #include <torch/csrc/jit/api/function_impl.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace frag::runtime {
 namespace {
@@ -37,7 +38,10 @@ ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std:
   ShardedModel model;
   model.context_ = std::move(context);
   model.rank_ = load_and_check_rank_module(*model.context_, path, device);
-  model.device_ = device;
+  // JIT fusers act on GPUs by default: with fragment ops only where a plan
+  // waits, a fusion group could span a boundary in one run and not in another,
+  // and a read-only plan would round differently from no plan.
+  model.specialize_ = device.is_cpu();
   auto& extra = model.rank_.extra_files;
   std::string error;
   try {
@@ -141,7 +145,8 @@ void ShardedModel::apply(const Plan& plan) {
     if (step.value_tensor.defined() && step.value_tensor.scalar_type() != dtype)
       fail("{}: value {} is {}, but the model computes in {}", where, step.value,
            c10::toString(step.value_tensor.scalar_type()), c10::toString(dtype));
-    const bool needs_width = step.index || step.action == "call" || step.value_tensor.defined();
+    const bool needs_width =
+        step.index || step.action == "call" || (step.value_tensor.defined() && step.value_tensor.dim() > 0);
     if (!needs_width) continue;
     if (auto width = whole_width_at(step.at)) check_against_width(step, *width, where);
     else later.push_back({step, where});  // a whole location not yet seen: checked before the next forward
@@ -156,15 +161,24 @@ std::optional<int64_t> ShardedModel::whole_width_at(const std::string& location)
   return std::nullopt;
 }
 
-void ShardedModel::check_widths_at_whole_locations() {
+void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_ids) {
   // Whole locations (decoder layer outputs, residual streams) have no width in
-  // the rule table. Learn them from one forward of a single token with
-  // read-only hooks (no collective beyond the model's own; every rank holds the
-  // same checks, agreed by digest) and check the steps before the real forward.
-  auto pending = std::move(width_checks_);
-  width_checks_.clear();
+  // the rule table. Learn them from one forward of the input's first token with
+  // read-only hooks and check the steps before the real forward. Every rank
+  // holds the same checks (agreed by digest), so every rank probes alike: the
+  // model's own collectives, plus a gather where a fragmented side's width is
+  // unknown too. The checks stay pending until they pass: a retry fails again.
+  // The probe runs its own copy of the graph (ops only at the probed
+  // locations): the forward's executor has not run yet, so the real forward
+  // is optimized exactly as it would be without the probe (on GPUs the first
+  // run and later runs may fuse, and round, differently).
+  std::unordered_set<std::string> probed;
+  for (const auto& check : width_checks_) probed.insert(check.step.at);
+  auto graph = torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph()->copy();
+  passes::remove_fragment_ops_except(*graph, probed);
+  torch::jit::GraphFunction probe_forward("__torch__.frag.width_probe", std::move(graph), nullptr);
   auto probe = std::make_shared<InterventionRuntime>();
-  for (const auto& check : pending)
+  for (const auto& check : width_checks_)
     if (!probe->has_hooks_at(check.step.at))
       probe->add(
           check.step.at,
@@ -177,10 +191,14 @@ void ShardedModel::check_widths_at_whole_locations() {
     ScopedRankContext rank_scope(context_);
     ScopedInterventionRuntime runtime_scope(probe);
     probe->begin_forward();
-    run_forward(rank_, torch::zeros({1, 1}, torch::TensorOptions().dtype(torch::kLong).device(device_)));
+    auto first_token = input_ids.dim() == 2 ? input_ids.narrow(0, 0, 1).narrow(1, 0, 1) : input_ids;
+    run_forward(rank_, first_token, &probe_forward);
   }
-  for (const auto& check : pending)
+  // A location the probe did not reach (an expert no token was routed to, a
+  // branch on length) is checked when first visited, on every rank alike.
+  for (const auto& check : width_checks_)
     if (auto width = whole_width_at(check.step.at)) check_against_width(check.step, *width, check.where);
+  width_checks_.clear();
 }
 
 void ShardedModel::register_step(const PlanStep& step) {
@@ -245,7 +263,7 @@ void ShardedModel::agree_on_interventions() {
 
 torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
   if (!agreed_) agree_on_interventions();
-  if (!width_checks_.empty()) check_widths_at_whole_locations();
+  if (!width_checks_.empty()) check_widths_at_whole_locations(input_ids);
   ScopedRankContext rank_scope(context_);
   ScopedInterventionRuntime runtime_scope(runtime_);
   runtime_->begin_forward();
@@ -256,18 +274,29 @@ torch::jit::Function* ShardedModel::forward_function() {
   if (!specialize_) return nullptr;
   if (runtime_->changes() == specialized_at_changes_) return specialized_forward_;
   auto hooked = runtime_->hooked_locations();
+  // Most recently used last: a hit moves to the back, the front is evicted.
+  auto hit = std::find_if(specialized_.begin(), specialized_.end(),
+                          [&](const auto& entry) { return entry.first == hooked; });
+  if (hit != specialized_.end()) {
+    std::rotate(hit, hit + 1, specialized_.end());
+  } else {
+    // Built before anything changes, so a failure leaves the cache as it was.
+    auto graph = torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph()->copy();
+    passes::remove_fragment_ops_except(*graph, {hooked.begin(), hooked.end()});
+    auto function = std::make_shared<torch::jit::GraphFunction>(
+        c10::QualifiedName(fmt::format("__torch__.frag.forward_at_{}_locations", hooked.size())), std::move(graph),
+        nullptr);
+    constexpr size_t kCachedSpecializations = 8;  // a generation loop alternates few sets; a server may churn
+    if (specialized_.size() == kCachedSpecializations) specialized_.erase(specialized_.begin());
+    specialized_.emplace_back(std::move(hooked), std::move(function));
+  }
   specialized_at_changes_ = runtime_->changes();
-  for (const auto& [locations, function] : specialized_)
-    if (locations == hooked) return specialized_forward_ = function.get();
-  constexpr size_t kKept = 8;  // a generation loop alternates few sets; a server may churn
-  if (specialized_.size() == kKept) specialized_.erase(specialized_.begin());
-  auto graph = torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph()->copy();
-  passes::remove_fragment_ops_except(*graph, {hooked.begin(), hooked.end()});
-  auto function = std::make_shared<torch::jit::GraphFunction>(
-      c10::QualifiedName(fmt::format("__torch__.frag.forward_at_{}_locations", hooked.size())), std::move(graph),
-      nullptr);
-  specialized_.emplace_back(std::move(hooked), function);
-  return specialized_forward_ = function.get();
+  return specialized_forward_ = specialized_.back().second.get();
+}
+
+std::shared_ptr<torch::jit::Graph> ShardedModel::forward_graph() {
+  if (auto* function = forward_function()) return torch::jit::toGraphFunction(*function).graph();
+  return torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph();
 }
 
 torch::Tensor ShardedModel::call(const std::vector<std::string>& paths, const torch::Tensor& whole) {

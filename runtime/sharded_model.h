@@ -78,15 +78,21 @@ class ShardedModel {
   /// Runs forward(input_ids). Before the first forward after a change of
   /// interventions the ranks compare digests of their interventions and rule
   /// tables, and all refuse if any differs: no rank enters a collective another skips.
-  /// By default it runs a copy of the rewritten graph that keeps the fragment
+  /// On the CPU it runs a copy of the rewritten graph that keeps the fragment
   /// ops only at locations with interventions (passes::remove_fragment_ops_except),
-  /// made again when the interventions change (kept for the last few sets);
+  /// made again when the interventions change (the last 8 sets are kept);
   /// elsewhere the forward is the original export's, with no op to dispatch.
+  /// See set_specialize.
   torch::Tensor forward(const torch::Tensor& input_ids);
-  /// Whether forward specializes the graph to the hooked locations (true, the
-  /// default) or always runs the full rewrite (every location's ops, idle
-  /// where nothing waits). Both compute the same values.
+  /// Whether forward specializes the graph to the hooked locations or always
+  /// runs the full rewrite (every location's ops, idle where nothing waits).
+  /// The default: on for a model on the CPU, off on GPUs. Without a JIT fuser
+  /// (LibTorch's default on CPUs) both compute bit-identical values; with one
+  /// (the default on GPUs) a fusion group may span a location whose ops were
+  /// dropped, so a read-only plan could round differently from no plan.
   void set_specialize(bool specialize) { specialize_ = specialize; }
+  /// The graph the next forward runs (specialized or the full rewrite), for inspection.
+  std::shared_ptr<torch::jit::Graph> forward_graph();
 
   /// Greedy decoding of `steps` tokens (the whole sequence is recomputed each
   /// step); interventions apply at every step and saves are keyed "step{k}.{name}".
@@ -115,7 +121,7 @@ class ShardedModel {
   /// learned by a probe forward (whole locations), else unknown.
   std::optional<int64_t> whole_width_at(const std::string& location) const;
   /// Runs the checks `apply` could not make yet (see the .cpp).
-  void check_widths_at_whole_locations();
+  void check_widths_at_whole_locations(const torch::Tensor& input_ids);
   /// The forward to run: nullptr for the module's own (the full rewrite).
   torch::jit::Function* forward_function();
 
@@ -128,7 +134,6 @@ class ShardedModel {
   int64_t exchanges_ = 0;
   std::string save_prefix_;
   SavedTensors saved_;
-  torch::Device device_ = torch::kCPU;
   /// Plan steps at whole locations of unknown width, checked before the next forward.
   struct WidthCheck {
     PlanStep step;

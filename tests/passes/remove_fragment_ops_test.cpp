@@ -183,5 +183,27 @@ TEST(RemoveFragmentOps, RefusesATripleRewiredAfterTheRewrite) {
   EXPECT_EQ(text_of(*graph), before) << "a refused removal changed the graph";
 }
 
+TEST(RemoveFragmentOps, RefusesATripleWhoseInterveneIsNotFragmented) {
+  Module root = column_act_row();
+  rewrite_for_fragments(root, {}, "chain.pt");
+  auto graph = forward_graph(root)->copy();
+  // The middle of the up.output triple claims to open its own visit (a whole location's op).
+  for (auto* node : graph->nodes())
+    if (node->kind() == c10::Symbol::fromQualString("frag::intervene") &&
+        torch::jit::toIValue(node->input(2))->toBool()) {
+      torch::jit::WithInsertPoint point(node);
+      node->replaceInput(2, graph->insertConstant(false));
+      break;
+    }
+  const std::string before = text_of(*graph);
+  try {
+    remove_fragment_ops_except(*graph, {});
+    FAIL() << "a triple with a whole-location intervene was accepted";
+  } catch (const frag::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("up.output"));
+  }
+  EXPECT_EQ(text_of(*graph), before);
+}
+
 }  // namespace
 }  // namespace frag::passes

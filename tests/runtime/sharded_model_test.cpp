@@ -13,6 +13,7 @@
 #include "tests/support/test_support.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/ir/ir.h>
 
 namespace frag::runtime {
 namespace {
@@ -303,17 +304,37 @@ TEST(Specialization, RunsAsTheFullRewriteWithAndWithoutInterventions) {
   }
 }
 
+/// frag:: ops in a graph, nested blocks included.
+int64_t fragment_ops_in(torch::jit::Block* block) {
+  int64_t n = 0;
+  for (auto* node : block->nodes()) {
+    for (auto* inner : node->blocks()) n += fragment_ops_in(inner);
+    if (std::string(node->kind().toQualString()).rfind("frag::", 0) == 0 &&
+        node->kind() != c10::Symbol::fromQualString("frag::all_reduce") &&
+        node->kind() != c10::Symbol::fromQualString("frag::all_gather"))
+      ++n;
+  }
+  return n;
+}
+
 TEST(Specialization, FollowsInterventionsChangedBetweenForwards) {
   FRAG_REQUIRE_GLOO();
   const std::string location = "model.layers.0.mlp.down_proj.input";
   expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    EXPECT_EQ(fragment_ops_in(model.forward_graph()->block()), 0) << "nothing registered: no fragment op runs";
+    model.set_specialize(false);
+    const int64_t full = fragment_ops_in(model.forward_graph()->block());
+    EXPECT_GT(full, 40) << "the full rewrite";
+    model.set_specialize(true);
     const auto plain = model.forward(token_ids());
     EXPECT_EQ(model.interventions().collectives_at(location), 0);
     model.save(location, "x");
+    EXPECT_EQ(fragment_ops_in(model.forward_graph()->block()), 3) << "one triple, at the saved location";
     model.forward(token_ids());
     EXPECT_EQ(model.saved().count("x"), 1u) << "a save registered after a forward takes effect";
     EXPECT_EQ(model.interventions().collectives_at(location), 1);
     model.clear();
+    EXPECT_EQ(fragment_ops_in(model.forward_graph()->block()), 0);
     EXPECT_TRUE(torch::equal(model.forward(token_ids()), plain));
     EXPECT_EQ(model.saved().at("x").size(), 1u) << "a cleared save does not run";
     EXPECT_EQ(model.interventions().collectives_at(location), 1);
@@ -327,6 +348,34 @@ TEST(Specialization, FollowsInterventionsChangedBetweenForwards) {
     EXPECT_EQ(calls, 1);
     EXPECT_EQ(model.interventions().collectives_at(location), 2);
     EXPECT_FALSE(torch::equal(zeroed, plain)) << "the replacement reached the model";
+  }));
+}
+
+TEST(Specialization, MoreSetsOfLocationsThanTheCacheHolds) {
+  FRAG_REQUIRE_GLOO();
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    const auto locations = model.table().fragmented_locations();
+    ASSERT_GT(locations.size(), 8u) << "the cache holds 8 sets";
+    // The reference: every location saved at once by the full rewrite.
+    model.set_specialize(false);
+    for (const auto& location : locations) model.save(location, location);
+    model.forward(token_ids());
+    const SavedTensors reference = model.saved();
+    model.clear();
+    model.clear_saved();
+    model.set_specialize(true);
+    // One location at a time, then the first again (evicted by then).
+    auto order = locations;
+    order.push_back(locations.front());
+    for (const auto& location : order) {
+      model.clear();
+      model.clear_saved();
+      model.save(location, "x");
+      model.forward(token_ids());
+      ASSERT_EQ(model.saved().count("x"), 1u) << location;
+      EXPECT_TRUE(torch::equal(model.saved().at("x").at(0), reference.at(location).at(0))) << location;
+      EXPECT_EQ(fragment_ops_in(model.forward_graph()->block()), 3) << location;
+    }
   }));
 }
 
@@ -391,8 +440,15 @@ TEST(Safety, StepsAtWholeLocationsAreCheckedBeforeTheForwardRuns) {
       model.apply(Plan::from_json(nlohmann::json::array({first_save, bad_step}), "plan.json", folder));
       try {
         model.forward(token_ids());
-      } catch (const Error&) {
+      } catch (const Error& first) {
         EXPECT_TRUE(model.saved().empty()) << "the forward ran before the check";
+        try {
+          model.forward(token_ids());
+          ADD_FAILURE() << "a retry ran the plan unchecked";
+        } catch (const Error& again) {
+          EXPECT_EQ(std::string(again.what()), first.what()) << "a retry must fail alike";
+        }
+        EXPECT_TRUE(model.saved().empty());
         throw;
       }
     });

@@ -58,7 +58,7 @@
 //   bazel-bin/tools/bench/runtime_benchmark --profile VARIANT [--iters N] [EXPORT_DIR]   (one variant
 //       only, original|rewritten|full|stripped|passthrough|saves|rawfwd|raw|raw+asm, for `perf record`)
 //   --locations: list every fragmented location with its collective and shapes;
-//   --graphs: compare the node kinds of the optimized plans of rewritten and stripped.
+//   --graphs: compare the node kinds of the optimized plans of the full rewritten graph and the stripped one.
 //
 // With no folders it uses //tests/models:llama_tp2 ("tiny") and
 // //tests/models:bench_llama_h256_tp2 ("large"), found in its runfiles or under
@@ -597,10 +597,10 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     int total_a = 0, total_b = 0;
     for (auto& [k, n] : a) total_a += n;
     for (auto& [k, n] : b) total_b += n;
-    result.graph_notes = fmt::format("optimized plans: rewritten {} nodes, stripped {} nodes; kinds that differ:", total_a,
+    result.graph_notes = fmt::format("optimized plans: full graph {} nodes, stripped {} nodes; kinds that differ:", total_a,
                                      total_b);
     for (const auto& k : all)
-      if (a[k] != b[k]) result.graph_notes += fmt::format("\n    {:<28} rewritten {:>5}  stripped {:>5}", k, a[k], b[k]);
+      if (a[k] != b[k]) result.graph_notes += fmt::format("\n    {:<28} full graph {:>5}  stripped {:>5}", k, a[k], b[k]);
   }
 
   // The idle ops alone, on rank 0 while rank 1 waits.
@@ -782,7 +782,7 @@ int main(int argc, char** argv) {
   app.add_option("--micro", options.micro, "iterations of the idle-op micro-benchmarks (0: skip them)")
       ->check(CLI::Range(0, 100000000));
   app.add_flag("--locations", options.locations, "list every fragmented location with its collective and shapes");
-  app.add_flag("--graphs", options.graphs, "compare the optimized plans of the rewritten and stripped graphs");
+  app.add_flag("--graphs", options.graphs, "compare the optimized plans of the full rewritten graph and the stripped one");
   app.add_option("--profile", options.profile,
                  "run only this variant warmup+iters times on both ranks and print no table (for perf record)")
       ->check(CLI::IsMember({"original", "rewritten", "full", "stripped", "passthrough", "saves", "rawfwd", "raw",

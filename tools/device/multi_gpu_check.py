@@ -14,7 +14,9 @@ Checks (tp=1 on one GPU is the ground truth):
   - every saved tensor and the logits of the read plan at tp=2 equal tp=1 within the tolerance;
   - the read plan leaves the tp=2 logits bit-identical to no plan;
   - the edit plan changes tp=2 logits as it changes tp=1 logits (within the tolerance), and it matters
-    (tp=1 logits move by more than 10x the tolerance).
+    (tp=1 logits move by more than 10x the tolerance);
+  - once, on the first model: two ranks started as separate processes (torchrun's variables) with different
+    plans both refuse with the "different interventions" error well within --timeout, neither hangs.
 Tolerance on max |a - b|: float32 1e-4 (the CPU suites' bound); bfloat16 8 units of bf16 rounding (2^-8 each)
 of the reference tensor's largest magnitude: 0.03125 * max(1, max|ref|).
 
@@ -25,9 +27,11 @@ Prints one line per check and "N passed, N failed"; exits 1 if any check failed.
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TOOLS)
@@ -152,6 +156,35 @@ def main():
         run(cmd)
         return {k: v.float() for k, v in load_file(out).items()}
 
+    def divergent_plans_refused(files, plans_by_rank):
+        """Both ranks must fail with the cross-rank digest error, not hang."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        start = time.monotonic()
+        procs = []
+        for r, plan in enumerate(plans_by_rank):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            cmd = [args.frag, "run", "--device", args.device, *files, "--input", os.path.join(work, "ids.txt"),
+                   "--out", os.path.join(work, "divergent%d.safetensors" % r), "--timeout", str(args.timeout)]
+            if plan:
+                cmd += ["--plan", plan]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = []
+        for proc in procs:
+            try:
+                outputs.append((proc.wait(timeout=args.timeout * 2), proc.stdout.read()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                outputs.append((None, "HUNG"))
+        seconds = time.monotonic() - start
+        ok = all(rc not in (0, None) and "different interventions" in out for rc, out in outputs)
+        detail = "; ".join("rank %d: exit %s, %s" % (r, rc, out.strip().splitlines()[-1][:140] if out.strip() else "")
+                           for r, (rc, out) in enumerate(outputs))
+        check("rank-divergent plans are refused on both ranks", ok, "%.1f s; %s" % (seconds, detail))
+
+    divergence_checked = False
     for dtype in args.dtypes:
         for model in args.models:
             label = "%s %s" % (model, dtype)
@@ -194,6 +227,9 @@ def main():
             check(label + ": %d edits change logits as at tp=1" % edits,
                   diff <= tol and effect > 10 * tol,
                   "max diff %.2e (tol %.2e); the edits move tp=1 logits by %.2e" % (diff, tol, effect))
+            if not divergence_checked:
+                divergence_checked = True
+                divergent_plans_refused(tp2, [plan["read"], plan["edit"]])
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
 
