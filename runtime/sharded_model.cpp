@@ -31,6 +31,20 @@ at::ScalarType model_dtype(const torch::jit::Module& module) {
   return at::kFloat;
 }
 
+/// The module's own forward graph: the full rewrite.
+std::shared_ptr<torch::jit::Graph> full_forward_graph(const torch::jit::Module& module) {
+  return torch::jit::toGraphFunction(module.get_method("forward").function()).graph();
+}
+
+/// A function of the module's forward with fragment ops only at `kept`; call it with the module as self.
+std::shared_ptr<torch::jit::GraphFunction> forward_keeping_ops_at(const torch::jit::Module& module,
+                                                                  const std::unordered_set<std::string>& kept,
+                                                                  const std::string& name) {
+  auto graph = full_forward_graph(module)->copy();
+  passes::remove_fragment_ops_except(*graph, kept);
+  return std::make_shared<torch::jit::GraphFunction>(c10::QualifiedName(name), std::move(graph), nullptr);
+}
+
 }  // namespace
 
 ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std::string& path,
@@ -174,9 +188,7 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
   // run and later runs may fuse, and round, differently).
   std::unordered_set<std::string> probed;
   for (const auto& check : width_checks_) probed.insert(check.step.at);
-  auto graph = torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph()->copy();
-  passes::remove_fragment_ops_except(*graph, probed);
-  torch::jit::GraphFunction probe_forward("__torch__.frag.width_probe", std::move(graph), nullptr);
+  auto probe_forward = forward_keeping_ops_at(rank_.module, probed, "__torch__.frag.width_probe");
   auto probe = std::make_shared<InterventionRuntime>();
   for (const auto& check : width_checks_)
     if (!probe->has_hooks_at(check.step.at))
@@ -192,7 +204,7 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
     ScopedInterventionRuntime runtime_scope(probe);
     probe->begin_forward();
     auto first_token = input_ids.dim() == 2 ? input_ids.narrow(0, 0, 1).narrow(1, 0, 1) : input_ids;
-    run_forward(rank_, first_token, &probe_forward);
+    run_forward(rank_, first_token, probe_forward.get());
   }
   // A location the probe did not reach (an expert no token was routed to, a
   // branch on length) is checked when first visited, on every rank alike.
@@ -281,11 +293,8 @@ torch::jit::Function* ShardedModel::forward_function() {
     std::rotate(hit, hit + 1, specialized_.end());
   } else {
     // Built before anything changes, so a failure leaves the cache as it was.
-    auto graph = torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph()->copy();
-    passes::remove_fragment_ops_except(*graph, {hooked.begin(), hooked.end()});
-    auto function = std::make_shared<torch::jit::GraphFunction>(
-        c10::QualifiedName(fmt::format("__torch__.frag.forward_at_{}_locations", hooked.size())), std::move(graph),
-        nullptr);
+    auto function = forward_keeping_ops_at(rank_.module, {hooked.begin(), hooked.end()},
+                                           fmt::format("__torch__.frag.forward_at_{}_locations", hooked.size()));
     constexpr size_t kCachedSpecializations = 8;  // a generation loop alternates few sets; a server may churn
     if (specialized_.size() == kCachedSpecializations) specialized_.erase(specialized_.begin());
     specialized_.emplace_back(std::move(hooked), std::move(function));
@@ -296,7 +305,7 @@ torch::jit::Function* ShardedModel::forward_function() {
 
 std::shared_ptr<torch::jit::Graph> ShardedModel::forward_graph() {
   if (auto* function = forward_function()) return torch::jit::toGraphFunction(*function).graph();
-  return torch::jit::toGraphFunction(rank_.module.get_method("forward").function()).graph();
+  return full_forward_graph(rank_.module);
 }
 
 torch::Tensor ShardedModel::call(const std::vector<std::string>& paths, const torch::Tensor& whole) {
