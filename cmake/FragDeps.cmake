@@ -1,8 +1,9 @@
 # cmake/FragDeps.cmake - finds LibTorch and the other dependencies of fragments.
 #
-# Works against any LibTorch that find_package(Torch) finds: Debian's libtorch-dev
-# (CPU only, with libgloo-dev) or a PyTorch pip wheel (CUDA, no gloo headers;
-# CMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')).
+# Builds against the LibTorch of the project's Python (the pinned PyTorch of
+# tools/requirements.txt in the venv of tools/install_deps.sh) unless Torch_DIR or
+# CMAKE_PREFIX_PATH points at another PyTorch 2.x. Pip wheels ship no gloo headers:
+# Debian's libgloo-dev provides them.
 #
 # Defines these targets for CMakeLists.txt:
 #   frag_torch   LibTorch (TORCH_LIBRARIES, TORCH_CXX_FLAGS), plus c10_cuda where found
@@ -22,8 +23,41 @@ include_guard(GLOBAL)
 include(FragOptions)
 
 # ---------------------------------------------------------------------------
+# Python with torch: runs tools/export_model.py and the kit's tests
+# ---------------------------------------------------------------------------
+if(NOT DEFINED CACHE{FRAG_PYTHON})
+  # The project's Python: the venv of tools/install_deps.sh (FRAG_VENV or ~/.cache/fragments/venv).
+  if(DEFINED ENV{FRAG_VENV})
+    set(_frag_python "$ENV{FRAG_VENV}/bin/python")
+  else()
+    set(_frag_python "$ENV{HOME}/.cache/fragments/venv/bin/python")
+  endif()
+  if(NOT EXISTS "${_frag_python}")
+    find_program(FRAG_PYTHON3_ON_PATH NAMES python3)
+    mark_as_advanced(FRAG_PYTHON3_ON_PATH)
+    set(_frag_python "${FRAG_PYTHON3_ON_PATH}")
+  endif()
+  set(FRAG_PYTHON "${_frag_python}" CACHE STRING
+    "Python interpreter with torch: runs tools/export_model.py and tests/python")
+endif()
+execute_process(COMMAND "${FRAG_PYTHON}" -c "import torch; print(torch.__version__)"
+  RESULT_VARIABLE _rc OUTPUT_VARIABLE FRAG_PYTHON_TORCH_VERSION ERROR_QUIET
+  OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT _rc EQUAL 0)
+  set(FRAG_PYTHON_TORCH_VERSION "")
+  message(WARNING "FRAG_PYTHON=${FRAG_PYTHON} cannot import torch: the reference model "
+                  "exports and the Python tests will fail. Set -DFRAG_PYTHON=...")
+endif()
+
+# ---------------------------------------------------------------------------
 # LibTorch
 # ---------------------------------------------------------------------------
+# Default: the LibTorch of the project's Python (one PyTorch for the C++ and Python sides).
+if(NOT Torch_DIR AND FRAG_PYTHON_TORCH_VERSION)
+  execute_process(COMMAND "${FRAG_PYTHON}" -c "import torch; print(torch.utils.cmake_prefix_path)"
+    OUTPUT_VARIABLE _frag_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  list(APPEND CMAKE_PREFIX_PATH "${_frag_torch_prefix}")
+endif()
 find_package(Torch REQUIRED)
 
 # TorchConfig puts TORCH_CXX_FLAGS (the libstdc++ ABI, -D_GLIBCXX_USE_CXX11_ABI=0|1)
@@ -68,39 +102,6 @@ if(FRAG_HAVE_C10_CUDA)
 endif()
 
 # ---------------------------------------------------------------------------
-# Python with torch: runs tools/export_model.py and the kit's tests
-# ---------------------------------------------------------------------------
-if(NOT DEFINED CACHE{FRAG_PYTHON})
-  set(_frag_python "")
-  if(EXISTS /usr/bin/python3)
-    execute_process(COMMAND /usr/bin/python3 -c "import torch"
-      RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET)
-    if(_rc EQUAL 0)
-      set(_frag_python /usr/bin/python3)
-    endif()
-  endif()
-  if(NOT _frag_python)
-    find_program(FRAG_PYTHON3_ON_PATH NAMES python3)
-    mark_as_advanced(FRAG_PYTHON3_ON_PATH)
-    if(FRAG_PYTHON3_ON_PATH)
-      set(_frag_python "${FRAG_PYTHON3_ON_PATH}")
-    else()
-      set(_frag_python python3)
-    endif()
-  endif()
-  set(FRAG_PYTHON "${_frag_python}" CACHE STRING
-    "Python interpreter with torch: runs tools/export_model.py and tests/python")
-endif()
-execute_process(COMMAND "${FRAG_PYTHON}" -c "import torch; print(torch.__version__)"
-  RESULT_VARIABLE _rc OUTPUT_VARIABLE FRAG_PYTHON_TORCH_VERSION ERROR_QUIET
-  OUTPUT_STRIP_TRAILING_WHITESPACE)
-if(NOT _rc EQUAL 0)
-  set(FRAG_PYTHON_TORCH_VERSION "")
-  message(WARNING "FRAG_PYTHON=${FRAG_PYTHON} cannot import torch: the reference model "
-                  "exports and the Python tests will fail. Set -DFRAG_PYTHON=...")
-endif()
-
-# ---------------------------------------------------------------------------
 # Header-only and small dependencies: FRAG_DEPS_DIR first, then the system
 # ---------------------------------------------------------------------------
 set(FRAG_DEPS_DIR "" CACHE PATH
@@ -125,31 +126,16 @@ function(frag_find_header var header)
   endif()
 endfunction()
 
-# fmt: header-only from FRAG_DEPS_DIR if it has fmt (its headers would shadow a
-# system libfmt's), else the system's compiled libfmt, else header-only.
-option(FRAG_FMT_HEADER_ONLY "Use fmt header-only (FMT_HEADER_ONLY) even where libfmt is installed" OFF)
+# fmt: the copy PyTorch ships in its include folder, header-only. It is first on
+# the include path anyway (LibTorch's folders are), so a system libfmt of another
+# version would be compiled against these headers: never link one.
 add_library(frag_fmt INTERFACE)
-if(_frag_deps_include AND EXISTS "${_frag_deps_include}/fmt/format.h")
-  target_include_directories(frag_fmt INTERFACE "${_frag_deps_include}")
-  target_compile_definitions(frag_fmt INTERFACE FMT_HEADER_ONLY)
-  set(FRAG_FMT_WHY "header-only from ${_frag_deps_include}")
-else()
-  if(NOT FRAG_FMT_HEADER_ONLY AND NOT FRAG_TORCH_OLD_ABI)
-    find_package(fmt CONFIG QUIET)
-  endif()
-  if(TARGET fmt::fmt AND NOT FRAG_FMT_HEADER_ONLY AND NOT FRAG_TORCH_OLD_ABI)
-    target_link_libraries(frag_fmt INTERFACE fmt::fmt)
-    set(FRAG_FMT_WHY "libfmt ${fmt_VERSION} (${fmt_DIR})")
-  else()
-    find_path(FRAG_FMT_INCLUDE_DIR fmt/format.h)
-    if(NOT FRAG_FMT_INCLUDE_DIR)
-      message(FATAL_ERROR "fmt not found: install libfmt-dev or set FRAG_DEPS_DIR (include/fmt)")
-    endif()
-    target_include_directories(frag_fmt INTERFACE "${FRAG_FMT_INCLUDE_DIR}")
-    target_compile_definitions(frag_fmt INTERFACE FMT_HEADER_ONLY)
-    set(FRAG_FMT_WHY "header-only from ${FRAG_FMT_INCLUDE_DIR}")
-  endif()
+if(NOT EXISTS "${TORCH_INSTALL_PREFIX}/include/fmt/format.h")
+  message(FATAL_ERROR "fmt not found in this LibTorch (${TORCH_INSTALL_PREFIX}/include/fmt): use PyTorch 2.x")
 endif()
+target_link_libraries(frag_fmt INTERFACE frag_torch)
+target_compile_definitions(frag_fmt INTERFACE FMT_HEADER_ONLY)
+set(FRAG_FMT_WHY "header-only from ${TORCH_INSTALL_PREFIX}/include (PyTorch's copy)")
 
 # nlohmann/json
 frag_find_header(FRAG_JSON_INCLUDE_DIR nlohmann/json.hpp)
@@ -216,36 +202,33 @@ if(FRAG_BUILD_TESTS)
 endif()
 
 # ---------------------------------------------------------------------------
-# Gloo (CPU collectives through c10d::ProcessGroupGloo): headers + libgloo
+# Gloo (CPU collectives through c10d::ProcessGroupGloo): gloo's headers only
 # ---------------------------------------------------------------------------
-frag_feature_option(FRAG_WITH_GLOO "Build the Gloo communicator (needs gloo headers and libgloo)")
+# PyTorch's wheels compile Gloo into libtorch_cpu but ship no gloo headers, which
+# c10d's ProcessGroupGloo.hpp needs for its declarations. Debian's libgloo-dev
+# provides them; its libgloo is NOT linked (a second copy of Gloo's symbols).
+frag_feature_option(FRAG_WITH_GLOO "Build the Gloo communicator (needs gloo headers; the code is libtorch's)")
 frag_feature_mode(FRAG_WITH_GLOO _mode)
 set(_found FALSE)
 set(_why "")
 if(NOT _mode STREQUAL "OFF")
-  set(FRAG_GLOO_ROOT "" CACHE PATH "Where gloo is installed (include/gloo, lib/libgloo.so); default: searched")
+  set(FRAG_GLOO_ROOT "" CACHE PATH "Where gloo's headers are installed (include/gloo); default: searched")
   set(_inc_hints "")
-  set(_lib_hints "")
   if(FRAG_GLOO_ROOT)
     set(_inc_hints "${FRAG_GLOO_ROOT}/include")
-    set(_lib_hints "${FRAG_GLOO_ROOT}/lib" "${FRAG_GLOO_ROOT}/lib64")
   endif()
   find_path(FRAG_GLOO_INCLUDE_DIR gloo/config.h HINTS ${_inc_hints})
-  find_library(FRAG_GLOO_LIBRARY gloo HINTS ${_lib_hints} PATHS /usr/lib /usr/local/lib)
-  if(FRAG_GLOO_INCLUDE_DIR AND FRAG_GLOO_LIBRARY)
+  if(FRAG_GLOO_INCLUDE_DIR)
     set(_found TRUE)
-    set(_why "gloo found (${FRAG_GLOO_INCLUDE_DIR}/gloo, ${FRAG_GLOO_LIBRARY})")
-  elseif(NOT FRAG_GLOO_INCLUDE_DIR)
-    set(_why "gloo headers (gloo/config.h) not found")
+    set(_why "gloo headers found (${FRAG_GLOO_INCLUDE_DIR}/gloo)")
   else()
-    set(_why "libgloo not found")
+    set(_why "gloo headers (gloo/config.h) not found")
   endif()
 endif()
 frag_feature_resolve(FRAG_WITH_GLOO "${_found}" "${_why}" FRAG_HAVE_GLOO)
 if(FRAG_HAVE_GLOO)
   add_library(frag_gloo INTERFACE)
   target_include_directories(frag_gloo SYSTEM INTERFACE "${FRAG_GLOO_INCLUDE_DIR}")
-  target_link_libraries(frag_gloo INTERFACE "${FRAG_GLOO_LIBRARY}")
   # c10d declares ProcessGroupGloo only under USE_C10D_GLOO.
   target_compile_definitions(frag_gloo INTERFACE USE_C10D_GLOO)
 endif()

@@ -8,6 +8,8 @@
 
 #include "ir/error.h"
 
+#include <fmt/ranges.h>
+
 #include <fstream>
 #include <numeric>
 

@@ -15,6 +15,7 @@
 #include "runtime/rank_module.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <unistd.h>
 

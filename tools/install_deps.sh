@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Installs everything fragments needs on a fresh Debian 12 machine (as root, or with sudo).
+# Installs everything fragments needs on a fresh Debian 12 machine (as root, or with sudo):
+#  - Debian packages: compilers, Bazel, CMake, and the C++ libraries (gloo headers, fmt, json, CLI11, gtest);
+#  - the project's Python: a venv with the packages pinned in tools/requirements.txt (PyTorch 2.11 and its
+#    LibTorch, which both builds use). The venv lives outside the checkout so clean clones share it:
+#    ${FRAG_VENV:-$HOME/.cache/fragments/venv}; it is rebuilt only when tools/requirements.txt changes.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 packages=(
-  bazel-bootstrap cmake ninja-build g++ git
-  libtorch-dev python3-torch python3-numpy
+  bazel-bootstrap cmake ninja-build g++ git python3 python3-venv
   libgloo-dev libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev googletest
 )
 missing=()
@@ -19,3 +23,21 @@ fi
 if [ ! -f /usr/local/cuda/include/nccl.h ]; then
   echo "install_deps: no /usr/local/cuda/include/nccl.h; the NCCL backend will not be built" >&2
 fi
+
+# The venv. Its stamp is the requirements file's digest: same digest, nothing to do.
+venv=$(bash tools/python_env.sh --venv)
+stamp="$venv/.fragments-requirements.sha256"
+want=$(sha256sum tools/requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "install_deps: building the Python venv $venv (PyTorch is a few GB; this takes minutes once)"
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  /usr/bin/python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q --progress-bar off -r tools/requirements.txt
+  nodeps=$(sed -n 's/^# nodeps: *//p' tools/requirements.txt)
+  [ -z "$nodeps" ] || "$venv/bin/pip" install -q --no-deps $nodeps
+  "$venv/bin/python" -c 'import torch, transformers, gguf, safetensors, nnsight'
+  echo "$want" > "$stamp"
+fi
+echo "install_deps: Python $("$venv/bin/python" -c 'import sys, torch; print(sys.version.split()[0], "with torch", torch.__version__)') at $venv"

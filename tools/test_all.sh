@@ -3,7 +3,7 @@
 # runs every test with Bazel and ends with one line "N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PATH=/usr/bin:$PATH  # Debian's python3 has torch; a pyenv python3 first on PATH does not
+PY=$(bash tools/python_env.sh)  # the project's Python (tools/install_deps.sh); its torch is the LibTorch of both builds
 
 status=0
 echo "== bazel build //..."
@@ -12,7 +12,9 @@ bazel build //... 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDI
 if [ "${FRAG_SKIP_CMAKE:-0}" != 1 ]; then
   echo "== cmake build (LibTorch from find_package(Torch))"
   mkdir -p build
-  if cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > build/cmake.log 2>&1 &&
+  if cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+        -DPython3_EXECUTABLE="$PY" > build/cmake.log 2>&1 &&
      cmake --build build/cmake -j2 >> build/cmake.log 2>&1; then
     echo "cmake build OK (log: build/cmake.log)"
   else
@@ -23,5 +25,5 @@ fi
 echo "== bazel test //..."
 labels=$(bazel query 'tests(//...)' 2>/dev/null | sed 's|^//||; s|:|/|')
 bazel test //... --test_output=errors 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)'
-python3 tools/summarize_tests.py "$(bazel info bazel-testlogs 2>/dev/null)" $labels || status=1
+"$PY" tools/summarize_tests.py "$(bazel info bazel-testlogs 2>/dev/null)" $labels || status=1
 exit $status

@@ -20,8 +20,8 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
         name = name,
         srcs = ["//tools:fragkit"],
         outs = ["%s/rank%d.pt" % (name, r) for r in range(tp)],
-        cmd = ("PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 $(location //tools:export_model.py) " +
+        cmd = ("PYTHONDONTWRITEBYTECODE=1 $(location @torch//:python) $(location //tools:export_model.py) " +
                flags + " --out $(RULEDIR)/" + name + " > /dev/null"),
-        tools = ["//tools:export_model.py"],
+        tools = ["//tools:export_model.py", "@torch//:python"],
         visibility = ["//visibility:public"],
     )
