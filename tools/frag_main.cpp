@@ -13,6 +13,7 @@
 #include "runtime/safetensors.h"
 #include "tools/fragment_commands.h"
 #include "tools/launcher.h"
+#include "tools/text_tokenizer.h"
 #include "tools/token_ids.h"
 
 #include <CLI/CLI.hpp>
@@ -20,6 +21,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 
 namespace {
 
@@ -28,6 +30,8 @@ using frag::fail;
 struct RunArguments {
   std::vector<std::string> files;
   std::string input;
+  std::vector<std::string> prompts;
+  std::string tokenizer;
   std::string out;
   int world = 0;
   double timeout_s = 60;
@@ -58,7 +62,10 @@ int run_rank(const RunArguments& args) {
   torch::Device device = args.device == "cuda" ? torch::Device(torch::kCUDA, options.local_rank)
                                                : torch::Device(torch::kCPU);
   const std::string file = file_for_rank(args, options.rank, options.world_size);
-  auto ids = frag::tools::read_token_ids(args.input).to(device);
+  std::optional<frag::tools::TextTokenizer> tokenizer;
+  if (!args.prompts.empty())
+    tokenizer.emplace(args.tokenizer.empty() ? frag::tools::TextTokenizer::folder_beside(file) : args.tokenizer);
+  auto ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::tools::read_token_ids(args.input)).to(device);
   auto context = frag::runtime::RankContext::connect(options);
   frag::runtime::set_process_rank_context(context);
   auto model = frag::runtime::ShardedModel::load(context, file, device, args.rules_file);
@@ -73,6 +80,12 @@ int run_rank(const RunArguments& args) {
   frag::runtime::TensorMap outputs;
   if (args.generate > 0) {
     outputs["tokens"] = model.generate(ids, args.generate);
+    if (tokenizer && context->rank() == 0) {
+      auto texts = tokenizer->decode(outputs["tokens"].narrow(1, ids.size(1), args.generate));
+      for (size_t i = 0; i < texts.size(); ++i)
+        std::cout << (texts.size() > 1 ? fmt::format("[{}] ", i + 1) : "") << args.prompts[i] << texts[i] << "\n";
+      std::cout << std::flush;
+    }
   } else {
     outputs["logits"] = model.forward(ids);
   }
@@ -93,11 +106,19 @@ int run_command(const RunArguments& args) {
   if (args.device != "cpu" && args.device != "cuda")
     fail("--device must be cpu or cuda, got '{}'", args.device);
   if (args.world > 0 && std::getenv("FRAG_LAUNCHED") == nullptr) {
-    // Local launch: this process only starts and watches the ranks.
+    // Local launch: this process only starts and watches the ranks. Prompts are tokenized here once first,
+    // so a tokenizer problem is reported once, not by every rank.
+    if (!args.prompts.empty())
+      frag::tools::TextTokenizer(args.tokenizer.empty()
+                                     ? frag::tools::TextTokenizer::folder_beside(file_for_rank(args, 0, args.world))
+                                     : args.tokenizer)
+          .encode(args.prompts);
     std::vector<std::string> child{"run"};
     for (const auto& f : args.files) child.push_back(f);
-    child.insert(child.end(), {"--input", args.input, "--timeout", fmt::format("{}", args.timeout_s),
-                               "--device", args.device});
+    if (!args.input.empty()) child.insert(child.end(), {"--input", args.input});
+    for (const auto& prompt : args.prompts) child.insert(child.end(), {"--prompt", prompt});
+    if (!args.tokenizer.empty()) child.insert(child.end(), {"--tokenizer", args.tokenizer});
+    child.insert(child.end(), {"--timeout", fmt::format("{}", args.timeout_s), "--device", args.device});
     if (!args.out.empty()) child.insert(child.end(), {"--out", args.out});
     if (!args.plan.empty()) child.insert(child.end(), {"--plan", args.plan});
     if (!args.rules_file.empty()) child.insert(child.end(), {"--rules", args.rules_file});
@@ -128,8 +149,16 @@ int main(int argc, char** argv) {
              "launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun, srun, mpirun)");
   run_cmd->add_option("files", run.files, "Rank files, rank 0 first (or one path with {rank})")
       ->required();
-  run_cmd->add_option("--input", run.input, "Token ids: one sequence per line, ids separated by spaces")
-      ->required();
+  auto* input_opt =
+      run_cmd->add_option("--input", run.input, "Token ids: one sequence per line, ids separated by spaces");
+  auto* prompt_opt = run_cmd->add_option(
+      "--prompt", run.prompts,
+      "Text to run (repeatable: one batch of equal token lengths), tokenized with the checkpoint's tokenizer; "
+      "with --generate, prints each prompt and its decoded continuation");
+  input_opt->excludes(prompt_opt);
+  run_cmd->add_option("--tokenizer", run.tokenizer,
+                      "Tokenizer folder (tokenizer.json) for --prompt; default: 'tokenizer' beside the rank files")
+      ->needs(prompt_opt);
   run_cmd->add_option("--out", run.out, "Write rank 0's logits here (safetensors, tensor 'logits')");
   run_cmd->add_option("--world", run.world, "Start this many local ranks (processes)")
       ->check(CLI::Range(1, 1024));
@@ -167,6 +196,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    if (run_cmd->parsed() && run.input.empty() && run.prompts.empty())
+      fail("frag run needs the tokens to run: --input ids.txt or --prompt \"text\"");
     if (run_cmd->parsed()) return run_command(run);
     if (inspect_cmd->parsed()) return frag::tools::inspect_command(inspect);
     if (rewrite_cmd->parsed()) return frag::tools::rewrite_command(rewrite);

@@ -12,7 +12,7 @@ file of one export has the same id and the runner can refuse rank files mixed fr
 import hashlib
 import json
 import os
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -90,22 +90,42 @@ def export(build: Builder, tp_size: int, out_dir: str, seed: int = 0) -> List[st
     """Script and save ``out_dir/rank{r}.pt`` for r in range(tp_size).  Returns the paths."""
     if tp_size < 1:
         raise ValueError("tp_size must be >= 1")
-    os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(seed)
     full = build(0, 1).eval()
+    return export_ranks(full, build, tp_size, out_dir)
+
+
+def export_ranks(full: nn.Module, build: Builder, tp_size: int, out_dir: str, info: Optional[dict] = None,
+                 progress: Optional[Callable[[int], None]] = None) -> List[str]:
+    """Slice ``full`` (the model built at tp_size 1, weights loaded) into ``build(r, tp_size)`` for each rank,
+    script and save ``out_dir/rank{r}.pt``; ``info`` joins ``fragkit.json``.  Each file is written under a
+    temporary name and renamed when all are written, so a failure leaves no rank file behind."""
+    if tp_size < 1:
+        raise ValueError("tp_size must be >= 1")
+    os.makedirs(out_dir, exist_ok=True)
     export_id = _export_id(full, tp_size)
-    paths = []
-    for r in range(tp_size):
-        m = full if tp_size == 1 else build(r, tp_size).eval()
-        if m is not full:
-            load_rank_from_full(m, full)
-        stabilize_script_types(m)
-        scripted = torch.jit.script(m)
-        path = os.path.join(out_dir, "rank%d.pt" % r)
-        info = {"export_id": export_id, "tp_size": tp_size, "tp_rank": r, "model": type(full).__name__}
-        scripted.save(path, _extra_files={"fragkit.json": json.dumps(info, sort_keys=True)})
-        paths.append(path)
-    return paths
+    written = []
+    try:
+        for r in range(tp_size):
+            m = full if tp_size == 1 else build(r, tp_size).eval()
+            if m is not full:
+                load_rank_from_full(m, full)
+            stabilize_script_types(m)
+            scripted = torch.jit.script(m)
+            path = os.path.join(out_dir, "rank%d.pt" % r)
+            meta = dict(info or {}, export_id=export_id, tp_size=tp_size, tp_rank=r, model=type(full).__name__)
+            written.append(path)
+            scripted.save(path + ".tmp", _extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})
+            del m, scripted
+            if progress is not None:
+                progress(r)
+        for path in written:
+            os.replace(path + ".tmp", path)
+    finally:
+        for path in written:
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+    return written
 
 
 def _export_id(full: nn.Module, tp_size: int) -> str:

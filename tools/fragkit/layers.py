@@ -218,13 +218,21 @@ class ColumnParallelLinear(_LinearBase):
             return out, bias
         return out, None
 
+    # Config that the full (tp_size 1) layer must share with this one.
+    _full_keys = ("input_size", "output_size")
+
+    def _row_slices(self) -> List[Tuple[int, int]]:
+        """(start, stop) rows of the full weight that make up this rank's, in this rank's order."""
+        n, r = self.output_size_per_partition, self.tp_rank
+        return [(r * n, (r + 1) * n)]
+
     @torch.no_grad()
     def load_full_weights(self, full: "ColumnParallelLinear") -> None:
-        _check_full(self, full, ["input_size", "output_size"])
-        n, r = self.output_size_per_partition, self.tp_rank
-        self.weight.copy_(full.weight[r * n:(r + 1) * n])
+        _check_full(self, full, list(self._full_keys))
+        idx = torch.cat([torch.arange(a, b) for a, b in self._row_slices()])
+        self.weight.copy_(full.weight.index_select(0, idx))
         if self.bias is not None:
-            self.bias.copy_(full.bias[r * n:(r + 1) * n])
+            self.bias.copy_(full.bias.index_select(0, idx))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -243,6 +251,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                          output_sizes=sizes, prefix=prefix, tp_rank=tp_rank, tp_size=tp_size)
         self.output_sizes: List[int] = sizes
 
+    _full_keys = ("input_size", "output_size", "output_sizes")
+
     def _row_slices(self) -> List[Tuple[int, int]]:
         """(start, stop) rows of the full weight, in this rank's order."""
         out, off, r, p = [], 0, self.tp_rank, self.tp_size
@@ -252,13 +262,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             off += s
         return out
 
-    @torch.no_grad()
-    def load_full_weights(self, full: "MergedColumnParallelLinear") -> None:
-        _check_full(self, full, ["input_size", "output_size", "output_sizes"])
-        idx = torch.cat([torch.arange(a, b) for a, b in self._row_slices()])
-        self.weight.copy_(full.weight.index_select(0, idx))
-        if self.bias is not None:
-            self.bias.copy_(full.bias.index_select(0, idx))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -308,6 +311,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             num_kv_heads * v_head_size * tp_size,
         ]
 
+    _full_keys = ("hidden_size", "head_size", "v_head_size", "total_num_heads", "total_num_kv_heads")
+
     def _row_slices(self) -> List[Tuple[int, int]]:
         """(start, stop) rows of the whole [Q | K | V] weight that make up this rank's [q_r | k_r | v_r]."""
         r, hs, vs = self.tp_rank, self.head_size, self.v_head_size
@@ -320,15 +325,6 @@ class QKVParallelLinear(ColumnParallelLinear):
             (k_off + kv_shard * nkv * hs, k_off + (kv_shard + 1) * nkv * hs),
             (v_off + kv_shard * nkv * vs, v_off + (kv_shard + 1) * nkv * vs),
         ]
-
-    @torch.no_grad()
-    def load_full_weights(self, full: "QKVParallelLinear") -> None:
-        _check_full(self, full, ["hidden_size", "head_size", "v_head_size", "total_num_heads",
-                                 "total_num_kv_heads"])
-        idx = torch.cat([torch.arange(a, b) for a, b in self._row_slices()])
-        self.weight.copy_(full.weight.index_select(0, idx))
-        if self.bias is not None:
-            self.bias.copy_(full.bias.index_select(0, idx))
 
 
 class RowParallelLinear(_LinearBase):

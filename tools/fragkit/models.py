@@ -5,6 +5,7 @@ Module names follow vLLM / Hugging Face (model.embed_tokens, model.layers.N.self
 ``LlamaConfig(mlp="plain")`` swaps Llama's gated MLP for a GPT-NeoX style one (``PlainMLP``: up_proj, GELU,
 down_proj), whose up_proj output is a plain column shard.
 """
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -41,7 +42,11 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 512
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2; Llama's attention_bias sets o_proj_bias too)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    # Rotary frequencies: None (base ** (-2i/d)) or a dict as rope_inv_freq takes it.
+    rope_scaling: Optional[dict] = None
     dtype: torch.dtype = torch.float32
     # "gated": gate_up_proj (MergedColumnParallelLinear) -> SiLU-and-mul -> down_proj (Llama's MLP).
     # "plain": up_proj (ColumnParallelLinear, gather_output=False) -> GELU -> down_proj (GPT-NeoX / GPT-2 style).
@@ -70,11 +75,68 @@ class Qwen2MoeConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 512
+    rope_scaling: Optional[dict] = None
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class MixtralConfig:
+    """Mixtral: Llama attention (no biases) and a sparse MoE block of SiLU experts, all-reduced inside."""
+    vocab_size: int = 1000
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: Optional[int] = None
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    intermediate_size: int = 32
+    num_hidden_layers: int = 2
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 512
+    rope_scaling: Optional[dict] = None
     dtype: torch.dtype = torch.float32
 
 
 def _head_dim(config) -> int:
     return config.head_dim if config.head_dim else config.hidden_size // config.num_attention_heads
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict] = None) -> Tensor:
+    """Rotary inverse frequencies [rotary_dim / 2], float32, as Hugging Face computes them.
+
+    ``scaling``: None or {"rope_type": "default"}; {"rope_type": "linear", "factor": f} (positions / f);
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    (Llama 3.1's smooth wavelength-dependent scaling); {"rope_type": "freq_factors", "factors": [...]}
+    (GGUF's rope_freqs tensor: each frequency divided by its factor). Other types are refused by name."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError("rope frequency factors: %d given, %d rotary frequencies"
+                             % (factors.numel(), inv_freq.numel()))
+        return inv_freq / factors
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError("rope scaling of type %r is not supported (supported: %s)"
+                              % (kind, ", ".join(ROPE_TYPES)))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -121,14 +183,14 @@ class RotaryEmbedding(nn.Module):
     is_neox_style: bool
 
     def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool = True):
+                 is_neox_style: bool = True, scaling: Optional[dict] = None):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.max_position_embeddings = max_position_embeddings
         self.base = float(base)
         self.is_neox_style = is_neox_style
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        inv_freq = rope_inv_freq(rotary_dim, self.base, scaling)
         t = torch.arange(max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
@@ -208,12 +270,13 @@ class LlamaMLP(nn.Module):
     _fragkit_stable_annotations: int
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int,
-                 params_dtype: Optional[torch.dtype] = None, reduce_results: bool = True, prefix: str = ""):
+                 params_dtype: Optional[torch.dtype] = None, reduce_results: bool = True, prefix: str = "",
+                 bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
                                                        params_dtype=params_dtype, prefix=prefix + ".gate_up_proj",
                                                        tp_rank=tp_rank, tp_size=tp_size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, params_dtype=params_dtype,
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, params_dtype=params_dtype,
                                            reduce_results=reduce_results, prefix=prefix + ".down_proj",
                                            tp_rank=tp_rank, tp_size=tp_size)
         self.act_fn = SiluAndMul()
@@ -276,11 +339,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(self.hidden_size, self.head_dim, self.total_num_heads,
                                           self.total_num_kv_heads, bias=bias, params_dtype=dtype,
                                           prefix=prefix + ".qkv_proj", tp_rank=tp_rank, tp_size=tp_size)
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=False,
-                                        params_dtype=dtype, prefix=prefix + ".o_proj",
-                                        tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size,
+                                        bias=getattr(config, "o_proj_bias", False), params_dtype=dtype,
+                                        prefix=prefix + ".o_proj", tp_rank=tp_rank, tp_size=tp_size)
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, is_neox_style=True)
+                                          config.rope_theta, is_neox_style=True,
+                                          scaling=getattr(config, "rope_scaling", None))
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads)
 
     def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
@@ -305,9 +369,13 @@ class LlamaDecoderLayer(nn.Module):
         mlp_kind = getattr(config, "mlp", "gated")
         if mlp_kind not in LLAMA_MLP_KINDS:
             raise ValueError("unknown Llama MLP kind %r (one of %s)" % (mlp_kind, ", ".join(LLAMA_MLP_KINDS)))
-        mlp_cls = PlainMLP if mlp_kind == "plain" else LlamaMLP
-        self.mlp = mlp_cls(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
-                           params_dtype=config.dtype, prefix=prefix + ".mlp")
+        if mlp_kind == "plain":
+            self.mlp = PlainMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
+                                params_dtype=config.dtype, prefix=prefix + ".mlp")
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
+                                params_dtype=config.dtype, prefix=prefix + ".mlp",
+                                bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -468,6 +536,83 @@ class Qwen2MoeForCausalLM(_CausalLMBase):
 
 
 # --------------------------------------------------------------------------------------------------------
+# Qwen2 (dense): Llama with q/k/v biases (LlamaConfig.attention_bias=True)
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    tp_size: int
+    tp_rank: int
+
+
+# --------------------------------------------------------------------------------------------------------
+# Mixtral
+
+class MixtralSparseMoeBlock(nn.Module):
+    """Router (replicated) + FusedMoE that all-reduces itself (vLLM's Mixtral: reduce_results=True)."""
+
+    _fragkit_stable_annotations: int
+
+    def __init__(self, config, tp_rank: int, tp_size: int, enable_expert_parallel: bool = False,
+                 prefix: str = ""):
+        super().__init__()
+        if enable_expert_parallel:
+            moe_tp = dict(tp_size=1, tp_rank=0, ep_size=tp_size, ep_rank=tp_rank)
+        else:
+            moe_tp = dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=1, ep_rank=0)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False,
+                                     params_dtype=config.dtype, prefix=prefix + ".gate",
+                                     tp_rank=tp_rank, tp_size=tp_size)
+        self.experts = FusedMoE(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                                hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                                params_dtype=config.dtype, reduce_results=True, renormalize=True,
+                                prefix=prefix + ".experts", **moe_tp)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        orig_shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, orig_shape[-1])
+        router_logits, _ = self.gate(hidden_states)
+        return self.experts(hidden_states, router_logits).reshape(orig_shape)
+
+
+class MixtralDecoderLayer(nn.Module):
+    hidden_size: int
+
+    def __init__(self, config, tp_rank: int, tp_size: int, prefix: str = "", enable_expert_parallel: bool = False):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = LlamaAttention(config, tp_rank, tp_size, bias=False, prefix=prefix + ".self_attn")
+        self.block_sparse_moe = MixtralSparseMoeBlock(config, tp_rank, tp_size, enable_expert_parallel,
+                                                      prefix=prefix + ".block_sparse_moe")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.block_sparse_moe(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class MixtralForCausalLM(_CausalLMBase):
+    tp_size: int
+    tp_rank: int
+    enable_expert_parallel: bool
+
+    def __init__(self, config: Optional[MixtralConfig] = None, tp_rank: int = 0, tp_size: int = 1,
+                 enable_expert_parallel: bool = False):
+        super().__init__()
+        config = config or MixtralConfig()
+        self.enable_expert_parallel = bool(enable_expert_parallel)
+
+        def layer_cls(cfg, r, p, prefix=""):
+            return MixtralDecoderLayer(cfg, r, p, prefix=prefix, enable_expert_parallel=enable_expert_parallel)
+
+        self.model = LlamaModel(config, tp_rank, tp_size, layer_cls)
+        self._init_head(config, tp_rank, tp_size)
+
+
+# --------------------------------------------------------------------------------------------------------
 # builders for fragkit.export.export
 
 def llama_builder(config: Optional[LlamaConfig] = None):
@@ -478,3 +623,13 @@ def llama_builder(config: Optional[LlamaConfig] = None):
 def qwen2_moe_builder(config: Optional[Qwen2MoeConfig] = None, enable_expert_parallel: bool = False):
     config = config or Qwen2MoeConfig()
     return lambda tp_rank, tp_size: Qwen2MoeForCausalLM(config, tp_rank, tp_size, enable_expert_parallel)
+
+
+def qwen2_builder(config: Optional[LlamaConfig] = None):
+    config = config or LlamaConfig(attention_bias=True)
+    return lambda tp_rank, tp_size: Qwen2ForCausalLM(config, tp_rank, tp_size)
+
+
+def mixtral_builder(config: Optional[MixtralConfig] = None, enable_expert_parallel: bool = False):
+    config = config or MixtralConfig()
+    return lambda tp_rank, tp_size: MixtralForCausalLM(config, tp_rank, tp_size, enable_expert_parallel)
