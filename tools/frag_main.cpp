@@ -43,13 +43,13 @@ struct RunArguments {
 
 /// The file this rank runs: one per rank, or one pattern with "{rank}".
 std::string file_for_rank(const RunArguments& args, int rank, int world) {
-  if (static_cast<int>(args.files.size()) == world) return args.files[rank];
   if (args.files.size() == 1) {
     std::string file = args.files[0];
     auto at = file.find("{rank}");
     if (at != std::string::npos) return file.replace(at, 6, std::to_string(rank));
     if (world == 1) return file;
   }
+  if (static_cast<int>(args.files.size()) == world) return args.files[rank];
   fail("got {} rank file(s) for a world of {} ranks: give one file per rank in rank order, "
        "or one path containing {{rank}}",
        args.files.size(), world);
