@@ -193,6 +193,21 @@ class RealModelCheck:
             out["tp=%d" % tp] = self.run(tp, generate=GENERATE, name="generate")["tokens"][:, TOKENS:].tolist()
         return out
 
+    def check_prompt(self, prompt: str = "The capital of France is") -> Dict[str, str]:
+        """`frag run --prompt` (text in, text out through the checkpoint's tokenizer) against transformers."""
+        cmd = [self.frag, "run", "--world", str(self.tp), os.path.join(self.dirs[self.tp], "rank{rank}.pt"),
+               "--prompt", prompt, "--generate", str(GENERATE), "--timeout", "300"]
+        done = self._timed("fragments: --prompt tp=%d" % self.tp, lambda: subprocess.run(cmd, capture_output=True,
+                                                                                         text=True))
+        if done.returncode != 0:
+            raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            tokens = self.hf.generate(ids, max_new_tokens=GENERATE, do_sample=False,
+                                      attention_mask=torch.ones_like(ids), pad_token_id=self.tokenizer.eos_token_id)
+        expected = prompt + self.tokenizer.decode(tokens[0, ids.shape[1]:])
+        return {"fragments": done.stdout, "transformers": expected + "\n"}
+
     def check_nnsight_reads(self) -> Dict[str, float]:
         saved, ours = self.nnsight_saves(), self.reads(self.tp)
         worst: Dict[str, float] = {}
@@ -268,14 +283,18 @@ def main(argv=None) -> int:
     check.check_nnsight_reads()
     steer = check.check_steering()
     check.check_logit_lens()
+    text = check.check_prompt()
     print("SmolLM2-135M-Instruct (%s), %d prompts x %d tokens, float32\n" % (smollm2_gguf_path(), len(PROMPTS), TOKENS))
     print(check.table())
     same = all(gen[k] == gen["transformers"] for k in gen)
     print("\ngreedy generation of %d tokens: %s" % (GENERATE, "identical (transformers, tp=1, tp=%d)" % args.tp
                                                      if same else "DIFFERENT: %s" % gen))
     print("steering moved the logits by %.2f (relative), and fragments' steered logits equal nnsight's" % steer["moved"])
+    print("frag run --prompt: %s" % ("same text as transformers" if text["fragments"] == text["transformers"]
+                                     else "DIFFERENT: %r vs %r" % (text["fragments"], text["transformers"])))
+    print(text["fragments"].rstrip("\n"))
     bad = [r for r in check.rows if r["worst"] > r["tolerance"]]
-    return 1 if bad or not same else 0
+    return 1 if bad or not same or text["fragments"] != text["transformers"] else 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,15 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def frag_binary():
+    """$FRAG_BIN, else tools/frag under $FRAG_TEST_DATA (CMake's build folder) or the current folder
+    (Bazel's runfiles, where //tools:frag is a data dependency); None when there is none."""
+    if os.environ.get("FRAG_BIN"):
+        return os.environ["FRAG_BIN"]
+    path = os.path.join(os.environ.get("FRAG_TEST_DATA") or ".", "tools", "frag")
+    return os.path.abspath(path) if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
 def submodule(m, path):
     """m.a.b.0.c: works on eager and on scripted/loaded modules (whose ModuleList has no [])."""
     for part in path.split("."):

@@ -37,6 +37,11 @@ class RealModelTest(unittest.TestCase):
         self.assertEqual(tokens["tp=1"], tokens["transformers"])
         self.assertEqual(tokens["tp=3"], tokens["transformers"])
 
+    def test_prompt_text_in_text_out(self):
+        text = self.check.check_prompt()
+        self.assertIn("Paris", text["transformers"])  # the reference itself is sane
+        self.assertEqual(text["fragments"], text["transformers"])
+
     def test_whole_activations_at_tp3_equal_nnsight_at_tp1(self):
         worst = self.check.check_nnsight_reads()
         self.assertEqual(set(worst), {"o_proj_in", "down_in", "layer_out", "lm_head_out"})

@@ -24,15 +24,6 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 INTERMEDIATE, HIDDEN, LAYERS = 128, 64, 2  # LlamaConfig's defaults
 
 
-def _frag_binary():
-    """$FRAG_BIN, else tools/frag under $FRAG_TEST_DATA (CMake's build folder) or the current folder
-    (Bazel's runfiles, where //tools:frag is a data dependency); None when there is none."""
-    if os.environ.get("FRAG_BIN"):
-        return os.environ["FRAG_BIN"]
-    path = os.path.join(os.environ.get("FRAG_TEST_DATA") or ".", "tools", "frag")
-    return os.path.abspath(path) if os.path.isfile(path) and os.access(path, os.X_OK) else None
-
-
 def _export_info(path):
     with zipfile.ZipFile(path) as z:
         name = [n for n in z.namelist() if n.endswith("extra/fragkit.json")][0]
@@ -109,7 +100,7 @@ class PlainMlpExport(unittest.TestCase):
             self.assertFalse(mlp._c.hasattr("gate_up_proj"))
 
     def test_inspect_gives_up_proj_output_a_last_dim_shard(self):
-        frag = _frag_binary()
+        frag = U.frag_binary()
         if frag is None:
             self.skipTest("no frag binary (set FRAG_BIN, or run under Bazel/CMake)")
         for tp in (2, 4):

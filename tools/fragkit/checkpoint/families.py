@@ -124,7 +124,7 @@ class Family:
             hf, kit = "model.layers.%d." % i, "model.layers.%d." % i
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 out[kit + norm + ".weight"] = ([hf + norm + ".weight"], one)
-            for suffix in (["weight", "bias"] if c.attention_bias else ["weight"]):
+            for suffix in (["weight", "bias"] if self._qkv_bias() else ["weight"]):
                 out[kit + "self_attn.qkv_proj." + suffix] = (
                     [hf + "self_attn.%s_proj.%s" % (p, suffix) for p in "qkv"], cat0)
             for suffix in (["weight", "bias"] if getattr(c, "o_proj_bias", False) else ["weight"]):
@@ -134,10 +134,16 @@ class Family:
             elif self.name == "qwen2_moe" and i not in _dense_layers(c):
                 self._moe_sources(out, kit + "mlp.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"))
                 self._mlp_sources(out, kit + "mlp.shared_expert.", hf + "mlp.shared_expert.", False)
-                out[kit + "mlp.shared_expert_gate.weight"] = ([hf + "mlp.shared_expert_gate.weight"], one)
+                # [1, H]; GGUF files (llama.cpp) store it as [H].
+                out[kit + "mlp.shared_expert_gate.weight"] = ([hf + "mlp.shared_expert_gate.weight"],
+                                                              lambda ts: ts[0].reshape(1, -1))
             else:
                 self._mlp_sources(out, kit + "mlp.", hf + "mlp.", getattr(c, "mlp_bias", False))
         return out
+
+    def _qkv_bias(self) -> bool:
+        # The kit's attention: Qwen2-MoE always has q/k/v biases, Mixtral never; Llama and Qwen2 by config.
+        return {"qwen2_moe": True, "mixtral": False}.get(self.name, getattr(self.config, "attention_bias", False))
 
     @staticmethod
     def _mlp_sources(out, kit: str, hf: str, bias: bool) -> None:
