@@ -197,8 +197,10 @@ class RealModelCheck:
         """`frag run --prompt` (text in, text out through the checkpoint's tokenizer) against transformers."""
         cmd = [self.frag, "run", "--world", str(self.tp), os.path.join(self.dirs[self.tp], "rank{rank}.pt"),
                "--prompt", prompt, "--generate", str(GENERATE), "--timeout", "300"]
-        done = self._timed("fragments: --prompt tp=%d" % self.tp, lambda: subprocess.run(cmd, capture_output=True,
-                                                                                         text=True))
+        # frag tokenizes through the project's Python: the one running this check.
+        env = dict(os.environ, FRAG_PYTHON=os.environ.get("FRAG_PYTHON", sys.executable))
+        done = self._timed("fragments: --prompt tp=%d" % self.tp,
+                           lambda: subprocess.run(cmd, capture_output=True, text=True, env=env))
         if done.returncode != 0:
             raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
