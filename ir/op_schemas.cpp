@@ -13,7 +13,8 @@ const char* unqualified(const char* schema) { return schema + 6; }
 
 TORCH_LIBRARY(frag, m) {
   for (const char* schema :
-       {kAllReduceSchema, kAllGatherSchema, kGatherSchema, kInterveneSchema, kSplitSchema})
+       {kAllReduceSchema, kAllGatherSchema, kGatherSchema, kInterveneSchema, kSplitSchema, kGatherAtSchema,
+        kInterveneAtSchema, kSplitAtSchema})
     m.def(unqualified(schema));
 }
 

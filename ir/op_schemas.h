@@ -33,6 +33,16 @@ inline constexpr const char* kInterveneSchema =
 inline constexpr const char* kSplitSchema =
     "frag::split(Tensor value, Tensor(a) piece, str location, str rule) -> Tensor(a)";
 
+/// The same three ops bound to a location id (ir/location_table.h): the form
+/// a loaded program runs (passes/bind_location_ids rewrites the file's form
+/// into it at load). Files keep the string form: readable, and independent of
+/// how ids are numbered.
+inline constexpr const char* kGatherAtSchema = "frag::gather.at(Tensor(a) piece, int location) -> Tensor(a)";
+inline constexpr const char* kInterveneAtSchema =
+    "frag::intervene.at(Tensor(a) value, int location, bool fragmented) -> Tensor(a)";
+inline constexpr const char* kSplitAtSchema =
+    "frag::split.at(Tensor value, Tensor(a) piece, int location) -> Tensor(a)";
+
 /// Qualified names, for building and matching nodes.
 inline constexpr const char* kAllReduceOp = "frag::all_reduce";
 inline constexpr const char* kAllGatherOp = "frag::all_gather";

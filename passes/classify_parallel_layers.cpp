@@ -7,6 +7,7 @@
 #include "passes/classify_parallel_layers.h"
 
 #include "ir/error.h"
+#include "ir/json_file.h"
 
 #include <fmt/ranges.h>
 
@@ -290,14 +291,7 @@ std::string plain_class_name(const std::string& qualified_name) {
 }
 
 LayerAliases LayerAliases::from_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("{}: cannot open the rules file", path);
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    fail("{}: rules file is not valid JSON: {}", path, e.what());
-  }
+  nlohmann::json json = ir::read_json_file(path, "rules file");
   if (!json.is_object() || !json.contains("layers") || !json["layers"].is_object())
     fail("{}: rules file must be an object with \"layers\": {{\"ClassName\": \"KnownKind\", …}}", path);
   LayerAliases aliases;

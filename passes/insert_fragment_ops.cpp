@@ -3,7 +3,7 @@
 
 #include "ir/error.h"
 #include "ir/op_schemas.h"
-#include "passes/module_path.h"
+#include "ir/module_path.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -139,7 +139,7 @@ class FragmentOpInserter {
     if (path == paths_.end()) fail("{}: a method call on a module the pass cannot resolve to a path", source_);
     const std::string module_path = path->second;
     const std::string method = call->s(c10::attr::name);
-    torch::jit::Module callee_module = module_at(root_, module_path);
+    torch::jit::Module callee_module = ir::module_at(root_, module_path);
     auto& callee = torch::jit::toGraphFunction(callee_module.get_method(method).function());
     const bool located = !module_path.empty() && method == "forward";
     if (located && arguments.size() >= 2 && arguments[1]->type()->isSubtypeOf(*c10::TensorType::get()))

@@ -2,22 +2,13 @@
 #include "runtime/ad_hoc_call.h"
 
 #include "ir/error.h"
-#include "passes/module_path.h"
+#include "ir/module_path.h"
+#include "runtime/whole_value.h"
 
 #include <fmt/ranges.h>
 
 namespace frag::runtime {
 namespace {
-
-torch::Tensor reassemble(RankContext& context, const ir::FragmentRule& rule, const torch::Tensor& piece) {
-  Communicator& group = context.group(rule.group);
-  switch (ir::collective_for(rule)) {
-    case ir::CollectiveKind::kAllReduce: return group.all_reduce(piece);
-    case ir::CollectiveKind::kAllGather: return ir::whole_from_pieces(rule, group.all_gather(piece));
-    case ir::CollectiveKind::kNone: break;
-  }
-  return piece;
-}
 
 torch::Tensor main_output(const c10::IValue& output, const std::string& path) {
   if (output.isTensor()) return output.toTensor();
@@ -30,7 +21,7 @@ torch::Tensor main_output(const c10::IValue& output, const std::string& path) {
 
 void AdHocCaller::check_callable(const std::string& path, size_t tensors) const {
   if (path.empty()) fail("an empty module path cannot be called");
-  auto module = passes::module_at(root_, path);
+  auto module = ir::module_at(root_, path);
   auto method = module.find_method("forward");
   if (!method) fail("{} has no call wrapper: it has no forward method", path);
   const size_t arguments = method->function().getSchema().arguments().size() - 1;  // minus self
@@ -40,15 +31,15 @@ void AdHocCaller::check_callable(const std::string& path, size_t tensors) const 
   if (arguments < tensors || required > tensors)
     fail("{} has no call wrapper for {} tensor(s): its forward takes {} argument(s), {} required", path, tensors,
          arguments, required);
-  for (const auto& local : table_->rank_local)
-    if (local.location == ir::input_location(path) || local.location == ir::output_location(path))
+  for (const auto& location : {ir::input_location(path), ir::output_location(path)})
+    if (locations_->kind_of(location) == ir::LocationKind::kRankLocal)
       fail("{} has no call wrapper: {} is rank-local (derived from {}), so no whole value exists for it", path,
-           local.location, local.derived_from);
+           location, locations_->at(*locations_->find(location)).derived_from);
 }
 
 int64_t AdHocCaller::expected_input_width(const std::string& path) const {
-  if (const auto* layer = table_->layer(path)) {
-    auto module = passes::module_at(root_, path);
+  if (const auto* layer = locations_->layer(path)) {
+    auto module = ir::module_at(root_, path);
     if (layer->input && layer->input->whole_width) return *layer->input->whole_width;
     for (const char* name : {"input_size", "embedding_dim", "hidden_size"})
       if (layer->kind != "VocabParallelEmbedding" && layer->kind != "LogitsProcessor" && module.hasattr(name) &&
@@ -67,17 +58,17 @@ torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& 
   if (width > 0 && (whole.dim() == 0 || whole.size(-1) != width))
     fail("{}: an ad-hoc call needs a whole input of width {}, got shape [{}]", path, width,
          fmt::join(whole.sizes(), ", "));
-  const ir::LayerEntry* layer = table_->layer(path);
+  const ir::LayerEntry* layer = locations_->layer(path);
   torch::Tensor input = whole;
   if (layer && layer->input)
     input = ir::piece_of_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
-  auto module = passes::module_at(root_, path);
+  auto module = ir::module_at(root_, path);
   std::vector<c10::IValue> inputs{input};
   for (size_t i = 1; i < wholes.size(); ++i) inputs.emplace_back(wholes[i]);
   torch::NoGradGuard no_grad;
   ScopedRankContext scope(std::shared_ptr<RankContext>(&context, [](RankContext*) {}));
   torch::Tensor output = main_output(module.forward(inputs), path);
-  if (layer && layer->output) output = reassemble(context, layer->output->rule, output);
+  if (layer && layer->output) output = whole_from_piece(context, layer->output->rule, output, ir::output_location(path));
   return output;
 }
 

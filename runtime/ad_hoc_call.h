@@ -19,7 +19,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include "ir/fragment_table.h"
+#include "ir/location_table.h"
 #include "runtime/rank_context.h"
 
 #include <torch/script.h>
@@ -32,7 +32,8 @@ namespace frag::runtime {
 /// Call wrappers for the modules of one rank's model.
 class AdHocCaller {
  public:
-  AdHocCaller(torch::jit::Module root, const ir::FragmentTable& table) : root_(std::move(root)), table_(&table) {}
+  AdHocCaller(torch::jit::Module root, const ir::LocationTable& locations)
+      : root_(std::move(root)), locations_(&locations) {}
 
   /// Throws frag::Error if `path` names no module, or a module without a call
   /// wrapper (its forward needs more than one tensor, or its input or output
@@ -53,7 +54,7 @@ class AdHocCaller {
 
  private:
   torch::jit::Module root_;
-  const ir::FragmentTable* table_;
+  const ir::LocationTable* locations_;
 };
 
 }  // namespace frag::runtime

@@ -3,19 +3,14 @@
 
 #include "ir/error.h"
 #include "runtime/rank_context.h"
+#include "runtime/whole_value.h"
 
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <mutex>
 
 namespace frag::runtime {
 namespace {
-
-thread_local std::shared_ptr<InterventionRuntime> thread_runtime;
-std::mutex process_mutex;
-std::shared_ptr<InterventionRuntime> process_runtime;
 
 void check_replacement(const torch::Tensor& original, const torch::Tensor& replacement,
                        const std::string& location) {
@@ -27,65 +22,71 @@ void check_replacement(const torch::Tensor& original, const torch::Tensor& repla
 
 }  // namespace
 
-InterventionRuntime::Location& InterventionRuntime::at(std::string_view location) {
-  auto it = locations_.find(location);
-  if (it != locations_.end()) return *it->second;
-  auto state = std::make_unique<Location>();
-  state->name = std::string(location);
-  const std::string_view key = state->name;  // views the entry's own storage
-  return *locations_.emplace(key, std::move(state)).first->second;
+InterventionRuntime::InterventionRuntime(std::shared_ptr<const ir::LocationTable> locations)
+    : locations_(std::move(locations)), states_(locations_->size()) {
+  for (size_t id = 0; id < states_.size(); ++id) states_[id].entry = &locations_->at(static_cast<ir::LocationId>(id));
 }
 
-const InterventionRuntime::Location* InterventionRuntime::find(std::string_view location) const {
-  auto it = locations_.find(location);
-  return it == locations_.end() ? nullptr : it->second.get();
+InterventionRuntime::Location& InterventionRuntime::state(ir::LocationId location) {
+  // Ids come from the graph bound to this table; a bad one means a graph of another file.
+  if (location < 0 || static_cast<size_t>(location) >= states_.size())
+    fail("a fragment op names location id {}, but the location table has {}: the graph was bound to another table",
+         location, states_.size());
+  return states_[static_cast<size_t>(location)];
 }
 
-InterventionRuntime::Location& InterventionRuntime::in_this_forward(std::string_view location) {
-  Location& state = at(location);
-  if (state.forward != forward_) {
-    state.forward = forward_;
-    state.visits = 0;
-    state.visit = -1;
-    state.gathered = state.edited = false;
+const InterventionRuntime::Location* InterventionRuntime::find(const std::string& location) const {
+  auto id = locations_->find(location);
+  return id ? &states_[static_cast<size_t>(*id)] : nullptr;
+}
+
+InterventionRuntime::Location& InterventionRuntime::in_this_forward(ir::LocationId location) {
+  Location& entry = state(location);
+  if (entry.forward != forward_) {
+    entry.forward = forward_;
+    entry.visits = 0;
+    entry.visit = -1;
+    entry.gathered = entry.edited = false;
   }
-  return state;
+  return entry;
 }
 
-void InterventionRuntime::add(const std::string& location, Hook hook, std::optional<int64_t> visit,
-                              bool edits) {
-  at(location).hooks.push_back(Registered{visit, std::move(hook), edits});
+void InterventionRuntime::add(ir::LocationId location, Hook hook, std::optional<int64_t> visit, bool edits) {
+  state(location).hooks.push_back(Registered{visit, std::move(hook), edits});
   ++changes_;
 }
 
+void InterventionRuntime::add(const std::string& location, Hook hook, std::optional<int64_t> visit, bool edits) {
+  add(locations_->id_of(location, "an intervention"), std::move(hook), visit, edits);
+}
+
 void InterventionRuntime::clear() {
-  for (auto& [name, state] : locations_) state->hooks.clear();
+  for (auto& entry : states_) entry.hooks.clear();
   ++changes_;
 }
 
 void InterventionRuntime::begin_forward() { ++forward_; }
 
-bool InterventionRuntime::has_hooks_at(const std::string& location) const {
-  const Location* state = find(location);
-  return state != nullptr && !state->hooks.empty();
+bool InterventionRuntime::has_hooks_at(ir::LocationId location) const {
+  return location >= 0 && static_cast<size_t>(location) < states_.size() &&
+         !states_[static_cast<size_t>(location)].hooks.empty();
 }
 
-std::vector<std::string> InterventionRuntime::hooked_locations() const {
-  std::vector<std::string> hooked;
-  for (const auto& [name, state] : locations_)
-    if (!state->hooks.empty()) hooked.push_back(state->name);
-  std::sort(hooked.begin(), hooked.end());
+std::vector<ir::LocationId> InterventionRuntime::hooked_locations() const {
+  std::vector<ir::LocationId> hooked;
+  for (size_t id = 0; id < states_.size(); ++id)
+    if (!states_[id].hooks.empty()) hooked.push_back(static_cast<ir::LocationId>(id));
   return hooked;
 }
 
 int64_t InterventionRuntime::collectives_at(const std::string& location) const {
-  const Location* state = find(location);
-  return state == nullptr ? 0 : state->collectives;
+  const Location* entry = find(location);
+  return entry == nullptr ? 0 : entry->collectives;
 }
 
 int64_t InterventionRuntime::visits_at(const std::string& location) const {
-  const Location* state = find(location);
-  return state == nullptr || state->forward != forward_ ? 0 : state->visits;
+  const Location* entry = find(location);
+  return entry == nullptr || entry->forward != forward_ ? 0 : entry->visits;
 }
 
 bool InterventionRuntime::waiting(const Location& state, int64_t visit) {
@@ -100,48 +101,33 @@ int64_t InterventionRuntime::open_visit(Location& state) {
   return state.visit;
 }
 
-const ir::FragmentRule& InterventionRuntime::rule(Location& state, std::string_view rule_json) {
-  if (!state.rule || state.rule_json != rule_json) {
-    state.rule = ir::rule_from_json(nlohmann::json::parse(rule_json));
-    state.rule_json = std::string(rule_json);
-  }
-  return *state.rule;
+namespace {
+
+/// The rule of a fragmented location (the ops of a triple run only there).
+const ir::FragmentRule& rule_of(const ir::LocationEntry& entry) {
+  if (!entry.side) fail("a fragment triple runs at {}, which the location table lists as not fragmented", entry.name);
+  return entry.side->rule;
 }
 
-torch::Tensor InterventionRuntime::gather(const torch::Tensor& piece, std::string_view location,
-                                          std::string_view rule_json) {
+}  // namespace
+
+torch::Tensor InterventionRuntime::gather(const torch::Tensor& piece, ir::LocationId location) {
   Location& state = in_this_forward(location);
   const int64_t visit = open_visit(state);
   if (!waiting(state, visit)) return piece;
-  const ir::FragmentRule& fragment_rule = rule(state, rule_json);
-  Communicator& group = current_rank_context().group(fragment_rule.group);
-  if (group.size() != fragment_rule.group_size)
-    fail("{} is fragmented over {} ranks of group '{}', but this run's group has {}", location,
-         fragment_rule.group_size, fragment_rule.group, group.size());
-  torch::Tensor whole;
-  switch (ir::collective_for(fragment_rule)) {
-    case ir::CollectiveKind::kAllReduce:
-      whole = group.all_reduce(piece);
-      break;
-    case ir::CollectiveKind::kAllGather:
-      whole = ir::whole_from_pieces(fragment_rule, group.all_gather(piece));
-      break;
-    case ir::CollectiveKind::kNone:
-      whole = piece.clone();
-      break;
-  }
+  torch::Tensor whole = whole_from_piece(current_rank_context(), rule_of(*state.entry), piece, state.entry->name);
   ++state.collectives;
   state.gathered = true;
   return whole;
 }
 
-torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, std::string_view location,
-                                             bool fragmented) {
+torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, ir::LocationId location, bool fragmented) {
   Location& state = in_this_forward(location);
   const int64_t visit = fragmented ? state.visit : open_visit(state);
   if (!waiting(state, visit)) return value;
   auto& hooks = state.hooks;
-  VisitInfo info{state.name, visit, fragmented && state.rule ? &*state.rule : nullptr};
+  VisitInfo info{state.entry->name, visit, fragmented && state.entry->side ? &state.entry->side->rule : nullptr,
+                 false, location};
   torch::Tensor current = value;
   if (!fragmented) {
     // A gathered whole is already a fresh tensor; a whole location's value is
@@ -165,7 +151,7 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, std::st
     if (registered.visit && *registered.visit != visit) continue;
     info.may_keep = fragmented && !replaced && start._version() == version && i + 1 >= last_edit;
     if (auto replacement = registered.hook(current, info)) {
-      check_replacement(current, *replacement, state.name);
+      check_replacement(current, *replacement, state.entry->name);
       current = *replacement;
       replaced = true;
     }
@@ -175,30 +161,12 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, std::st
 }
 
 torch::Tensor InterventionRuntime::split(const torch::Tensor& value, const torch::Tensor& piece,
-                                         std::string_view location, std::string_view rule_json) {
+                                         ir::LocationId location) {
   Location& state = in_this_forward(location);
   if (!state.gathered || !state.edited) return piece;  // reads hand back the original piece
-  const ir::FragmentRule& fragment_rule = rule(state, rule_json);
-  const int64_t rank = current_rank_context().group(fragment_rule.group).rank();
-  return ir::piece_of_whole(fragment_rule, value, rank).to(piece.options());
+  const ir::FragmentRule& rule = rule_of(*state.entry);
+  const int64_t rank = current_rank_context().group(rule.group).rank();
+  return ir::piece_of_whole(rule, value, rank).to(piece.options());
 }
-
-InterventionRuntime* current_intervention_runtime() {
-  if (thread_runtime) return thread_runtime.get();
-  std::lock_guard<std::mutex> lock(process_mutex);
-  return process_runtime.get();
-}
-
-void set_process_intervention_runtime(std::shared_ptr<InterventionRuntime> runtime) {
-  std::lock_guard<std::mutex> lock(process_mutex);
-  process_runtime = std::move(runtime);
-}
-
-ScopedInterventionRuntime::ScopedInterventionRuntime(std::shared_ptr<InterventionRuntime> runtime)
-    : previous_(std::move(thread_runtime)) {
-  thread_runtime = std::move(runtime);
-}
-
-ScopedInterventionRuntime::~ScopedInterventionRuntime() { thread_runtime = std::move(previous_); }
 
 }  // namespace frag::runtime

@@ -14,6 +14,11 @@
 //     returns the edited whole exactly).
 // Whole locations have a lone frag::intervene, which opens the visit itself.
 //
+// The runtime is built over a location table (ir/location_table.h) and the ops
+// reach it by location id (the graph is bound at load,
+// passes/bind_location_ids): a visit indexes a vector, and each location's
+// rule was parsed once, when the table was read.
+//
 // Interventions must behave the same on every rank (they see the same whole
 // tensor): a hook that issues collectives under rank-dependent control flow
 // deadlocks, as in any SPMD program.
@@ -22,6 +27,8 @@
 #pragma once
 
 #include "ir/fragment_rule.h"
+#include "ir/location_table.h"
+#include "runtime/current.h"
 
 #include <torch/torch.h>
 
@@ -29,8 +36,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <string_view>
-#include <unordered_map>
 #include <vector>
 
 namespace frag::runtime {
@@ -44,6 +49,7 @@ struct VisitInfo {
   /// own fresh tensor (gathered, not the model's and not a replacement) and no
   /// hook after this one on this visit may change it. A save keeps it then.
   bool may_keep = false;
+  ir::LocationId id = -1;
 };
 
 /// An intervention. It gets the whole tensor and may read it, edit it in
@@ -54,10 +60,16 @@ using Hook = std::function<std::optional<torch::Tensor>(torch::Tensor& whole, co
 /// Interventions of one rank and the per-forward visit state.
 class InterventionRuntime {
  public:
-  /// Registers `hook` at `location`, on every visit or only visit `visit`.
+  explicit InterventionRuntime(std::shared_ptr<const ir::LocationTable> locations);
+
+  const ir::LocationTable& locations() const { return *locations_; }
+
+  /// Registers `hook` at a location, on every visit or only visit `visit`.
   /// `edits`: the hook may change the tensor. At a whole location the hooks
   /// then work on a copy, so an edit reaches the module being called and not
   /// other users of the same value (a residual, say).
+  void add(ir::LocationId location, Hook hook, std::optional<int64_t> visit = std::nullopt, bool edits = true);
+  /// The same by name (frag::Error for a name the table does not list).
   void add(const std::string& location, Hook hook, std::optional<int64_t> visit = std::nullopt,
            bool edits = true);
   /// Removes every hook.
@@ -68,10 +80,10 @@ class InterventionRuntime {
   /// Starts a forward: visit counters go back to 0.
   void begin_forward();
 
-  /// Whether any hook waits at `location` (on some visit).
-  bool has_hooks_at(const std::string& location) const;
-  /// Locations with hooks.
-  std::vector<std::string> hooked_locations() const;
+  /// Whether any hook waits at a location (on some visit).
+  bool has_hooks_at(ir::LocationId location) const;
+  /// Locations with hooks, by id (ascending).
+  std::vector<ir::LocationId> hooked_locations() const;
 
   /// Collectives the triples at `location` ran (since construction).
   int64_t collectives_at(const std::string& location) const;
@@ -79,12 +91,10 @@ class InterventionRuntime {
   /// graph specialized to the hooked locations has none elsewhere).
   int64_t visits_at(const std::string& location) const;
 
-  // The op kernels (runtime/fragment_ops.cpp) call these. The strings are the
-  // graph's constants; they are looked up without copies.
-  torch::Tensor gather(const torch::Tensor& piece, std::string_view location, std::string_view rule_json);
-  torch::Tensor intervene(const torch::Tensor& value, std::string_view location, bool fragmented);
-  torch::Tensor split(const torch::Tensor& value, const torch::Tensor& piece, std::string_view location,
-                      std::string_view rule_json);
+  // The op kernels (runtime/fragment_ops.cpp) call these with bound ids.
+  torch::Tensor gather(const torch::Tensor& piece, ir::LocationId location);
+  torch::Tensor intervene(const torch::Tensor& value, ir::LocationId location, bool fragmented);
+  torch::Tensor split(const torch::Tensor& value, const torch::Tensor& piece, ir::LocationId location);
 
  private:
   struct Registered {
@@ -92,50 +102,39 @@ class InterventionRuntime {
     Hook hook;
     bool edits;
   };
-  /// Everything about one location. Entries live as long as the runtime (the
-  /// per-forward part is reset lazily by `forward`), so a forward allocates
-  /// nothing here.
+  /// The state of one location, at its id. The per-forward part is reset
+  /// lazily when a forward first visits it, so a forward allocates nothing here.
   struct Location {
-    std::string name;                  ///< the key's storage
+    const ir::LocationEntry* entry = nullptr;
     std::vector<Registered> hooks;
-    int64_t collectives = 0;           ///< since construction
-    int64_t forward = -1;              ///< the forward the fields below belong to
-    int64_t visits = 0;                ///< in that forward
-    int64_t visit = -1;                ///< the open visit
+    int64_t collectives = 0;  ///< since construction
+    int64_t forward = -1;     ///< the forward the fields below belong to
+    int64_t visits = 0;       ///< in that forward
+    int64_t visit = -1;       ///< the open visit
     bool gathered = false;
     bool edited = false;
-    std::string rule_json;             ///< the rule `rule` was parsed from
-    std::optional<ir::FragmentRule> rule;
   };
 
-  Location& at(std::string_view location);
-  const Location* find(std::string_view location) const;
-  /// The entry with its per-forward state current.
-  Location& in_this_forward(std::string_view location);
+  Location& state(ir::LocationId location);
+  const Location* find(const std::string& location) const;
+  /// The state with its per-forward part current.
+  Location& in_this_forward(ir::LocationId location);
   static bool waiting(const Location& state, int64_t visit);
   static int64_t open_visit(Location& state);
-  static const ir::FragmentRule& rule(Location& state, std::string_view rule_json);
 
-  std::unordered_map<std::string_view, std::unique_ptr<Location>> locations_;
+  std::shared_ptr<const ir::LocationTable> locations_;
+  std::vector<Location> states_;
   int64_t forward_ = 0;
   int64_t changes_ = 0;
 };
 
 /// The runtime the ops use on this thread: a thread-local one when set, else
 /// the process-wide one, else none (then the triples pass values through).
-InterventionRuntime* current_intervention_runtime();
-void set_process_intervention_runtime(std::shared_ptr<InterventionRuntime> runtime);
-
-/// Makes `runtime` current on this thread while it lives.
-class ScopedInterventionRuntime {
- public:
-  explicit ScopedInterventionRuntime(std::shared_ptr<InterventionRuntime> runtime);
-  ~ScopedInterventionRuntime();
-  ScopedInterventionRuntime(const ScopedInterventionRuntime&) = delete;
-  ScopedInterventionRuntime& operator=(const ScopedInterventionRuntime&) = delete;
-
- private:
-  std::shared_ptr<InterventionRuntime> previous_;
-};
+inline InterventionRuntime* current_intervention_runtime() { return Current<InterventionRuntime>::get(); }
+inline void set_process_intervention_runtime(std::shared_ptr<InterventionRuntime> runtime) {
+  Current<InterventionRuntime>::set_process(std::move(runtime));
+}
+/// Makes a runtime current on this thread while it lives.
+using ScopedInterventionRuntime = Current<InterventionRuntime>::Scope;
 
 }  // namespace frag::runtime

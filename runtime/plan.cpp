@@ -2,6 +2,7 @@
 #include "runtime/plan.h"
 
 #include "ir/error.h"
+#include "ir/json_file.h"
 #include "runtime/safetensors.h"
 
 #include <fmt/ranges.h>
@@ -37,7 +38,25 @@ std::string trim(const std::string& s) {
   return s.substr(begin, s.find_last_not_of(" \t") - begin + 1);
 }
 
-const std::set<std::string> kActions = {"save", "set", "add", "scale", "zero", "call"};
+constexpr std::pair<const char*, Action> kActions[] = {{"save", Action::kSave},   {"set", Action::kSet},
+                                                      {"add", Action::kAdd},     {"scale", Action::kScale},
+                                                      {"zero", Action::kZero},   {"call", Action::kCall}};
+
+std::optional<Action> parse_action(const std::string& text) {
+  for (const auto& [name, action] : kActions)
+    if (text == name) return action;
+  return std::nullopt;
+}
+
+/// FNV-1a over bytes: a digest for comparing values across ranks (not for security).
+uint64_t digest_bytes(const void* data, size_t size, uint64_t hash = 1469598103934665603ull) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < size; ++i) {
+    hash ^= bytes[i];
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
 
 }  // namespace
 
@@ -127,16 +146,32 @@ void WholeIndex::check_last_dim(int64_t width, const std::string& location) cons
         fail("{}: index '{}' is out of range on the last dim, whose whole width is {}", location, text, width);
 }
 
-Plan Plan::from_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("{}: cannot open the plan", path);
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    fail("{}: plan is not valid JSON: {}", path, e.what());
+const char* action_name(Action action) {
+  for (const auto& [name, known] : kActions)
+    if (known == action) return name;
+  return "?";
+}
+
+bool edits(Action action) {
+  return action == Action::kSet || action == Action::kAdd || action == Action::kScale || action == Action::kZero;
+}
+
+bool reserved_save_name(const std::string& name) { return name == "logits" || name == "__metadata__"; }
+
+std::string PlanStep::describe() const {
+  std::string text = fmt::format("{}|{}|{}|{}|{}|{}|{}", at, action_name(action), as, by, index ? index->text : "",
+                                 visit ? std::to_string(*visit) : "*", fmt::join(modules, ","));
+  if (value_tensor.defined()) {
+    auto t = value_tensor.contiguous();
+    uint64_t hash = digest_bytes(t.sizes().data(), t.sizes().size() * sizeof(int64_t));
+    hash = digest_bytes(t.data_ptr(), t.numel() * t.element_size(), hash);
+    text += fmt::format("|{}:{:016x}", c10::toString(t.scalar_type()), hash);
   }
-  return from_json(json, path, std::filesystem::path(path).parent_path().string());
+  return text;
+}
+
+Plan Plan::from_file(const std::string& path) {
+  return from_json(ir::read_json_file(path, "plan"), path, std::filesystem::path(path).parent_path().string());
 }
 
 Plan Plan::from_json(const nlohmann::json& json, const std::string& source, const std::string& base) {
@@ -148,6 +183,7 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
   if (!list->is_array()) fail("{}: \"interventions\" must be a list", source);
   Plan plan;
   plan.source = source;
+  std::set<std::string> saved_names;
   for (size_t i = 0; i < list->size(); ++i) {
     const auto& j = (*list)[i];
     const std::string where = fmt::format("{}: intervention {}", source, i);
@@ -155,23 +191,39 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
     PlanStep step;
     try {
       step.at = j.at("at").get<std::string>();
-      step.action = j.at("do").get<std::string>();
-      if (!kActions.count(step.action))
-        fail("{}: unknown action \"{}\"; expected one of save, set, add, scale, zero, call", where, step.action);
+      const auto action_text = j.at("do").get<std::string>();
+      const auto action = parse_action(action_text);
+      if (!action)
+        fail("{}: unknown action \"{}\"; expected one of save, set, add, scale, zero, call", where, action_text);
+      step.action = *action;
       for (const auto& [key, _] : j.items())
         if (!std::set<std::string>{"at", "do", "as", "value", "by", "index", "visit", "modules"}.count(key))
           fail("{}: unknown field \"{}\"", where, key);
-      if (step.action == "save" || step.action == "call") step.as = j.at("as").get<std::string>();
-      if (step.action == "set" || step.action == "add") step.value = j.at("value").get<std::string>();
-      if (step.action == "scale") step.by = j.at("by").get<double>();
-      if (step.action == "call") step.modules = j.at("modules").get<std::vector<std::string>>();
+      const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
+      if (names_output) {
+        if (!j.contains("as")) fail("{}: \"{}\" needs \"as\": the name to save under", where, action_text);
+        step.as = j.at("as").get<std::string>();
+        if (step.as.empty()) fail("{}: \"as\" is empty", where);
+        if (reserved_save_name(step.as))
+          fail("{}: \"as\": \"{}\" is reserved (frag run --out writes the logits and metadata under it)", where,
+               step.as);
+        if (!saved_names.insert(step.as).second)
+          fail("{}: \"as\": \"{}\" is already saved by an earlier step; give each step its own name", where,
+               step.as);
+      }
+      if (step.action == Action::kSet || step.action == Action::kAdd) step.value = j.at("value").get<std::string>();
+      if (step.action == Action::kScale) step.by = j.at("by").get<double>();
+      if (step.action == Action::kCall) step.modules = j.at("modules").get<std::vector<std::string>>();
       if (j.contains("index")) {
-        if (step.action == "save" || step.action == "call") fail("{}: \"index\" applies to edits only", where);
+        if (names_output) fail("{}: \"index\" applies to edits only", where);
         step.index = WholeIndex::parse(j.at("index").get<std::string>());
       }
       if (j.contains("visit")) {
-        step.visit = j.at("visit").get<int64_t>();
-        if (*step.visit < 0) fail("{}: \"visit\" must be non-negative", where);
+        const auto& visit = j.at("visit");
+        if (!visit.is_number_integer() || (visit.is_number_unsigned() && visit.get<uint64_t>() > INT64_MAX))
+          fail("{}: \"visit\" must be a whole number of calls (0 for the first), got {}", where, visit.dump());
+        step.visit = visit.get<int64_t>();
+        if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
       }
     } catch (const nlohmann::json::exception& e) {
       fail("{}: {}", where, e.what());
@@ -191,20 +243,6 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
     plan.steps.push_back(std::move(step));
   }
   return plan;
-}
-
-std::string Plan::fingerprint() const {
-  std::string text;
-  for (const auto& s : steps) {
-    text += fmt::format("{}|{}|{}|{}|{}|{}|{}|{};", s.at, s.action, s.as, s.value, s.by,
-                        s.index ? s.index->text : "", s.visit ? std::to_string(*s.visit) : "",
-                        fmt::join(s.modules, ","));
-    if (s.value_tensor.defined()) {
-      auto t = s.value_tensor.contiguous();
-      text.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
-    }
-  }
-  return text;
 }
 
 }  // namespace frag::runtime

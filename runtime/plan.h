@@ -48,17 +48,28 @@ struct WholeIndex {
   void check_last_dim(int64_t width, const std::string& location) const;
 };
 
+/// What a step does. Parsed once from the plan's "do"; run time switches on it.
+enum class Action { kSave, kSet, kAdd, kScale, kZero, kCall };
+
+/// The plan's word for an action ("save", …).
+const char* action_name(Action action);
+/// Whether the action changes the whole tensor.
+bool edits(Action action);
+
 /// One intervention of a plan.
 struct PlanStep {
   std::string at;
-  std::string action;  ///< save, set, add, scale, zero, call
+  Action action = Action::kSave;
   std::string as;      ///< name of the saved tensor (save, call)
-  std::string value;   ///< "file.safetensors:tensor" (set, add)
+  std::string value;   ///< "file.safetensors:tensor" (set, add), for messages
   double by = 1.0;     ///< factor (scale)
   std::optional<WholeIndex> index;
   std::optional<int64_t> visit;
   std::vector<std::string> modules;  ///< modules to run ad hoc (call)
   torch::Tensor value_tensor;        ///< loaded from `value`
+  /// A canonical text of the step, its value's bytes included (not its path):
+  /// what ranks compare to agree that they run the same plan.
+  std::string describe() const;
 };
 
 /// A whole plan.
@@ -70,8 +81,9 @@ struct Plan {
   static Plan from_file(const std::string& path);
   /// Parses a plan; `source` names it in errors; `base` is the folder value paths are relative to.
   static Plan from_json(const nlohmann::json& json, const std::string& source, const std::string& base);
-  /// A canonical text of the plan and the bytes of its values (the cross-rank digest's input).
-  std::string fingerprint() const;
 };
+
+/// Names a save may not take: they would overwrite the logits or the file's metadata in `frag run --out`.
+bool reserved_save_name(const std::string& name);
 
 }  // namespace frag::runtime

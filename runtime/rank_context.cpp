@@ -30,9 +30,6 @@ std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), t
 /// Every group spans the whole world under pure tensor parallelism.
 constexpr const char* kGroupNames[] = {ir::kTpGroup, ir::kEpGroup, ir::kTpEpGroup, "world"};
 
-thread_local std::shared_ptr<RankContext> thread_context;
-std::mutex process_mutex;
-std::shared_ptr<RankContext> process_context;
 
 }  // namespace
 
@@ -148,22 +145,16 @@ void RankContext::agree(const std::string& step, const std::string& local_error)
 }
 
 RankContext& current_rank_context() {
-  if (thread_context) return *thread_context;
-  std::lock_guard<std::mutex> lock(process_mutex);
-  if (!process_context) process_context = RankContext::single_rank();
-  return *process_context;
+  if (RankContext* context = Current<RankContext>::get()) return *context;
+  // None set: world size 1, kept as the process's from then on.
+  static std::mutex making;
+  std::lock_guard<std::mutex> lock(making);
+  if (Current<RankContext>::get() == nullptr) Current<RankContext>::set_process(RankContext::single_rank());
+  return *Current<RankContext>::get();
 }
 
 void set_process_rank_context(std::shared_ptr<RankContext> context) {
-  std::lock_guard<std::mutex> lock(process_mutex);
-  process_context = std::move(context);
+  Current<RankContext>::set_process(std::move(context));
 }
-
-ScopedRankContext::ScopedRankContext(std::shared_ptr<RankContext> context)
-    : previous_(std::move(thread_context)) {
-  thread_context = std::move(context);
-}
-
-ScopedRankContext::~ScopedRankContext() { thread_context = std::move(previous_); }
 
 }  // namespace frag::runtime

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "runtime/communicator.h"
+#include "runtime/current.h"
 
 #include <chrono>
 #include <map>
@@ -85,15 +86,6 @@ RankContext& current_rank_context();
 void set_process_rank_context(std::shared_ptr<RankContext> context);
 
 /// Makes `context` current on this thread while it lives.
-class ScopedRankContext {
- public:
-  explicit ScopedRankContext(std::shared_ptr<RankContext> context);
-  ~ScopedRankContext();
-  ScopedRankContext(const ScopedRankContext&) = delete;
-  ScopedRankContext& operator=(const ScopedRankContext&) = delete;
-
- private:
-  std::shared_ptr<RankContext> previous_;
-};
+using ScopedRankContext = Current<RankContext>::Scope;
 
 }  // namespace frag::runtime

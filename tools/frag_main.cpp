@@ -9,7 +9,7 @@
 #include "ir/error.h"
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 #include "runtime/safetensors.h"
 #include "tools/fragment_commands.h"
 #include "tools/launcher.h"
@@ -68,7 +68,7 @@ int run_rank(const RunArguments& args) {
   auto ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::tools::read_token_ids(args.input)).to(device);
   auto context = frag::runtime::RankContext::connect(options);
   frag::runtime::set_process_rank_context(context);
-  auto model = frag::runtime::ShardedModel::load(context, file, device, args.rules_file);
+  auto model = frag::program::ShardedModel::load(context, file, device, args.rules_file);
   std::string plan_error;
   try {
     if (!args.plan.empty()) model.apply(frag::runtime::Plan::from_file(args.plan));

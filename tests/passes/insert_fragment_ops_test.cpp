@@ -13,6 +13,8 @@
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
 #include "ir/fragment_table.h"
+#include "ir/location_table.h"
+#include "passes/bind_location_ids.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/intervention_runtime.h"
 #include "tests/passes/pass_fixtures.h"
@@ -604,8 +606,9 @@ TEST(InsertFragmentOps, RewrittenOpsRunUnderTheRuntime) {
   // are the ones the interpreter runs.
   Module root = holder({{"gate", replicated(8, 4)}});
   define(root, "def forward(self, x):\n    return self.gate.forward(x)[0]\n");
-  rewrite_for_fragments(root, {}, "hook.pt");
-  auto runtime = std::make_shared<runtime::InterventionRuntime>();
+  auto locations = std::make_shared<const ir::LocationTable>(rewrite_for_fragments(root, {}, "hook.pt"));
+  bind_location_ids(*forward_graph(root), *locations, "hook.pt");  // as a loaded program runs it
+  auto runtime = std::make_shared<runtime::InterventionRuntime>(locations);
   int calls = 0;
   runtime->add("gate.input", [&](torch::Tensor& whole, const runtime::VisitInfo& visit) {
     ++calls;

@@ -9,6 +9,8 @@
 
 #include "ir/error.h"
 #include "passes/insert_fragment_ops.h"
+#include "ir/location_table.h"
+#include "passes/bind_location_ids.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/intervention_runtime.h"
 #include "tests/passes/pass_fixtures.h"
@@ -85,7 +87,7 @@ TEST(RemoveFragmentOps, NothingKeptRunsAsTheOriginal) {
   torch::manual_seed(3);
   Module root = column_act_row();
   Module original = root.clone();
-  rewrite_for_fragments(root, {}, "chain.pt");
+  auto locations = std::make_shared<const ir::LocationTable>(rewrite_for_fragments(root, {}, "chain.pt"));
   auto graph = forward_graph(root)->copy();
   EXPECT_EQ(remove_fragment_ops_except(*graph, {}), 4);
   FileCheck().check_not("frag::gather")->check_not("frag::intervene")->check_not("frag::split")->run(*graph);
@@ -95,7 +97,7 @@ TEST(RemoveFragmentOps, NothingKeptRunsAsTheOriginal) {
   EXPECT_TRUE(torch::equal(run_graph(root, graph, x), original.forward({x}).toTensor()));
 
   // A hook at a removed location is not reached: the specialized graph has no op there.
-  auto runtime = std::make_shared<runtime::InterventionRuntime>();
+  auto runtime = std::make_shared<runtime::InterventionRuntime>(locations);
   int calls = 0;
   runtime->add("up.output", [&](torch::Tensor&, const runtime::VisitInfo&) {
     ++calls;
@@ -110,10 +112,11 @@ TEST(RemoveFragmentOps, NothingKeptRunsAsTheOriginal) {
 
 TEST(RemoveFragmentOps, KeptLocationsStillRunTheirHooks) {
   Module root = column_act_row();
-  rewrite_for_fragments(root, {}, "chain.pt");
+  auto locations = std::make_shared<const ir::LocationTable>(rewrite_for_fragments(root, {}, "chain.pt"));
   auto graph = forward_graph(root)->copy();
   remove_fragment_ops_except(*graph, {"up.input"});
-  auto runtime = std::make_shared<runtime::InterventionRuntime>();
+  bind_location_ids(*graph, *locations, "chain.pt");  // as a loaded program runs it
+  auto runtime = std::make_shared<runtime::InterventionRuntime>(locations);
   std::vector<std::string> seen;
   for (const std::string location : {"up.input", "up.output"})
     runtime->add(location, [&seen](torch::Tensor&, const runtime::VisitInfo& visit) {

@@ -6,7 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 #include "tests/support/model_ranks.h"
 #include "tests/support/test_support.h"
 
@@ -18,6 +18,8 @@ namespace frag::runtime {
 namespace {
 
 using namespace std::chrono_literals;
+using program::ShardedModel;
+using program::SavedTensors;
 using testing::on_ranks;
 
 constexpr double kTolerance = 2e-5;

@@ -9,6 +9,7 @@
 #include "runtime/intervention_runtime.h"
 
 #include "ir/fragment_rule.h"
+#include "ir/location_table.h"
 
 #include <gtest/gtest.h>
 
@@ -20,14 +21,31 @@ namespace {
 
 const std::string kLocation = "model.layers.0.mlp.up_proj.output";
 
-std::string shard_rule_json() { return ir::to_json(ir::FragmentRule::shard(-1, ir::kTpGroup, 1)).dump(); }
+/// The locations of these tests: kLocation fragmented (a shard over one rank),
+/// the others whole. Ids follow the table: kLocation is 0.
+std::shared_ptr<const ir::LocationTable> test_locations() {
+  ir::FragmentTable table;
+  ir::LayerEntry layer;
+  layer.path = "model.layers.0.mlp.up_proj";
+  layer.class_name = layer.kind = "ColumnParallelLinear";
+  layer.output = ir::FragmentedSide{ir::FragmentRule::shard(-1, ir::kTpGroup, 1), std::nullopt};
+  table.layers.push_back(layer);
+  table.whole = {"model.layers.0.output", "a.input", "b.output", "c.input"};
+  return std::make_shared<const ir::LocationTable>(table);
+}
 
-/// One visit of a gather → intervene → split triple, as the rewritten graph runs it.
-torch::Tensor visit(InterventionRuntime& runtime, const torch::Tensor& piece) {
-  const std::string rule = shard_rule_json();
-  auto whole = runtime.gather(piece, kLocation, rule);
-  auto left = runtime.intervene(whole, kLocation, /*fragmented=*/true);
-  return runtime.split(left, piece, kLocation, rule);
+/// A runtime over test_locations(), as a loaded program makes it.
+struct TestRuntime : InterventionRuntime {
+  TestRuntime() : InterventionRuntime(test_locations()) {}
+  ir::LocationId id(const std::string& name) const { return locations().id_of(name, "test"); }
+};
+
+/// One visit of a gather → intervene → split triple, as the bound graph runs it.
+torch::Tensor visit(TestRuntime& runtime, const torch::Tensor& piece) {
+  const auto id = runtime.id(kLocation);
+  auto whole = runtime.gather(piece, id);
+  auto left = runtime.intervene(whole, id, /*fragmented=*/true);
+  return runtime.split(left, piece, id);
 }
 
 /// A hook that records what it was told and keeps the whole as a save does.
@@ -51,7 +69,7 @@ Hook add_one() {
 }
 
 TEST(InterventionRuntime, NothingWaitingIsALookup) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   runtime.begin_forward();
   auto piece = torch::randn({2, 4});
   auto out = visit(runtime, piece);
@@ -61,7 +79,7 @@ TEST(InterventionRuntime, NothingWaitingIsALookup) {
 }
 
 TEST(InterventionRuntime, VisitsCountPerForwardCollectivesAccumulate) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper keeper;
   runtime.add(kLocation, keeper.hook(), /*visit=*/1, /*edits=*/false);
   auto piece = torch::randn({2, 4});
@@ -77,7 +95,7 @@ TEST(InterventionRuntime, VisitsCountPerForwardCollectivesAccumulate) {
 }
 
 TEST(InterventionRuntime, ReadOnlyHooksKeepTheGatheredWholeAndTheModelKeepsItsPiece) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper first, second;
   runtime.add(kLocation, first.hook(), std::nullopt, /*edits=*/false);
   runtime.add(kLocation, second.hook(), std::nullopt, /*edits=*/false);
@@ -95,7 +113,7 @@ TEST(InterventionRuntime, ReadOnlyHooksKeepTheGatheredWholeAndTheModelKeepsItsPi
 }
 
 TEST(InterventionRuntime, AHookBeforeAnEditMustCopy) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper before, after;
   runtime.add(kLocation, before.hook(), std::nullopt, /*edits=*/false);
   runtime.add(kLocation, add_one(), std::nullopt, /*edits=*/true);
@@ -112,7 +130,7 @@ TEST(InterventionRuntime, AHookBeforeAnEditMustCopy) {
 }
 
 TEST(InterventionRuntime, AnEditOnAnotherVisitDoesNotForceACopy) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper keeper;
   runtime.add(kLocation, keeper.hook(), std::nullopt, /*edits=*/false);
   runtime.add(kLocation, add_one(), /*visit=*/1, /*edits=*/true);
@@ -126,7 +144,7 @@ TEST(InterventionRuntime, AnEditOnAnotherVisitDoesNotForceACopy) {
 }
 
 TEST(InterventionRuntime, AfterAReplacementNothingIsKept) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper keeper;
   auto replacement = torch::ones({2, 4});
   runtime.add(
@@ -141,28 +159,28 @@ TEST(InterventionRuntime, AfterAReplacementNothingIsKept) {
 }
 
 TEST(InterventionRuntime, WholeLocationsNeverLendTheModelsValue) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper keeper;
   runtime.add("model.layers.0.output", keeper.hook(), std::nullopt, /*edits=*/false);
   runtime.begin_forward();
   auto value = torch::randn({2, 4});
-  auto out = runtime.intervene(value, "model.layers.0.output", /*fragmented=*/false);
+  auto out = runtime.intervene(value, runtime.id("model.layers.0.output"), /*fragmented=*/false);
   EXPECT_TRUE(out.is_same(value));
   ASSERT_EQ(keeper.may_keep, std::vector<bool>{false}) << "the model's own tensor may change later";
   EXPECT_FALSE(keeper.kept[0].is_same(value));
 }
 
 TEST(InterventionRuntime, HookedLocationsAndClear) {
-  InterventionRuntime runtime;
+  TestRuntime runtime;
   Keeper keeper;
   runtime.add("b.output", keeper.hook());
   runtime.add("a.input", keeper.hook());
-  EXPECT_EQ(runtime.hooked_locations(), (std::vector<std::string>{"a.input", "b.output"}));
-  EXPECT_TRUE(runtime.has_hooks_at("a.input"));
-  EXPECT_FALSE(runtime.has_hooks_at("c.input"));
+  EXPECT_EQ(runtime.hooked_locations(), (std::vector<ir::LocationId>{runtime.id("a.input"), runtime.id("b.output")}));
+  EXPECT_TRUE(runtime.has_hooks_at(runtime.id("a.input")));
+  EXPECT_FALSE(runtime.has_hooks_at(runtime.id("c.input")));
   runtime.clear();
   EXPECT_TRUE(runtime.hooked_locations().empty());
-  EXPECT_FALSE(runtime.has_hooks_at("a.input"));
+  EXPECT_FALSE(runtime.has_hooks_at(runtime.id("a.input")));
 }
 
 }  // namespace

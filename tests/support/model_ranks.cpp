@@ -6,12 +6,12 @@
 namespace frag::testing {
 
 std::vector<std::string> on_ranks(const std::string& export_name,
-                                  const std::function<void(int rank, runtime::ShardedModel& model)>& body,
+                                  const std::function<void(int rank, program::ShardedModel& model)>& body,
                                   std::chrono::milliseconds timeout) {
   const auto files = model_files(export_name);
   return run_ranks(static_cast<int>(files.size()), timeout,
                    [&](int rank, const std::shared_ptr<runtime::RankContext>& context) {
-                     auto model = runtime::ShardedModel::load(context, files[rank]);
+                     auto model = program::ShardedModel::load(context, files[rank]);
                      body(rank, model);
                    });
 }

@@ -6,7 +6,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 
 #include <chrono>
 #include <functional>
@@ -20,7 +20,7 @@ namespace frag::testing {
 /// with a context connected as in run_ranks, `timeout` bounding the rendezvous
 /// and every collective. Returns each rank's error message, "" for none.
 std::vector<std::string> on_ranks(const std::string& export_name,
-                                  const std::function<void(int rank, runtime::ShardedModel& model)>& body,
+                                  const std::function<void(int rank, program::ShardedModel& model)>& body,
                                   std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
 }  // namespace frag::testing

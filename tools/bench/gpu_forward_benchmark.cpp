@@ -27,7 +27,7 @@
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 #include "tools/bench/raw_collectives.h"
 
 #include <CLI/CLI.hpp>
@@ -62,6 +62,7 @@ std::string for_rank(std::string path, int rank) {
 int main(int argc, char** argv) {
   using namespace frag;
   using namespace frag::runtime;
+  using namespace frag::program;
   std::string file;
   int64_t tokens = 512;
   int iterations = 20;

@@ -71,8 +71,9 @@
 #include "runtime/intervention_runtime.h"
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 #include "tools/bench/raw_collectives.h"
+#include "ir/location_table.h"
 #include "tools/bench/reference_exports.h"
 #include "tools/launcher.h"
 
@@ -250,16 +251,6 @@ int64_t count_decoder_layers(const torch::jit::Module& module) {
 // ----------------------------------------------------------------------------------------------
 // the idle ops alone
 
-/// A TorchScript string literal (single quotes; the rule JSON holds double quotes).
-std::string script_literal(const std::string& text) {
-  std::string out = "'";
-  for (char c : text) {
-    if (c == '\\' || c == '\'') out += '\\';
-    out += c;
-  }
-  return out + "'";
-}
-
 /// Resolves `frag.<op>` to the frag:: builtins (torch::jit::compile knows only `torch`).
 struct FragResolver : torch::jit::Resolver {
   std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& m,
@@ -270,9 +261,11 @@ struct FragResolver : torch::jit::Resolver {
 };
 
 /// ns per iteration of TorchScript loops (loop overhead included) of idle frag ops and of aten::detach.
-void micro_benchmark(const std::string& location, const ir::FragmentRule& rule, int n, ModelResult& result) {
-  const std::string loc = script_literal(location);
-  const std::string rule_text = script_literal(ir::to_json(rule).dump());
+void micro_benchmark(const ir::FragmentTable& table, const std::string& location, int n, ModelResult& result) {
+  // The ops as a loaded program runs them: bound to location ids.
+  auto locations = std::make_shared<const ir::LocationTable>(table);
+  const int64_t loc = locations->id_of(location, "micro benchmark");
+  const int64_t whole = locations->id_of(table.whole.at(0), "micro benchmark");
   const std::string source = fmt::format(R"JIT(
 def detach_loop(x: Tensor, n: int) -> Tensor:
     for _ in range(n):
@@ -281,20 +274,20 @@ def detach_loop(x: Tensor, n: int) -> Tensor:
 
 def triple_loop(x: Tensor, n: int) -> Tensor:
     for _ in range(n):
-        w = frag.gather(x, {0}, {1})
+        w = frag.gather(x, {0})
         w = frag.intervene(w, {0}, True)
-        x = frag.split(w, x, {0}, {1})
+        x = frag.split(w, x, {0})
     return x
 
 def whole_loop(x: Tensor, n: int) -> Tensor:
     for _ in range(n):
-        x = frag.intervene(x, 'model.layers.0.output', False)
+        x = frag.intervene(x, {1}, False)
     return x
 )JIT",
-                                         loc, rule_text);
+                                         loc, whole);
   auto unit = std::make_shared<torch::jit::CompilationUnit>();
   unit->define(c10::nullopt, source, std::make_shared<FragResolver>(), nullptr);
-  auto runtime = std::make_shared<runtime::InterventionRuntime>();
+  auto runtime = std::make_shared<runtime::InterventionRuntime>(locations);
   runtime::ScopedInterventionRuntime scope(runtime);
   torch::NoGradGuard no_grad;
   auto x = torch::randn({1, 8});
@@ -325,22 +318,24 @@ def whole_loop(x: Tensor, n: int) -> Tensor:
 /// `reps` times with begin_forward before each call as ShardedModel::forward
 /// does. Sets us per call with an empty runtime and with none (pass-through).
 void ops_forward_benchmark(const ir::FragmentTable& table, int reps, ModelResult& result) {
+  auto locations = std::make_shared<const ir::LocationTable>(table);
   std::string body;
   int64_t triples = 0, lone = 0;
-  for (const auto& layer : table.layers)
-    for (int side = 0; side < 2; ++side) {
-      const auto& fragmented = side == 0 ? layer.input : layer.output;
-      if (!fragmented) continue;
-      const std::string loc = script_literal(side == 0 ? ir::input_location(layer.path) : ir::output_location(layer.path));
-      const std::string rule = script_literal(ir::to_json(fragmented->rule).dump());
-      body += fmt::format("    w = frag.gather(x, {0}, {1})\n    w = frag.intervene(w, {0}, True)\n"
-                          "    x = frag.split(w, x, {0}, {1})\n",
-                          loc, rule);
-      ++triples;
+  for (ir::LocationId id = 0; id < static_cast<ir::LocationId>(locations->size()); ++id) {
+    switch (locations->at(id).kind) {
+      case ir::LocationKind::kFragmented:
+        body += fmt::format("    w = frag.gather(x, {0})\n    w = frag.intervene(w, {0}, True)\n"
+                            "    x = frag.split(w, x, {0})\n",
+                            id);
+        ++triples;
+        break;
+      case ir::LocationKind::kWhole:
+        body += fmt::format("    x = frag.intervene(x, {}, False)\n", id);
+        ++lone;
+        break;
+      default:
+        break;
     }
-  for (const auto& location : table.whole) {
-    body += fmt::format("    x = frag.intervene(x, {}, False)\n", script_literal(location));
-    ++lone;
   }
   const std::string source = "def ops_forward(x: Tensor) -> Tensor:\n" + body + "    return x\n";
   auto unit = std::make_shared<torch::jit::CompilationUnit>();
@@ -365,7 +360,7 @@ void ops_forward_benchmark(const ir::FragmentTable& table, int reps, ModelResult
     return median(samples);
   };
   {
-    auto runtime = std::make_shared<runtime::InterventionRuntime>();
+    auto runtime = std::make_shared<runtime::InterventionRuntime>(locations);
     runtime::ScopedInterventionRuntime scope(runtime);
     result.us_ops_forward_runtime = time_us(runtime.get());
   }
@@ -392,16 +387,16 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
 
   // The three graphs of (a) and the saving model of (b), each a load of the same file.
   auto original = runtime::load_and_check_rank_module(*context, path);
-  auto rewritten = runtime::ShardedModel::load(context, path);
+  auto rewritten = program::ShardedModel::load(context, path);
   auto inlined = runtime::load_and_check_rank_module(*context, path);
   passes::rewrite_for_fragments(inlined.module, passes::LayerAliases{}, path);
   auto inlined_graph = forward_graph(inlined.module);
   passes::remove_fragment_ops_except(*inlined_graph, {});
-  auto saving = runtime::ShardedModel::load(context, path);
+  auto saving = program::ShardedModel::load(context, path);
   auto raw_in_forward = runtime::load_and_check_rank_module(*context, path);
   passes::rewrite_for_fragments(raw_in_forward.module, passes::LayerAliases{}, path);
   bench::replace_fragment_ops_with_raw_collectives(*forward_graph(raw_in_forward.module));
-  auto full = runtime::ShardedModel::load(context, path);
+  auto full = program::ShardedModel::load(context, path);
   full.set_specialize(false);
 
   const auto& table = rewritten.table();
@@ -610,7 +605,7 @@ void run_rank(int rank, int port, const Options& options, ModelResult& result) {
     for (const auto& piece : pieces)
       if (ir::to_json(piece.rule).dump().size() > ir::to_json(longest->rule).dump().size()) longest = &piece;
     try {
-      micro_benchmark(longest->location, longest->rule, options.micro, result);
+      micro_benchmark(table, longest->location, options.micro, result);
       ops_forward_benchmark(table, std::max(1, options.micro / 50), result);
     } catch (const std::exception& e) {
       result.micro_error = e.what();

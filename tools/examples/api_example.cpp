@@ -13,7 +13,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   using namespace frag::runtime;
+  using namespace frag::program;
   try {
     auto context = RankContext::connect(RendezvousOptions::from_env());
     auto model = ShardedModel::load(context, fmt::format("{}/rank{}.pt", argv[1], context->rank()));

@@ -1,9 +1,9 @@
-//===- passes/module_path.cpp - Submodules by dotted path ----------------===//
-#include "passes/module_path.h"
+//===- ir/module_path.cpp - Submodules by dotted path ----------------===//
+#include "ir/module_path.h"
 
 #include "ir/error.h"
 
-namespace frag::passes {
+namespace frag::ir {
 
 torch::jit::Module module_at(const torch::jit::Module& root, const std::string& path) {
   torch::jit::Module module = root;
@@ -20,4 +20,4 @@ torch::jit::Module module_at(const torch::jit::Module& root, const std::string& 
   return module;
 }
 
-}  // namespace frag::passes
+}  // namespace frag::ir

@@ -1,4 +1,4 @@
-//===- passes/module_path.h - Submodules by dotted path ----------*- C++ -*-===//
+//===- ir/module_path.h - Submodules by dotted path ----------*- C++ -*-===//
 //
 // Locations, layer entries and ad-hoc calls name a submodule by its dotted
 // path from the root ("model.layers.0.mlp.down_proj"), as named_modules()
@@ -12,10 +12,10 @@
 
 #include <string>
 
-namespace frag::passes {
+namespace frag::ir {
 
 /// The submodule of `root` at the dotted `path`; `root` itself for "".
 /// Throws frag::Error naming the first part of `path` that is not a submodule.
 torch::jit::Module module_at(const torch::jit::Module& root, const std::string& path);
 
-}  // namespace frag::passes
+}  // namespace frag::ir

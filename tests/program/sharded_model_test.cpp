@@ -8,15 +8,17 @@
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
 #include "runtime/safetensors.h"
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 #include "tests/support/model_ranks.h"
 #include "tests/support/test_support.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/ir/ir.h>
 
-namespace frag::runtime {
+namespace frag::program {
 namespace {
+
+using namespace frag::runtime;
 
 using namespace std::chrono_literals;
 using testing::model_files;
@@ -391,6 +393,37 @@ TEST(Safety, ARankDivergentPlanIsRefusedNotHung) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
 }
 
+TEST(Safety, ValuesOfTheSamePathButOtherBytesAreADivergentPlan) {
+  // The ranks compare a step's value by its bytes: each rank reads
+  // "v.safetensors" from its own folder, and one rank's holds other numbers.
+  FRAG_REQUIRE_GLOO();
+  std::vector<std::string> folders = {temporary_folder(), temporary_folder()};
+  write_safetensors(folders[0] + "/v.safetensors", {{"v", torch::ones({64})}});
+  write_safetensors(folders[1] + "/v.safetensors", {{"v", torch::full({64}, 2.0)}});
+  auto errors = on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
+    model.apply(Plan::from_json(
+        nlohmann::json::array({{{"at", "model.layers.0.output"}, {"do", "add"}, {"value", "v.safetensors:v"}}}),
+        "plan.json", folders[rank]));
+    model.forward(token_ids());
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("ranks hold different interventions"), std::string::npos) << e;
+}
+
+TEST(Safety, AVisitThatNeverHappensIsReported) {
+  FRAG_REQUIRE_GLOO();
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    model.save("model.layers.0.output", "first", /*visit=*/0);
+    model.save("model.layers.1.output", "sixth", /*visit=*/5);
+    model.forward(token_ids());
+    const auto unreached = model.unreached_visits();
+    ASSERT_EQ(unreached.size(), 1u);
+    EXPECT_EQ(unreached[0], "visit 5 at model.layers.1.output was never reached: the last forward visited it 1 time");
+    EXPECT_EQ(model.saved().count("sixth"), 0u);
+    model.clear();
+    EXPECT_TRUE(model.unreached_visits().empty());
+  }));
+}
+
 /// Applies a one-step plan on a tp=2 model and expects `message` before any forward.
 void expect_plan_error(const nlohmann::json& step, const std::string& message) {
   auto folder = temporary_folder();
@@ -404,7 +437,7 @@ void expect_plan_error(const nlohmann::json& step, const std::string& message) {
 
 TEST(Safety, BadPlansFailBeforeAnythingRuns) {
   FRAG_REQUIRE_GLOO();
-  expect_plan_error({{"at", "model.layers.9.output"}, {"do", "save"}, {"as", "x"}}, "unknown location 'model.layers.9.output'");
+  expect_plan_error({{"at", "model.layers.9.output"}, {"do", "save"}, {"as", "x"}}, "unknown location 'model.layers.9.output' (did you mean model.layers.");
   expect_plan_error({{"at", "model.layers.0.mlp.act_fn.output"}, {"do", "zero"}},
                     "model.layers.0.mlp.act_fn.output is rank-local (derived from model.layers.0.mlp.gate_up_proj.output)");
   expect_plan_error({{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "zero"}, {"index", "...,250:300"}},
@@ -509,4 +542,4 @@ TEST(Generation, SteeringChangesTheGenerationAsAtTp1) {
 }
 
 }  // namespace
-}  // namespace frag::runtime
+}  // namespace frag::program

@@ -5,7 +5,7 @@
 // reference.
 //
 //===----------------------------------------------------------------------===//
-#include "runtime/sharded_model.h"
+#include "program/sharded_model.h"
 #include "runtime/safetensors.h"
 #include "tests/support/test_support.h"
 #include "tools/launcher.h"
@@ -14,8 +14,10 @@
 #include <iostream>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-namespace frag::runtime {
+namespace frag::program {
 namespace {
+
+using namespace frag::runtime;
 
 using testing::model_files;
 
@@ -120,4 +122,4 @@ TEST(Cuda, FragRunOnTheGpuMatchesTheCpu) {
 }
 
 }  // namespace
-}  // namespace frag::runtime
+}  // namespace frag::program

@@ -1,4 +1,4 @@
-//===- runtime/sharded_model.h - The C++ API: one rank of a sharded model -*- C++ -*-===//
+//===- program/sharded_model.h - The C++ API: one rank of a sharded model -*- C++ -*-===//
 //
 // For servers that load rewritten graphs in their own C++ process: load this
 // rank's file (a plain export is rewritten in memory), register interventions
@@ -18,12 +18,13 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include "ir/fragment_table.h"
+#include "ir/location_table.h"
+#include "program/forward_cache.h"
+#include "program/prepared_rank.h"
 #include "runtime/ad_hoc_call.h"
 #include "runtime/intervention_runtime.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
-#include "runtime/rank_module.h"
 
 #include <map>
 #include <memory>
@@ -31,17 +32,20 @@
 #include <string>
 #include <vector>
 
-namespace frag::passes {
-struct LayerAliases;
-}
+namespace frag::program {
 
-namespace frag::runtime {
+using runtime::Hook;
+using runtime::InterventionRuntime;
+using runtime::Plan;
+using runtime::PlanStep;
+using runtime::RankContext;
+using runtime::VisitInfo;
 
 /// Saved whole tensors by name, in the order they were captured.
 using SavedTensors = std::map<std::string, std::vector<torch::Tensor>>;
 
 /// What kind of location a name is.
-enum class LocationKind { kFragmented, kWhole, kRankLocal, kUnknown };
+using LocationKind = ir::LocationKind;
 
 /// One rank of a sharded model, with interventions.
 class ShardedModel {
@@ -52,10 +56,11 @@ class ShardedModel {
   static ShardedModel load(std::shared_ptr<RankContext> context, const std::string& path,
                            const torch::Device& device = torch::kCPU, const std::string& rules_file = "");
 
-  const ir::FragmentTable& table() const { return table_; }
+  const ir::FragmentTable& table() const { return locations().fragments(); }
+  const ir::LocationTable& locations() const { return *prepared_.locations; }
   RankContext& context() const { return *context_; }
   InterventionRuntime& interventions() { return *runtime_; }
-  torch::jit::Module& module() { return rank_.module; }
+  torch::jit::Module& module() { return prepared_.rank.module; }
 
   /// Classifies a location name.
   LocationKind kind_of(const std::string& location) const;
@@ -79,8 +84,7 @@ class ShardedModel {
   /// interventions the ranks compare digests of their interventions and rule
   /// tables, and all refuse if any differs: no rank enters a collective another skips.
   /// On the CPU it runs a copy of the rewritten graph that keeps the fragment
-  /// ops only at locations with interventions (passes::remove_fragment_ops_except),
-  /// made again when the interventions change (the last 8 sets are kept);
+  /// ops only at locations with interventions (program/forward_cache);
   /// elsewhere the forward is the original export's, with no op to dispatch.
   /// See set_specialize.
   torch::Tensor forward(const torch::Tensor& input_ids);
@@ -105,31 +109,40 @@ class ShardedModel {
   /// Runs one module on whole tensors (e.g. a FusedMoE with its router_logits).
   torch::Tensor call_module(const std::string& path, const std::vector<torch::Tensor>& wholes);
   /// The call wrappers of this model.
-  AdHocCaller caller() const { return AdHocCaller(rank_.module, table_); }
+  runtime::AdHocCaller caller() const { return runtime::AdHocCaller(prepared_.rank.module, locations()); }
 
+  /// Hooks registered for a visit that the last forward never reached ("visit 3 at X, which was
+  /// visited 1 time"), one line each: a plan that silently did nothing is worth a warning.
+  std::vector<std::string> unreached_visits() const;
+
+  /// Saved tensors accumulate over forwards (generate keys them by step) until clear_saved().
   const SavedTensors& saved() const { return saved_; }
   void clear_saved() { saved_.clear(); }
 
  private:
   ShardedModel() = default;
-  void check_location(const std::string& location, const std::string& what) const;
+  /// The id of a location a step or hook may act at (fragmented or whole); else frag::Error.
+  ir::LocationId checked_location(const std::string& location, const std::string& what) const;
+  void add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit, const std::string& label,
+                bool edits);
   void agree_on_interventions();
-  void register_step(const PlanStep& step);
+  void register_step(const PlanStep& step, ir::LocationId location);
   /// A step's index, value and call input against the whole's last-dim width.
   void check_against_width(const PlanStep& step, int64_t width, const std::string& where) const;
-  /// The last-dim width of the whole at `location`: from the rule table, or
+  /// The last-dim width of the whole at a location: from the rule table, or
   /// learned by a probe forward (whole locations), else unknown.
-  std::optional<int64_t> whole_width_at(const std::string& location) const;
-  /// Runs the checks `apply` could not make yet (see the .cpp).
+  std::optional<int64_t> whole_width_at(ir::LocationId location) const;
+  /// Runs the checks `apply` could not make yet (program/width_probe).
   void check_widths_at_whole_locations(const torch::Tensor& input_ids);
   /// The forward to run: nullptr for the module's own (the full rewrite).
   torch::jit::Function* forward_function();
 
   std::shared_ptr<RankContext> context_;
-  RankModule rank_;
-  ir::FragmentTable table_;
-  std::shared_ptr<InterventionRuntime> runtime_ = std::make_shared<InterventionRuntime>();
+  PreparedRank prepared_;
+  std::shared_ptr<InterventionRuntime> runtime_;
   std::vector<std::string> descriptors_;
+  /// (location, visit) of every hook registered for one visit only.
+  std::vector<std::pair<ir::LocationId, int64_t>> single_visits_;
   bool agreed_ = false;
   int64_t exchanges_ = 0;
   std::string save_prefix_;
@@ -137,15 +150,15 @@ class ShardedModel {
   /// Plan steps at whole locations of unknown width, checked before the next forward.
   struct WidthCheck {
     PlanStep step;
+    ir::LocationId location;
     std::string where;
   };
   std::vector<WidthCheck> width_checks_;
-  std::map<std::string, int64_t> probed_widths_;
+  std::map<ir::LocationId, int64_t> probed_widths_;
   bool specialize_ = true;
   int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `specialized_forward_` was chosen
   torch::jit::Function* specialized_forward_ = nullptr;
-  /// Specialized forwards by their sorted hooked locations (the last few).
-  std::vector<std::pair<std::vector<std::string>, std::shared_ptr<torch::jit::Function>>> specialized_;
+  ForwardCache forwards_;
 };
 
-}  // namespace frag::runtime
+}  // namespace frag::program

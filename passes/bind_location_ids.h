@@ -1,0 +1,29 @@
+//===- passes/bind_location_ids.h - Ops by location id, not by name -*- C++ -*-===//
+//
+// A rewritten file carries each location as a constant string (and each rule
+// as JSON), because node attributes do not survive save/load and a file should
+// not depend on how a process numbers its locations. Before a graph runs, this
+// pass swaps every
+//   frag::gather(%piece, "loc", "rule")        -> frag::gather.at(%piece, id)
+//   frag::intervene(%v, "loc", fragmented)     -> frag::intervene.at(%v, id, fragmented)
+//   frag::split(%e, %piece, "loc", "rule")     -> frag::split.at(%e, %piece, id)
+// with the ids of an ir::LocationTable, so kernels index a vector. A location
+// the table does not know, or a rule that differs from the table's, is
+// refused (frag::Error): the graph and its table come from different files.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "ir/location_table.h"
+
+#include <torch/csrc/jit/ir/ir.h>
+
+#include <string>
+
+namespace frag::passes {
+
+/// Binds, in place, every string-form fragment op of `graph` to its id in
+/// `locations`; `source` names the file in errors. Returns the ops bound.
+int64_t bind_location_ids(torch::jit::Graph& graph, const ir::LocationTable& locations, const std::string& source);
+
+}  // namespace frag::passes

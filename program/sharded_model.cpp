@@ -1,0 +1,295 @@
+//===- program/sharded_model.cpp - The C++ API: one rank of a sharded model ===//
+#include "program/sharded_model.h"
+
+#include "ir/error.h"
+#include "program/width_probe.h"
+
+#include <fmt/ranges.h>
+#include <torch/csrc/jit/api/function_impl.h>
+
+#include <algorithm>
+
+namespace frag::program {
+namespace {
+
+using runtime::Action;
+
+/// FNV-1a: a digest for comparing texts across ranks (not for security).
+uint64_t digest(const std::string& text) {
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+at::ScalarType model_dtype(const torch::jit::Module& module) {
+  for (const auto& p : module.parameters())
+    if (p.is_floating_point()) return p.scalar_type();
+  return at::kFloat;
+}
+
+/// Applies an edit step to the selected part of a whole: the one switch over edit actions.
+void apply_edit(const PlanStep& step, torch::Tensor& target, const std::string& location) {
+  switch (step.action) {
+    case Action::kZero:
+      target.zero_();
+      return;
+    case Action::kScale:
+      target.mul_(step.by);
+      return;
+    case Action::kSet:
+    case Action::kAdd: {
+      auto value = step.value_tensor.to(target.device(), target.scalar_type());
+      try {
+        if (step.action == Action::kSet) target.copy_(value.expand_as(target));
+        else target.add_(value.expand_as(target));
+      } catch (const c10::Error&) {
+        fail("{}: value {} of shape [{}] does not fit the selected whole of shape [{}]", location, step.value,
+             fmt::join(value.sizes(), ", "), fmt::join(target.sizes(), ", "));
+      }
+      return;
+    }
+    case Action::kSave:
+    case Action::kCall:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "apply_edit: not an edit action");
+}
+
+}  // namespace
+
+ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std::string& path,
+                                const torch::Device& device, const std::string& rules_file) {
+  ShardedModel model;
+  model.context_ = std::move(context);
+  model.prepared_ = prepare_rank(*model.context_, path, device, rules_file);
+  model.runtime_ = std::make_shared<InterventionRuntime>(model.prepared_.locations);
+  // JIT fusers act on GPUs by default: with fragment ops only where a plan
+  // waits, a fusion group could span a boundary in one run and not in another,
+  // and a read-only plan would round differently from no plan.
+  model.specialize_ = device.is_cpu();
+  return model;
+}
+
+LocationKind ShardedModel::kind_of(const std::string& location) const { return locations().kind_of(location); }
+
+ir::LocationId ShardedModel::checked_location(const std::string& location, const std::string& what) const {
+  const ir::LocationId id = locations().id_of(location, what);
+  const auto& entry = locations().at(id);
+  if (entry.kind == LocationKind::kRankLocal) {
+    // The value a user wants there is usually its fragmented source (act_fn's output -> down_proj's input).
+    fail("{}: {} is rank-local (derived from {}): no rank holds its whole value; intervene at a fragmented "
+         "location such as {} instead",
+         what, location, entry.derived_from, entry.derived_from);
+  }
+  return id;
+}
+
+void ShardedModel::add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit,
+                            const std::string& label, bool edits) {
+  runtime_->add(location, std::move(hook), visit, edits);
+  if (visit) single_visits_.emplace_back(location, *visit);
+  descriptors_.push_back(
+      fmt::format("{}@{}#{}", label, locations().at(location).name, visit ? std::to_string(*visit) : "*"));
+  agreed_ = false;
+}
+
+void ShardedModel::on(const std::string& location, Hook hook, std::optional<int64_t> visit,
+                      const std::string& label, bool edits) {
+  add_hook(checked_location(location, label), std::move(hook), visit, label, edits);
+}
+
+void ShardedModel::save(const std::string& location, const std::string& name, std::optional<int64_t> visit) {
+  on(
+      location,
+      [this, name](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+        // A gathered whole that nothing edits after this save is kept as is: no copy.
+        saved_[save_prefix_ + name].push_back(info.may_keep ? whole.detach() : whole.detach().clone());
+        return std::nullopt;
+      },
+      visit, "save:" + name, /*edits=*/false);
+}
+
+void ShardedModel::check_against_width(const PlanStep& step, int64_t width, const std::string& where) const {
+  if (step.index) step.index->check_last_dim(width, where);
+  if (step.action == Action::kCall) {
+    const int64_t expected = caller().expected_input_width(step.modules.front());
+    if (expected > 0 && width != expected)
+      fail("{}: {} takes a whole input of width {}, but {} is {} wide", where, step.modules.front(), expected, step.at,
+           width);
+  }
+  if (step.value_tensor.defined() && step.value_tensor.dim() > 0) {
+    // Only an index that ends on the last dim (one item, or "...," first) says which part of it is selected.
+    const bool last_dim_indexed = !step.index || step.index->items.size() == 1 ||
+                                  step.index->items.front().kind == runtime::IndexItem::Kind::kEllipsis;
+    if (!last_dim_indexed) return;
+    const int64_t selected = step.index ? step.index->select(torch::empty({width}), step.at).size(-1) : width;
+    const int64_t last = step.value_tensor.size(-1);
+    if (last != 1 && last != selected)
+      fail("{}: value {} has last dim {}, but the selected whole has width {}", where, step.value, last, selected);
+  }
+}
+
+void ShardedModel::apply(const Plan& plan) {
+  // Check everything first: a bad step must fail before anything is registered or run.
+  const auto dtype = model_dtype(module());
+  std::vector<WidthCheck> later;
+  std::vector<ir::LocationId> ids;
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    const auto& step = plan.steps[i];
+    const std::string where =
+        fmt::format("{}: intervention {} ({} at {})", plan.source, i, runtime::action_name(step.action), step.at);
+    const ir::LocationId id = checked_location(step.at, where);
+    ids.push_back(id);
+    if (step.action == Action::kCall) {
+      if (step.modules.empty()) fail("{}: \"modules\" is empty", where);
+      auto calls = caller();
+      for (const auto& path : step.modules) {
+        try {
+          calls.check_callable(path);
+        } catch (const Error& e) {
+          fail("{}: {}", where, e.what());
+        }
+      }
+    }
+    if (step.value_tensor.defined() && step.value_tensor.scalar_type() != dtype)
+      fail("{}: value {} is {}, but the model computes in {}", where, step.value,
+           c10::toString(step.value_tensor.scalar_type()), c10::toString(dtype));
+    const bool needs_width =
+        step.index || step.action == Action::kCall || (step.value_tensor.defined() && step.value_tensor.dim() > 0);
+    if (!needs_width) continue;
+    if (auto width = whole_width_at(id)) check_against_width(step, *width, where);
+    else later.push_back({step, id, where});  // a whole location not yet seen: checked before the next forward
+  }
+  for (size_t i = 0; i < plan.steps.size(); ++i) register_step(plan.steps[i], ids[i]);
+  width_checks_.insert(width_checks_.end(), later.begin(), later.end());
+}
+
+std::optional<int64_t> ShardedModel::whole_width_at(ir::LocationId location) const {
+  const auto& side = locations().at(location).side;
+  if (side && side->whole_width) return *side->whole_width;
+  if (auto it = probed_widths_.find(location); it != probed_widths_.end()) return it->second;
+  return std::nullopt;
+}
+
+void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_ids) {
+  // The checks stay pending until they pass: a retry fails again.
+  std::vector<ir::LocationId> probed;
+  for (const auto& check : width_checks_) probed.push_back(check.location);
+  for (const auto& [id, width] : probe_widths(prepared_, context_, probed, input_ids)) probed_widths_.emplace(id, width);
+  // A location the probe did not reach (an expert no token was routed to, a
+  // branch on length) is checked when first visited, on every rank alike.
+  for (const auto& check : width_checks_)
+    if (auto width = whole_width_at(check.location)) check_against_width(check.step, *width, check.where);
+  width_checks_.clear();
+}
+
+void ShardedModel::register_step(const PlanStep& step, ir::LocationId location) {
+  switch (step.action) {
+    case Action::kSave:
+      save(step.at, step.as, step.visit);
+      return;
+    case Action::kCall:
+      add_hook(
+          location,
+          [this, step](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+            saved_[save_prefix_ + step.as].push_back(caller().call(*context_, step.modules, whole));
+            return std::nullopt;
+          },
+          step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false);
+      return;
+    case Action::kSet:
+    case Action::kAdd:
+    case Action::kScale:
+    case Action::kZero:
+      add_hook(
+          location,
+          [step](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+            torch::Tensor target = step.index ? step.index->select(whole, info.location) : whole;
+            apply_edit(step, target, info.location);
+            return std::nullopt;
+          },
+          step.visit, fmt::format("edit:{}", step.describe()), /*edits=*/true);
+      return;
+  }
+}
+
+void ShardedModel::clear() {
+  runtime_->clear();
+  width_checks_.clear();
+  descriptors_.clear();
+  single_visits_.clear();
+  agreed_ = false;
+}
+
+std::vector<std::string> ShardedModel::unreached_visits() const {
+  std::vector<std::string> lines;
+  for (const auto& [id, visit] : single_visits_) {
+    const std::string& name = locations().at(id).name;
+    const int64_t visits = runtime_->visits_at(name);
+    if (visit >= visits)
+      lines.push_back(fmt::format("visit {} at {} was never reached: the last forward visited it {} time{}", visit,
+                                  name, visits, visits == 1 ? "" : "s"));
+  }
+  return lines;
+}
+
+void ShardedModel::agree_on_interventions() {
+  // In registration order: hooks at one location run in that order, so it is part of the plan.
+  const std::string mine = fmt::format(
+      "{:016x}", digest(fmt::format("{}\n{}", fmt::join(descriptors_, "\n"), ir::to_json(table()).dump())));
+  auto all = context_->exchange(fmt::format("interventions/{}", exchanges_++), mine);
+  for (size_t r = 0; r < all.size(); ++r)
+    if (all[r] != all[0])
+      fail("ranks hold different interventions or rule tables (digest {} on rank 0, {} on rank {}): every "
+           "rank must load the same plan and files of one export; nothing was run",
+           all[0], all[r], r);
+  agreed_ = true;
+}
+
+torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
+  if (!agreed_) agree_on_interventions();
+  if (!width_checks_.empty()) check_widths_at_whole_locations(input_ids);
+  runtime::ScopedRankContext rank_scope(context_);
+  runtime::ScopedInterventionRuntime runtime_scope(runtime_);
+  runtime_->begin_forward();
+  return runtime::run_forward(prepared_.rank, input_ids, forward_function());
+}
+
+torch::jit::Function* ShardedModel::forward_function() {
+  if (!specialize_) return nullptr;
+  if (runtime_->changes() != specialized_at_changes_) {
+    specialized_forward_ = &forwards_.keeping(prepared_, runtime_->hooked_locations());
+    specialized_at_changes_ = runtime_->changes();
+  }
+  return specialized_forward_;
+}
+
+std::shared_ptr<torch::jit::Graph> ShardedModel::forward_graph() {
+  if (auto* function = forward_function()) return torch::jit::toGraphFunction(*function).graph();
+  return torch::jit::toGraphFunction(module().get_method("forward").function()).graph();
+}
+
+torch::Tensor ShardedModel::call(const std::vector<std::string>& paths, const torch::Tensor& whole) {
+  return caller().call(*context_, paths, whole);
+}
+
+torch::Tensor ShardedModel::call_module(const std::string& path, const std::vector<torch::Tensor>& wholes) {
+  return caller().call_module(*context_, path, wholes);
+}
+
+torch::Tensor ShardedModel::generate(const torch::Tensor& input_ids, int64_t steps) {
+  torch::Tensor tokens = input_ids;
+  for (int64_t s = 0; s < steps; ++s) {
+    save_prefix_ = fmt::format("step{}.", s);
+    auto logits = forward(tokens);
+    auto next = logits.select(1, logits.size(1) - 1).argmax(-1, /*keepdim=*/true).to(tokens.dtype());
+    tokens = torch::cat({tokens, next}, 1);
+  }
+  save_prefix_.clear();
+  return tokens;
+}
+
+}  // namespace frag::program

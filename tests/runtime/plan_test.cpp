@@ -1,0 +1,85 @@
+//===- tests/runtime/plan_test.cpp - Plans parse once into typed steps ===//
+//
+// A plan's text becomes typed steps at parse time: enum actions, parsed
+// indices, values loaded. Names and visits are validated there, and the
+// text ranks compare describes a value by its bytes, not its path.
+//
+//===----------------------------------------------------------------------===//
+#include "runtime/plan.h"
+
+#include "ir/error.h"
+#include "runtime/safetensors.h"
+#include "tests/support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace frag::runtime {
+namespace {
+
+using ::testing::HasSubstr;
+
+Plan parse(const nlohmann::json& steps, const std::string& base = "") {
+  return Plan::from_json(steps, "plan.json", base);
+}
+
+std::string parse_error(const nlohmann::json& steps) {
+  try {
+    parse(steps);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(Plan, ActionsAreTypedOnce) {
+  const auto plan = parse(nlohmann::json::array({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}},
+                                                 {{"at", "a.output"}, {"do", "scale"}, {"by", 0.5}},
+                                                 {{"at", "a.output"}, {"do", "zero"}, {"index", "...,0:2"}},
+                                                 {{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", {"m"}}}}));
+  ASSERT_EQ(plan.steps.size(), 4u);
+  EXPECT_EQ(plan.steps[0].action, Action::kSave);
+  EXPECT_EQ(plan.steps[1].action, Action::kScale);
+  EXPECT_EQ(plan.steps[2].action, Action::kZero);
+  EXPECT_EQ(plan.steps[3].action, Action::kCall);
+  EXPECT_FALSE(edits(Action::kSave));
+  EXPECT_TRUE(edits(Action::kZero));
+  EXPECT_STREQ(action_name(Action::kScale), "scale");
+  ASSERT_TRUE(plan.steps[2].index.has_value());
+  EXPECT_EQ(plan.steps[2].index->items.size(), 2u);
+}
+
+TEST(Plan, NamesAndVisitsAreValidatedAtParse) {
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "logits"}}}),
+              HasSubstr("\"logits\" is reserved"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "__metadata__"}}}), HasSubstr("reserved"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}},
+                           {{"at", "b.output"}, {"do", "save"}, {"as", "x"}}}),
+              HasSubstr("intervention 1: \"as\": \"x\" is already saved by an earlier step"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}}}),
+              HasSubstr("intervention 0: \"save\" needs \"as\""));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", ""}}}), HasSubstr("\"as\" is empty"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", 1.5}}}),
+              HasSubstr("\"visit\" must be a whole number of calls (0 for the first), got 1.5"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", -2}}}),
+              HasSubstr("\"visit\" must be non-negative, got -2"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", 18446744073709551615ull}}}),
+              HasSubstr("must be a whole number"));
+}
+
+TEST(Plan, RanksCompareValuesByTheirBytesNotTheirPaths) {
+  const auto one = testing::temporary_folder();
+  const auto two = testing::temporary_folder();
+  write_safetensors(one + "/v.safetensors", {{"v", torch::ones({4})}});
+  write_safetensors(two + "/v.safetensors", {{"v", torch::ones({4})}});
+  const nlohmann::json steps = {{{"at", "a.output"}, {"do", "add"}, {"value", "v.safetensors:v"}}};
+  const auto a = parse(steps, one).steps.at(0).describe();
+  EXPECT_EQ(a, parse(steps, two).steps.at(0).describe()) << "same bytes, other folder: the same step";
+  write_safetensors(two + "/v.safetensors", {{"v", torch::full({4}, 2.0)}});
+  EXPECT_NE(a, parse(steps, two).steps.at(0).describe()) << "same path, other bytes: another step";
+  write_safetensors(two + "/v.safetensors", {{"v", torch::ones({2, 2})}});
+  EXPECT_NE(a, parse(steps, two).steps.at(0).describe()) << "same bytes, other shape: another step";
+}
+
+}  // namespace
+}  // namespace frag::runtime
