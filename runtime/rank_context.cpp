@@ -193,7 +193,7 @@ void RankContext::agree(const std::string& step, const std::string& local_error)
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
     if (!message.empty()) message += "; ";
-    message += fmt::format("rank {}: {}", r, errors[r]);
+    message += world_size_ == 1 ? errors[r] : fmt::format("rank {}: {}", r, errors[r]);
   }
   if (!message.empty()) throw RankAgreementError(message);
 }

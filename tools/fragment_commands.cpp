@@ -31,7 +31,9 @@ namespace frag::tools {
 namespace {
 
 passes::LayerAliases load_aliases(const std::string& rules_file) {
-  return rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
+  if (rules_file.empty()) return {};
+  require_regular_file(rules_file, "the rules file (--rules)");
+  return passes::LayerAliases::from_file(rules_file);
 }
 
 /// One fragmented location, flattened for reports.
