@@ -66,7 +66,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Equivalence{"llama_tp1", "llama_tp2"}, Equivalence{"llama_tp1", "llama_tp4"},
                       Equivalence{"llama_kv2_tp1", "llama_kv2_tp4"},
                       Equivalence{"moe_tp1", "moe_tp2"}, Equivalence{"moe_tp1", "moe_tp4"},
-                      Equivalence{"moe_tp1", "moe_ep_tp2"}),
+                      Equivalence{"moe_tp1", "moe_ep_tp2"},
+                      // Vocabulary padded to 192 (1152 = 3 × 384), not vLLM's default 64.
+                      Equivalence{"llama_pad192_tp1", "llama_pad192_tp3"}),
     [](const auto& info) { return std::string(info.param.sharded); });
 
 /// Runs frag and expects a one-line error containing `expected` and no output file.
