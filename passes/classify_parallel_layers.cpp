@@ -62,6 +62,11 @@ class LayerConfig {
     return t.size(dim);
   }
 
+  /// The padded vocabulary of the model's LM head, when it has one: what a
+  /// LogitsProcessor's input is sharded by (its own config records no padding).
+  std::optional<int64_t> lm_head_padded_vocab() const { return lm_head_padded_vocab_; }
+  void set_lm_head_padded_vocab(std::optional<int64_t> padded) { lm_head_padded_vocab_ = padded; }
+
   [[noreturn]] void inconsistent(const std::string& problem) const {
     fail("{}: {} ({}): {}", source_, path_, class_name_, problem);
   }
@@ -88,6 +93,7 @@ class LayerConfig {
   const std::string& source_;
   const std::string& path_;
   const std::string& class_name_;
+  std::optional<int64_t> lm_head_padded_vocab_;
 };
 
 int64_t checked_tp(const LayerConfig& config) {
@@ -222,7 +228,15 @@ void classify_logits_processor(const LayerConfig& config, LayerEntry& entry) {
   config.require(tp >= 1, fmt::format("tp_size {} is not positive", tp));
   const int64_t org = config.integer("org_vocab_size");
   const int64_t vocab = config.integer("vocab_size");
-  const int64_t padded = FragmentRule::padded_vocab_size(vocab, tp);
+  // The input is the LM head's output: padded as the head records it (its padding_size need not be
+  // vLLM's default 64); without a head in the model, vLLM's default.
+  const auto from_head = config.lm_head_padded_vocab();
+  const int64_t padded = from_head ? *from_head : FragmentRule::padded_vocab_size(vocab, tp);
+  config.require(padded >= org, fmt::format("org_vocab_size {} exceeds the LM head's num_embeddings_padded {}", org,
+                                            padded));
+  check_divides(config, tp, padded, from_head ? "the LM head's num_embeddings_padded" : "the padded vocab_size");
+  if (from_head && padded != FragmentRule::padded_vocab_size(vocab, 1))
+    entry.notes.push_back(fmt::format("input padded to {} as the LM head records it", padded));
   if (tp == 1 && padded == org) {
     entry.notes.push_back("tp_size=1 and no vocab padding: whole");
     return;
@@ -304,9 +318,30 @@ LayerAliases LayerAliases::from_file(const std::string& path) {
   return aliases;
 }
 
+namespace {
+
+/// The one num_embeddings_padded of the model's ParallelLMHead layers (none, or several that differ: nullopt).
+std::optional<int64_t> lm_head_padded_vocab(const torch::jit::Module& root, const LayerAliases& aliases) {
+  std::optional<int64_t> padded;
+  for (const auto& named : root.named_modules()) {
+    const std::string class_name = plain_class_name(named.value.type()->name()->qualifiedName());
+    auto alias = aliases.kind_of_class.find(class_name);
+    const std::string kind = alias != aliases.kind_of_class.end() ? alias->second : class_name;
+    if (kind != "ParallelLMHead" || !named.value.hasattr("num_embeddings_padded")) continue;
+    auto value = named.value.attr("num_embeddings_padded");
+    if (!value.isInt()) continue;  // reported when the head itself is classified
+    if (padded && *padded != value.toInt()) return std::nullopt;
+    padded = value.toInt();
+  }
+  return padded;
+}
+
+}  // namespace
+
 ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
                                            const LayerAliases& aliases, const std::string& source) {
   ir::FragmentTable table;
+  const auto head_padded = lm_head_padded_vocab(root, aliases);
   for (const auto& named : root.named_modules()) {
     const std::string class_name = plain_class_name(named.value.type()->name()->qualifiedName());
     auto alias = aliases.kind_of_class.find(class_name);
@@ -315,6 +350,7 @@ ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
     if (classify == nullptr) continue;
     LayerEntry entry{named.name, class_name, kind, std::nullopt, std::nullopt, {}};
     LayerConfig config(named.value, source, named.name, class_name);
+    config.set_lm_head_padded_vocab(head_padded);
     classify(config, entry);
     // The model's tensor-parallel size: every sharded layer spans the same
     // ranks (layers built with tp_size 1 are allowed, as vLLM's disable_tp).

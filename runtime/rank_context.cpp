@@ -9,19 +9,49 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <future>
+#include <thread>
 #include <mutex>
 
 namespace frag::runtime {
 namespace {
 
-int env_int(const char* name, int fallback) {
+/// `text` fit for a one-line message: bytes outside printable ASCII as \xNN, at most 64 characters.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text.substr(0, 64)) out += c >= 0x20 && c < 0x7f ? std::string(1, static_cast<char>(c))
+                                                                        : fmt::format("\\x{:02x}", c);
+  return text.size() > 64 ? out + "…" : out;
+}
+
+/// An integer environment variable in [low, high]; unset or empty: `fallback`.
+int env_int(const char* name, int fallback, long low, long high) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return fallback;
+  errno = 0;
   char* end = nullptr;
-  long value = std::strtol(text, &end, 10);
-  if (*end != '\0' || value < 0) fail("environment variable {}='{}' is not a non-negative integer", name, text);
+  const long value = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || errno == ERANGE || value < low || value > high)
+    fail("environment variable {}='{}': expected an integer from {} to {}", name, printable(text), low, high);
   return static_cast<int>(value);
+}
+
+/// MASTER_ADDR: a host name or an IPv4/IPv6 address, nothing else (c10d's
+/// resolver and its messages take it as it is).
+std::string master_addr_from_env(const std::string& fallback) {
+  const char* text = std::getenv("MASTER_ADDR");
+  if (text == nullptr || *text == '\0') return fallback;
+  const std::string addr = text;
+  const bool valid = addr.size() <= 253 && addr.find_first_not_of("abcdefghijklmnopqrstuvwxyz"
+                                                                  "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%") ==
+                                               std::string::npos;
+  if (!valid)
+    fail("environment variable MASTER_ADDR='{}': expected a host name or an IP address (letters, digits, '.', "
+         "'-', ':'; at most 253 characters)",
+         printable(addr));
+  return addr;
 }
 
 std::string to_string(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
@@ -31,17 +61,50 @@ std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), t
 constexpr const char* kGroupNames[] = {ir::kTpGroup, ir::kEpGroup, ir::kTpEpGroup, "world"};
 
 
+/// The TCP store, within the timeout. TCPStore's constructor bounds a refused
+/// connection but can wait forever on a peer that accepts and never answers,
+/// so it runs on a thread of its own that is abandoned past the deadline
+/// (blocked in a read; the process is about to fail anyway).
+c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousOptions& options) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(options.master_port);
+  store_options.isServer = options.rank == 0;
+  store_options.numWorkers = options.world_size;
+  store_options.waitWorkers = true;
+  store_options.timeout = options.timeout;
+  auto promise = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Store>>>();
+  auto result = promise->get_future();
+  std::thread([promise, store_options, addr = options.master_addr] {
+    try {
+      promise->set_value(c10::make_intrusive<c10d::TCPStore>(addr, store_options));
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  }).detach();
+  const auto where = fmt::format("rendezvous at {}:{} failed for rank {} of {} within {} ms", options.master_addr,
+                                 options.master_port, options.rank, options.world_size, options.timeout.count());
+  // A little grace, so that the store's own (more specific) timeout error wins when it comes.
+  if (result.wait_for(options.timeout + std::chrono::seconds(1)) != std::future_status::ready)
+    fail("{}: {}", where,
+         options.rank == 0 ? "the store did not start"
+                           : "something there accepted the connection but never answered as a store would");
+  try {
+    return result.get();
+  } catch (const std::exception& e) {
+    fail("{}: {}", where, first_line(e.what()));
+  }
+}
+
 }  // namespace
 
 RendezvousOptions RendezvousOptions::from_env() {
   RendezvousOptions options;
-  options.rank = env_int("RANK", 0);
-  options.world_size = env_int("WORLD_SIZE", 1);
-  options.local_rank = env_int("LOCAL_RANK", options.rank);
-  options.master_port = env_int("MASTER_PORT", options.master_port);
-  if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0')
-    options.master_addr = addr;
-  if (options.world_size < 1) fail("WORLD_SIZE must be at least 1");
+  // World sizes beyond kMaxWorldSize would only allocate per-rank tables of absurd size.
+  options.world_size = env_int("WORLD_SIZE", 1, 1, kMaxWorldSize);
+  options.rank = env_int("RANK", 0, 0, kMaxWorldSize - 1);
+  options.local_rank = env_int("LOCAL_RANK", options.rank, 0, kMaxWorldSize - 1);
+  options.master_port = env_int("MASTER_PORT", options.master_port, 1, 65535);
+  options.master_addr = master_addr_from_env(options.master_addr);
   if (options.rank >= options.world_size)
     fail("RANK={} is out of range for WORLD_SIZE={}", options.rank, options.world_size);
   return options;
@@ -67,19 +130,7 @@ std::shared_ptr<RankContext> RankContext::connect(const RendezvousOptions& optio
   context->world_size_ = options.world_size;
   context->timeout_ = options.timeout;
   context->backend_ = options.backend;
-  try {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<std::uint16_t>(options.master_port);
-    store_options.isServer = options.rank == 0;
-    store_options.numWorkers = options.world_size;
-    store_options.waitWorkers = true;
-    store_options.timeout = options.timeout;
-    context->store_ = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
-  } catch (const std::exception& e) {
-    fail("rendezvous at {}:{} failed for rank {} of {} within {} ms: {}", options.master_addr,
-         options.master_port, options.rank, options.world_size, options.timeout.count(),
-         first_line(e.what()));
-  }
+  context->store_ = connect_store(options);
   std::shared_ptr<Communicator> world;
   if (options.backend == "gloo") {
     // Ranks on one host talk over loopback; across hosts over the address that
@@ -139,9 +190,9 @@ void RankContext::agree(const std::string& step, const std::string& local_error)
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
     if (!message.empty()) message += "; ";
-    message += fmt::format("rank {}: {}", r, errors[r]);
+    message += world_size_ == 1 ? errors[r] : fmt::format("rank {}: {}", r, errors[r]);
   }
-  if (!message.empty()) throw Error(message);
+  if (!message.empty()) throw RankAgreementError(message);
 }
 
 RankContext& current_rank_context() {

@@ -13,6 +13,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "ir/error.h"
 #include "runtime/communicator.h"
 #include "runtime/current.h"
 
@@ -23,6 +24,16 @@
 #include <vector>
 
 namespace frag::runtime {
+
+/// The largest world from_env accepts.
+inline constexpr int kMaxWorldSize = 65536;
+
+/// An error every rank raises alike, after agreeing through the store (see
+/// RankContext::agree): one rank reporting it is enough (frag prints rank 0's).
+class RankAgreementError : public Error {
+ public:
+  using Error::Error;
+};
 
 /// How to meet the other ranks. Field names follow torchrun's variables.
 struct RendezvousOptions {
@@ -37,7 +48,8 @@ struct RendezvousOptions {
   std::string backend = "gloo";
 
   /// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a missing
-  /// variable keeps its default, a malformed one is an error.
+  /// variable keeps its default, a malformed or out-of-range one is an error
+  /// naming it (bytes that are not printable shown as \xNN).
   static RendezvousOptions from_env();
 };
 
@@ -45,7 +57,8 @@ struct RendezvousOptions {
 class RankContext {
  public:
   /// Meets the other ranks through a TCP store on master_addr:master_port
-  /// (rank 0 serves it) and connects every group. Fails within the timeout.
+  /// (rank 0 serves it) and connects every group. Fails within the timeout,
+  /// also where something accepts the connection but never answers.
   static std::shared_ptr<RankContext> connect(const RendezvousOptions& options);
   /// World size 1, no store, no peers.
   static std::shared_ptr<RankContext> single_rank();
@@ -63,8 +76,8 @@ class RankContext {
   /// failed locally can still report why.
   std::vector<std::string> exchange(const std::string& step, const std::string& value);
 
-  /// Every rank reports its local error ("" for none); throws frag::Error on
-  /// every rank if any rank failed, naming the ranks and their messages. Used
+  /// Every rank reports its local error ("" for none); throws RankAgreementError
+  /// on every rank if any rank failed, naming the ranks and their messages. Used
   /// before the first collective so that no rank enters one another skips.
   void agree(const std::string& step, const std::string& local_error);
 

@@ -5,6 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -39,6 +43,10 @@ ExportInfo read_export_info(const std::string& path, const torch::jit::Module& m
 }  // namespace
 
 RankModule load_rank_module(const std::string& path, const torch::Device& device) {
+  struct stat info {};
+  if (stat(path.c_str(), &info) != 0) fail("{}: cannot open file: {}", path, std::strerror(errno));
+  // Checked before opening: a FIFO or a device would block the open or the read forever.
+  if (!S_ISREG(info.st_mode)) fail("{}: the model file must be a regular file, but it is not (not opened)", path);
   if (!std::ifstream(path).good()) fail("{}: cannot open file", path);
   RankModule result;
   result.path = path;
@@ -75,9 +83,10 @@ RankModule load_and_check_rank_module(RankContext& context, const std::string& p
   context.agree("load", error);
   auto ids = context.exchange("export_id", result.info.export_id);
   for (size_t r = 0; r < ids.size(); ++r)
-    if (ids[r] != ids[0])
-      fail("rank files come from different exports: rank 0 has export {} but rank {} has export {}",
-           ids[0].empty() ? "(none)" : ids[0], r, ids[r].empty() ? "(none)" : ids[r]);
+    if (ids[r] != ids[0])  // every rank sees the same ids: the same error everywhere
+      throw RankAgreementError(
+          fmt::format("rank files come from different exports: rank 0 has export {} but rank {} has export {}",
+                      ids[0].empty() ? "(none)" : ids[0], r, ids[r].empty() ? "(none)" : ids[r]));
   return result;
 }
 

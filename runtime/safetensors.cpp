@@ -40,8 +40,7 @@ at::ScalarType dtype_of(const std::string& path, const std::string& name) {
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const TensorMap& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+std::string safetensors_bytes(const TensorMap& tensors, const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<torch::Tensor> data;
@@ -57,17 +56,24 @@ void write_safetensors(const std::string& path, const TensorMap& tensors,
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
+  std::string out;
+  out.reserve(8 + text.size() + offset);
+  uint64_t length = text.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>(static_cast<unsigned char>(length >> (8 * i))));
+  out += text;
+  for (const auto& t : data)
+    out.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+  return out;
+}
+
+void write_safetensors(const std::string& path, const TensorMap& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  const std::string bytes = safetensors_bytes(tensors, metadata);
   const std::string temporary = fmt::format("{}.tmp.{}", path, getpid());
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     if (!out) fail("cannot write {}: {}", temporary, std::strerror(errno));
-    uint64_t length = text.size();
-    unsigned char le[8];
-    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(length >> (8 * i));
-    out.write(reinterpret_cast<const char*>(le), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& t : data)
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     out.flush();
     if (!out) {
       std::remove(temporary.c_str());

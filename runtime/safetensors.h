@@ -18,6 +18,9 @@ namespace frag::runtime {
 /// Named tensors, sorted by name (the order they are written in).
 using TensorMap = std::map<std::string, torch::Tensor>;
 
+/// The bytes of a safetensors file holding `tensors` (moved to CPU, contiguous).
+std::string safetensors_bytes(const TensorMap& tensors, const std::map<std::string, std::string>& metadata = {});
+
 /// Writes `tensors` (moved to CPU, contiguous) to `path` atomically.
 void write_safetensors(const std::string& path, const TensorMap& tensors,
                        const std::map<std::string, std::string>& metadata = {});

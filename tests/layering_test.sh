@@ -10,14 +10,17 @@ set -uo pipefail
 root=${1:-$(cd "$(dirname "$0")/.." && pwd)}
 cd "$root" || exit 1
 status=0
+checks=0
+failures=0
 check() {
+  checks=$((checks + 1))
   local folder=$1 allowed=$2
   [ -d "$folder" ] || { echo "FAIL: no folder $folder under $root"; status=1; return; }
   local bad
   bad=$(grep -RnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"(ir|passes|runtime|program|tools)/' "$folder" \
         --include='*.h' --include='*.cpp' | grep -vE "#[[:space:]]*include[[:space:]]+\"($allowed)/")
   if [ -n "$bad" ]; then
-    echo "FAIL: $folder/ may include only $allowed/:"; echo "$bad"; status=1
+    echo "FAIL: $folder/ may include only $allowed/:"; echo "$bad"; status=1; failures=$((failures + 1))
   else
     echo "ok: $folder/ includes only $allowed/ ($(grep -RlE '#include' "$folder" --include='*.h' --include='*.cpp' | wc -l) files)"
   fi
@@ -33,7 +36,11 @@ echo '#include "passes/insert_fragment_ops.h"' > "$probe/runtime/bad.cpp"
 if (cd "$probe" && grep -RnE '#include "(passes|program)/' runtime >/dev/null); then
   echo "ok: a planted runtime -> passes include is seen"
 else
-  echo "FAIL: the include check does not see a planted violation"; status=1
+  echo "FAIL: the include check does not see a planted violation"; status=1; failures=$((failures + 1))
 fi
+checks=$((checks + 1))
 rm -rf "$probe"
+# GoogleTest's summary lines, which tools/summarize_tests.py counts.
+echo "[  PASSED  ] $((checks - failures)) tests."
+[ $failures -eq 0 ] || echo "[  FAILED  ] $failures tests, listed above"
 exit $status

@@ -4,7 +4,7 @@
     /usr/bin/python3 tools/export_model.py --model llama --tp 2 --out DIR [--kv-heads K] [--layers L]
                                            [--ep] [--seed S] [--dtype float32|bfloat16]
                                            [--hidden H] [--intermediate I] [--heads N] [--head-dim D]
-                                           [--vocab V] [--mlp gated|plain]
+                                           [--vocab V] [--vocab-padding P] [--mlp gated|plain]
 
 The size flags override the model config's defaults (tiny: hidden 64, 8 heads of
 8, intermediate 128, vocab 1000); without them the export is the tiny model. When
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
                    help="size of one attention head (default 8 for llama; hidden // heads when --hidden "
                         "or --heads is given)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1000)")
+    p.add_argument("--vocab-padding", type=int, default=None,
+                   help="llama: pad the vocabulary to a multiple of this (padding_size; default 64, vLLM's)")
     p.add_argument("--mlp", choices=list(LLAMA_MLP_KINDS), default=None,
                    help="llama only: the MLP, 'gated' (default: gate_up_proj, SiLU-and-mul, down_proj) or "
                         "'plain' (up_proj ColumnParallelLinear with gather_output=False, GELU, down_proj)")
@@ -74,10 +76,14 @@ def main(argv=None) -> int:
                 p.error("--ep applies to --model qwen2_moe only")
             if args.mlp is not None:
                 overrides["mlp"] = args.mlp
+            if args.vocab_padding is not None:
+                overrides["vocab_padding_size"] = args.vocab_padding
             build = llama_builder(LlamaConfig(**overrides))
         else:
             if args.mlp is not None:
                 p.error("--mlp applies to --model llama only")
+            if args.vocab_padding is not None:
+                p.error("--vocab-padding applies to --model llama only")
             build = qwen2_moe_builder(Qwen2MoeConfig(**overrides), enable_expert_parallel=args.ep)
         paths = export(build, args.tp, args.out, seed=args.seed)
     except (ValueError, NotImplementedError) as e:

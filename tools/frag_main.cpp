@@ -13,6 +13,7 @@
 #include "runtime/safetensors.h"
 #include "tools/fragment_commands.h"
 #include "tools/launcher.h"
+#include "tools/safe_files.h"
 #include "tools/text_tokenizer.h"
 #include "tools/token_ids.h"
 
@@ -26,6 +27,7 @@
 namespace {
 
 using frag::fail;
+using frag::tools::require_regular_file;
 
 struct RunArguments {
   std::vector<std::string> files;
@@ -39,6 +41,7 @@ struct RunArguments {
   std::string plan;
   std::string rules_file;
   int generate = 0;
+  bool force = false;
 };
 
 /// The file this rank runs: one per rank, or one pattern with "{rank}".
@@ -55,20 +58,76 @@ std::string file_for_rank(const RunArguments& args, int rank, int world) {
        args.files.size(), world);
 }
 
+/// Where the ids came from, for messages.
+std::string ids_source(const RunArguments& args) {
+  return args.prompts.empty() ? "--input " + args.input : "--prompt";
+}
+
+/// The files this rank reads, checked before anything opens them (a FIFO would block forever).
+void check_input_files(const RunArguments& args, const std::string& file) {
+  require_regular_file(file, "the model file");
+  if (!args.plan.empty()) require_regular_file(args.plan, "the plan (--plan)");
+  if (!args.rules_file.empty()) require_regular_file(args.rules_file, "the rules file (--rules)");
+}
+
+/// The files --out must not replace: the inputs.
+std::vector<std::string> run_inputs(const RunArguments& args, int world) {
+  std::vector<std::string> inputs;
+  for (int rank = 0; rank < world; ++rank) inputs.push_back(file_for_rank(args, rank, world));
+  for (const auto& extra : {args.input, args.plan, args.rules_file})
+    if (!extra.empty()) inputs.push_back(extra);
+  return inputs;
+}
+
+/// The vocabulary size from the model's VocabParallelEmbedding ("" and 0 when it has none).
+std::pair<std::string, int64_t> vocabulary_of(frag::program::ShardedModel& model) {
+  for (const auto& layer : model.table().layers) {
+    if (layer.kind != "VocabParallelEmbedding") continue;
+    for (const auto& named : model.module().named_modules())
+      if (named.name == layer.path && named.value.hasattr("org_vocab_size"))
+        return {layer.path, named.value.attr("org_vocab_size").toInt()};
+  }
+  return {"", 0};
+}
+
 int run_rank(const RunArguments& args) {
+  frag::tools::remove_temporaries_on_signals();
   auto options = frag::runtime::RendezvousOptions::from_env();
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
   options.backend = args.device == "cuda" ? "nccl" : "gloo";
   torch::Device device = args.device == "cuda" ? torch::Device(torch::kCUDA, options.local_rank)
                                                : torch::Device(torch::kCPU);
   const std::string file = file_for_rank(args, options.rank, options.world_size);
+  check_input_files(args, file);
   std::optional<frag::tools::TextTokenizer> tokenizer;
   if (!args.prompts.empty())
     tokenizer.emplace(args.tokenizer.empty() ? frag::tools::TextTokenizer::folder_beside(file) : args.tokenizer);
   auto ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::tools::read_token_ids(args.input)).to(device);
+  // Only rank 0 writes; its verdict on --out is shared below so that every rank stops alike.
+  std::string output_error;
+  frag::tools::OutputTarget output;
+  if (options.rank == 0 && !args.out.empty()) {
+    try {
+      output = frag::tools::check_output_target(args.out, run_inputs(args, options.world_size), args.force, "--out");
+    } catch (const frag::Error& e) {
+      output_error = e.what();
+    }
+  }
   auto context = frag::runtime::RankContext::connect(options);
   frag::runtime::set_process_rank_context(context);
+  context->agree("output", output_error);
+  // Different ids on different ranks would give wrong logits silently, or a
+  // collective of mismatched sizes: compare them before any collective.
+  if (auto error = frag::tools::compare_fingerprints(
+          context->exchange("input ids", frag::tools::ids_fingerprint(ids, ids_source(args))));
+      !error.empty())
+    throw frag::runtime::RankAgreementError(error);
   auto model = frag::program::ShardedModel::load(context, file, device, args.rules_file);
+  // An id past the vocabulary reads a padding row, or another rank's shard's, without an error at tp > 1.
+  // Every rank has the same ids (compared above) and export: each finds the same error, rank 0 reports it.
+  if (const auto [embedding, vocab] = vocabulary_of(model); vocab > 0)
+    if (auto error = frag::tools::check_ids_in_vocab(ids, vocab, ids_source(args), embedding); !error.empty())
+      throw frag::runtime::RankAgreementError(error);
   std::string plan_error;
   try {
     if (!args.plan.empty()) model.apply(frag::runtime::Plan::from_file(args.plan));
@@ -89,6 +148,10 @@ int run_rank(const RunArguments& args) {
   } else {
     outputs["logits"] = model.forward(ids);
   }
+  // A step for a visit that never came did nothing: say so (once; every rank saw the same forward).
+  if (context->rank() == 0)
+    for (const auto& line : model.unreached_visits())
+      std::cerr << fmt::format("frag run: warning: {}: {}\n", args.plan.empty() ? "plan" : args.plan, line);
   if (context->rank() == 0 && !args.out.empty()) {
     for (const auto& [name, tensors] : model.saved()) {
       if (tensors.size() == 1) {
@@ -97,7 +160,7 @@ int run_rank(const RunArguments& args) {
         for (size_t i = 0; i < tensors.size(); ++i) outputs[fmt::format("{}.{}", name, i)] = tensors[i];
       }
     }
-    frag::runtime::write_safetensors(args.out, outputs);
+    frag::tools::write_output(output, frag::runtime::safetensors_bytes(outputs));
   }
   return 0;
 }
@@ -106,8 +169,11 @@ int run_command(const RunArguments& args) {
   if (args.device != "cpu" && args.device != "cuda")
     fail("--device must be cpu or cuda, got '{}'", args.device);
   if (args.world > 0 && std::getenv("FRAG_LAUNCHED") == nullptr) {
-    // Local launch: this process only starts and watches the ranks. Prompts are tokenized here once first,
-    // so a tokenizer problem is reported once, not by every rank.
+    // Local launch: this process only starts and watches the ranks. What every rank would check alike is
+    // checked here once first (files, ids, prompts, --out), so that a problem is reported once.
+    for (int rank = 0; rank < args.world; ++rank) check_input_files(args, file_for_rank(args, rank, args.world));
+    if (!args.input.empty()) frag::tools::read_token_ids(args.input);
+    if (!args.out.empty()) frag::tools::check_output_target(args.out, run_inputs(args, args.world), args.force, "--out");
     if (!args.prompts.empty())
       frag::tools::TextTokenizer(args.tokenizer.empty()
                                      ? frag::tools::TextTokenizer::folder_beside(file_for_rank(args, 0, args.world))
@@ -123,6 +189,7 @@ int run_command(const RunArguments& args) {
     if (!args.plan.empty()) child.insert(child.end(), {"--plan", args.plan});
     if (!args.rules_file.empty()) child.insert(child.end(), {"--rules", args.rules_file});
     if (args.generate > 0) child.insert(child.end(), {"--generate", std::to_string(args.generate)});
+    if (args.force) child.push_back("--force");
     setenv("FRAG_LAUNCHED", "1", 1);
     return frag::tools::launch_local_ranks(
         args.world, child, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
@@ -134,6 +201,8 @@ std::string rank_prefix() {
   const char* rank = std::getenv("RANK");
   const char* world = std::getenv("WORLD_SIZE");
   if (rank == nullptr || world == nullptr || std::string(world) == "1") return "";
+  // A malformed RANK is reported by itself; it is not repeated as a prefix.
+  if (*rank == '\0' || std::string(rank).find_first_not_of("0123456789") != std::string::npos) return "";
   return fmt::format("rank {}: ", rank);
 }
 
@@ -159,7 +228,11 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--tokenizer", run.tokenizer,
                       "Tokenizer folder (tokenizer.json) for --prompt; default: 'tokenizer' beside the rank files")
       ->needs(prompt_opt);
-  run_cmd->add_option("--out", run.out, "Write rank 0's logits here (safetensors, tensor 'logits')");
+  run_cmd->add_option("--out", run.out,
+                      "Write rank 0's logits here (safetensors, tensor 'logits'; 'tokens' with --generate) and "
+                      "every saved tensor, whole; written atomically");
+  run_cmd->add_flag("--force", run.force,
+                    "Let --out write through a symbolic link, into a device node, or over an input file");
   run_cmd->add_option("--world", run.world, "Start this many local ranks (processes)")
       ->check(CLI::Range(1, 1024));
   run_cmd->add_option("--timeout", run.timeout_s,
@@ -189,6 +262,8 @@ int main(int argc, char** argv) {
   rewrite_cmd->add_option("-o,--output", rewrite.output, "Output file (one input) or existing folder")
       ->required();
   rewrite_cmd->add_option("--rules", rewrite.rules_file, "JSON file declaring more classes as known layers");
+  rewrite_cmd->add_flag("--force", rewrite.force,
+                        "Let -o write through a symbolic link, into a device node, or over its own input");
 
   try {
     app.parse(argc, argv);
@@ -201,6 +276,11 @@ int main(int argc, char** argv) {
     if (run_cmd->parsed()) return run_command(run);
     if (inspect_cmd->parsed()) return frag::tools::inspect_command(inspect);
     if (rewrite_cmd->parsed()) return frag::tools::rewrite_command(rewrite);
+  } catch (const frag::runtime::RankAgreementError& e) {
+    // Every rank raised it alike: rank 0 reports it, the others only exit.
+    if (rank_prefix().empty() || std::string(std::getenv("RANK")) == "0")
+      std::cerr << "frag: " << rank_prefix() << "error: " << e.what() << "\n";
+    return 1;
   } catch (const frag::Error& e) {
     std::cerr << "frag: " << rank_prefix() << "error: " << e.what() << "\n";
     return 1;

@@ -4,7 +4,8 @@
 // depend on the rank, so the tables must agree) and then report (inspect) or
 // save (rewrite). A rewrite is saved to a temporary file beside the target and
 // renamed into place, so a failure never leaves a half-written file; with
-// several inputs nothing is moved into place until every file was rewritten.
+// several inputs nothing is moved into place until every file was rewritten
+// (tools/safe_files.h: temporaries, signals, targets that are links or devices).
 //
 //===----------------------------------------------------------------------===//
 #include "tools/fragment_commands.h"
@@ -13,22 +14,26 @@
 #include "passes/insert_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/rank_module.h"
+#include "tools/safe_files.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <memory>
+#include <sstream>
 
 namespace frag::tools {
 namespace {
 
 passes::LayerAliases load_aliases(const std::string& rules_file) {
-  return rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
+  if (rules_file.empty()) return {};
+  require_regular_file(rules_file, "the rules file (--rules)");
+  return passes::LayerAliases::from_file(rules_file);
 }
 
 /// One fragmented location, flattened for reports.
@@ -60,8 +65,15 @@ void check_one_export(const std::vector<std::string>& files, const std::vector<s
       fail("{} and {} come from different exports ({} vs {})", files[0], files[r], export_ids[0], export_ids[r]);
 }
 
+/// Regular files (a FIFO would block forever), each given once (one file twice is not two ranks).
+void check_rank_files(const std::vector<std::string>& files) {
+  for (const auto& file : files) require_regular_file(file, "the model file");
+  require_distinct_files(files, "the rank files");
+}
+
 std::vector<ir::FragmentTable> analyze_files(const std::vector<std::string>& files,
                                              const passes::LayerAliases& aliases) {
+  check_rank_files(files);
   std::vector<ir::FragmentTable> tables;
   std::vector<std::string> export_ids;
   for (const auto& file : files) {
@@ -75,10 +87,6 @@ std::vector<ir::FragmentTable> analyze_files(const std::vector<std::string>& fil
   passes::check_tables_agree(files, tables);
   check_one_export(files, export_ids);
   return tables;
-}
-
-std::string temporary_beside(const std::string& path) {
-  return fmt::format("{}.tmp.{}", path, getpid());
 }
 
 }  // namespace
@@ -149,52 +157,64 @@ int inspect_command(const InspectArguments& args) {
 }
 
 int rewrite_command(const RewriteArguments& args) {
+  remove_temporaries_on_signals();
+  check_rank_files(args.files);
   const auto aliases = load_aliases(args.rules_file);
-  std::vector<std::string> targets;
-  if (args.files.size() == 1 && !std::filesystem::is_directory(args.output)) {
+  std::vector<std::string> paths;
+  std::error_code ignored;  // a path that cannot be examined is not a folder; check_output_target says why
+  if (args.files.size() == 1 && !std::filesystem::is_directory(args.output, ignored)) {
     auto parent = std::filesystem::path(args.output).parent_path();
     if (!parent.empty() && !std::filesystem::is_directory(parent))
       fail("-o {}: the folder {} does not exist", args.output, parent.string());
-    targets.push_back(args.output);
+    paths.push_back(args.output);
   } else {
     if (!std::filesystem::is_directory(args.output))
       fail("-o {}: with {} input files, -o must be an existing folder", args.output, args.files.size());
     for (const auto& file : args.files)
-      targets.push_back((std::filesystem::path(args.output) / std::filesystem::path(file).filename()).string());
-    std::vector<std::string> sorted = targets;
+      paths.push_back((std::filesystem::path(args.output) / std::filesystem::path(file).filename()).string());
+    std::vector<std::string> sorted = paths;
     std::sort(sorted.begin(), sorted.end());
     if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
       fail("-o {}: two input files have the same name; rewrite them into separate folders", args.output);
   }
-  std::vector<std::string> temporaries;
+  // Before any work: a link, a device or an input as the target is refused unless forced.
+  std::vector<OutputTarget> targets;
+  for (const auto& path : paths) targets.push_back(check_output_target(path, args.files, args.force, "-o"));
+  // Regular targets are written to temporaries (removed on failure and on signals) and renamed into place
+  // once every file is written; devices are written in place, before any rename.
+  std::vector<std::unique_ptr<TemporaryFile>> temporaries;
+  std::vector<std::string> direct_bytes(targets.size());
   std::vector<ir::FragmentTable> tables;
   std::vector<std::string> export_ids;
-  try {
-    for (size_t i = 0; i < args.files.size(); ++i) {
-      const auto& file = args.files[i];
-      auto rank = runtime::load_rank_module(file);
-      if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
-        fail("{}: already rewritten by frag rewrite; give the original export", file);
-      export_ids.push_back(rank.info.export_id);
-      auto table = passes::rewrite_for_fragments(rank.module, aliases, file);
-      tables.push_back(table);
-      const std::vector<std::string> so_far(args.files.begin(), args.files.begin() + i + 1);
-      passes::check_tables_agree(so_far, tables);
-      check_one_export(so_far, export_ids);
-      torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
-      extra[runtime::kRuleTableFile] = ir::to_json(table).dump(1);
-      temporaries.push_back(temporary_beside(targets[i]));
-      rank.module.save(temporaries.back(), extra);
+  for (size_t i = 0; i < args.files.size(); ++i) {
+    const auto& file = args.files[i];
+    auto rank = runtime::load_rank_module(file);
+    if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
+      fail("{}: already rewritten by frag rewrite; give the original export", file);
+    export_ids.push_back(rank.info.export_id);
+    auto table = passes::rewrite_for_fragments(rank.module, aliases, file);
+    tables.push_back(table);
+    const std::vector<std::string> so_far(args.files.begin(), args.files.begin() + i + 1);
+    passes::check_tables_agree(so_far, tables);
+    check_one_export(so_far, export_ids);
+    torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
+    extra[runtime::kRuleTableFile] = ir::to_json(table).dump(1);
+    // Serialized in memory, then written with every write checked: the archive writer aborts the process
+    // when its file fails mid-write (a full disk).
+    std::ostringstream archive;
+    rank.module.save(archive, extra);
+    if (targets[i].direct) {
+      direct_bytes[i] = archive.str();
+    } else {
+      temporaries.push_back(std::make_unique<TemporaryFile>(targets[i].path));
+      temporaries.back()->write(archive.str());
     }
-  } catch (...) {
-    for (const auto& t : temporaries) std::remove(t.c_str());
-    throw;
   }
   for (size_t i = 0; i < targets.size(); ++i)
-    if (std::rename(temporaries[i].c_str(), targets[i].c_str()) != 0)
-      fail("cannot move {} into place as {}", temporaries[i], targets[i]);
+    if (targets[i].direct) write_file(targets[i].path, direct_bytes[i]);
+  for (auto& temporary : temporaries) temporary->commit();
   for (size_t i = 0; i < targets.size(); ++i)
-    std::cout << args.files[i] << " -> " << targets[i] << "\n";
+    std::cout << args.files[i] << " -> " << targets[i].path << "\n";
   return 0;
 }
 

@@ -21,6 +21,7 @@ struct RewriteArguments {
   std::vector<std::string> files;
   std::string output;  ///< a file for one input, a folder for several
   std::string rules_file;
+  bool force = false;  ///< write through a symbolic link, into a device, or over an input
 };
 
 /// The inspect report of one export (all rank files agree; the first is shown).

@@ -40,7 +40,7 @@ declare -A sources=(
   [plan]="runtime/plan.cpp runtime/safetensors.cpp ir/json_file.cpp"
   [rules]="passes/classify_parallel_layers.cpp ir/fragment_rule.cpp ir/fragment_table.cpp ir/json_file.cpp"
   [safetensors]="runtime/safetensors.cpp"
-  [token_ids]="tools/token_ids.cpp"
+  [token_ids]="tools/token_ids.cpp tools/safe_files.cpp"
   [archive]="runtime/rank_module.cpp runtime/rank_context.cpp runtime/communicator.cpp runtime/gloo_communicator.cpp ir/fragment_rule.cpp"
 )
 targets=(plan rules safetensors token_ids archive)
@@ -59,6 +59,7 @@ done
 
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1  # LibTorch keeps process-lifetime caches
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+passed=0
 for t in "${targets[@]}"; do
   work="$out/corpus/$t"; mkdir -p "$work" "$out/crashes/$t"
   limit=(-max_total_time="$seconds"); [ "$mode" = runs ] && limit=(-runs="$runs")
@@ -69,10 +70,14 @@ for t in "${targets[@]}"; do
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     secs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
     echo "fuzz: $t clean: ${execs:-?} executions (${secs:-?}/s), corpus $(ls "$work" | wc -l) inputs"
+    passed=$((passed + 1))
   else
     echo "fuzz: $t FAILED (log $log, inputs in $out/crashes/$t):"; grep -E "ERROR|SUMMARY|terminate|what\(\)" "$log" | head -5
     status=1
   fi
 done
 [ $status -eq 0 ] && echo "fuzz: ${#targets[@]} targets clean"
+# GoogleTest's summary lines, which tools/summarize_tests.py counts (one test per target).
+echo "[  PASSED  ] $passed tests."
+[ $passed -eq ${#targets[@]} ] || echo "[  FAILED  ] $((${#targets[@]} - passed)) tests, fuzz targets"
 exit $status

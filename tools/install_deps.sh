@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
-  bazel-bootstrap cmake ninja-build g++ git python3 python3-venv
+  bazel-bootstrap cmake ninja-build g++ clang git python3 python3-venv
   libgloo-dev libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev googletest
 )
 missing=()

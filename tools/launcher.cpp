@@ -6,15 +6,40 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <thread>
 
 namespace frag::tools {
+namespace {
+
+/// The running ranks, for the signal handler (plain memory only).
+constexpr int kMaxRanks = 1024;
+std::atomic<pid_t> rank_pids[kMaxRanks];
+std::atomic<int> received_signal{0};
+
+/// A signal to the launcher goes to every rank, so that each removes its
+/// temporaries and dies; the launcher dies of it once they are gone.
+void forward_to_ranks(int signal_number) {
+  received_signal.store(signal_number);
+  for (auto& pid : rank_pids)
+    if (pid_t p = pid.load(); p > 0) kill(p, signal_number);
+}
+
+void forward_signals_to_ranks() {
+  struct sigaction action {};
+  action.sa_handler = forward_to_ranks;
+  sigemptyset(&action.sa_mask);
+  for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) sigaction(signal_number, &action, nullptr);
+}
+
+}  // namespace
 
 int find_free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -35,12 +60,19 @@ int find_free_port() {
 
 int launch_local_ranks(int world, const std::vector<std::string>& arguments,
                        std::chrono::milliseconds timeout) {
+  if (world > kMaxRanks) fail("--world {}: at most {} local ranks", world, kMaxRanks);
   const int port = find_free_port();
+  const pid_t launcher = getpid();
+  forward_signals_to_ranks();
   std::vector<pid_t> children;
   for (int rank = 0; rank < world; ++rank) {
     pid_t pid = fork();
     if (pid < 0) fail("cannot start rank {}: {}", rank, std::strerror(errno));
     if (pid == 0) {
+      // A rank dies with its launcher (even of SIGKILL), never writing --out as an orphan.
+      for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) signal(signal_number, SIG_DFL);
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != launcher) _exit(128 + SIGTERM);  // the launcher died before prctl
       setenv("RANK", std::to_string(rank).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
@@ -58,6 +90,7 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
       _exit(127);
     }
     children.push_back(pid);
+    rank_pids[rank].store(pid);
   }
   int first_failure = 0;
   size_t running = children.size();
@@ -66,6 +99,8 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
+      for (auto& slot : rank_pids)
+        if (slot.load() == pid) slot.store(0);
       --running;
       int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       if (code != 0 && first_failure == 0) {
@@ -81,6 +116,10 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
       deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (int signal_number = received_signal.load(); signal_number != 0) {
+    signal(signal_number, SIG_DFL);
+    raise(signal_number);
   }
   return first_failure;
 }

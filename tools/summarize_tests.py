@@ -4,6 +4,8 @@
 GoogleTest logs end with "[  PASSED  ] N tests." / "[  FAILED  ] N tests," / "[  SKIPPED ] N tests,";
 unittest logs with "Ran N tests" and "FAILED (failures=F, errors=E, skipped=S)" or "OK (skipped=S)".
 A target whose log has neither (it did not build, crashed or timed out) counts as one failure.
+Shell tests print GoogleTest's summary lines themselves. `--log FILE` adds a log written outside Bazel
+(tools/fuzz.sh's), counted the same way.
 """
 import pathlib
 import re
@@ -30,8 +32,14 @@ def count(log: str):
 
 
 def main() -> int:
-    root = pathlib.Path(sys.argv[1])
-    expected = set(sys.argv[2:])  # labels that must have a log
+    args = sys.argv[1:]
+    extra_logs = []
+    while "--log" in args:
+        i = args.index("--log")
+        extra_logs.append(pathlib.Path(args[i + 1]))
+        del args[i:i + 2]
+    root = pathlib.Path(args[0])
+    expected = set(args[1:])  # labels that must have a log
     totals = [0, 0, 0]
     seen = set()
     for log_path in sorted(root.rglob("test.log")):
@@ -40,6 +48,12 @@ def main() -> int:
         found, p, f, s = count(log_path.read_text(errors="replace"))
         if not found:
             print("summarize: %s: no test results in its log; counted as 1 failure" % label)
+            f = 1
+        totals[0] += p; totals[1] += f; totals[2] += s
+    for log_path in extra_logs:
+        found, p, f, s = count(log_path.read_text(errors="replace")) if log_path.exists() else (False, 0, 0, 0)
+        if not found:
+            print("summarize: %s: no test results in it; counted as 1 failure" % log_path)
             f = 1
         totals[0] += p; totals[1] += f; totals[2] += s
     for label in sorted(expected - seen):

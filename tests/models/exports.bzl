@@ -1,7 +1,7 @@
 """Exports reference models with the Python kit at build time (genrules)."""
 
 def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dtype = None, seed = None,
-                 mlp = None):
+                 mlp = None, vocab_padding = None):
     """Writes <name>/rank{r}.pt for r < tp by running tools/export_model.py."""
     flags = "--model %s --tp %d" % (model, tp)
     if kv_heads:
@@ -16,6 +16,8 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
         flags += " --dtype %s" % dtype
     if mlp:
         flags += " --mlp %s" % mlp
+    if vocab_padding:
+        flags += " --vocab-padding %d" % vocab_padding
     native.genrule(
         name = name,
         srcs = ["//tools:fragkit"],

@@ -455,6 +455,18 @@ TEST(Inspect, Llama2RankLocalActFnComesFromGateUp) {
   EXPECT_EQ(whole.count("model.layers.0.mlp.act_fn.output"), 0u);
 }
 
+TEST(Inspect, AVocabPaddedTo192IsShardedAsTheLmHeadRecordsIt) {
+  // padding_size 192 at tp 3: 1000 -> 1152 = 3 x 384 (vLLM's default 64 would give 1024, not divisible by 3).
+  // The LogitsProcessor records no padding; its input is the LM head's output, padded as the head says.
+  const auto files = model_files("llama_pad192_tp3");
+  auto text = inspect_text(files);
+  EXPECT_EQ(text.tp_size, 3);
+  const TextRow head{"ParallelLMHead", "vocab shard, org 1000, padded 1152", "[..., 1000]", "tp (3 ranks)"};
+  const TextRow processor{"LogitsProcessor", "vocab shard, org 1000, padded 1152", "[..., 1000]", "tp (3 ranks)"};
+  EXPECT_EQ(text.fragmented["lm_head.output"], head);
+  EXPECT_EQ(text.fragmented["logits_processor.input"], processor);
+}
+
 TEST(Inspect, PlainColumnOutputIsALastDimShardOfTheWholeIntermediate) {
   // llama with the plain MLP at tp 2: up_proj.output is one rank's [..., 64] block of the
   // whole [..., 128] activation, rank r holding columns [r*64, (r+1)*64).

@@ -66,7 +66,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Equivalence{"llama_tp1", "llama_tp2"}, Equivalence{"llama_tp1", "llama_tp4"},
                       Equivalence{"llama_kv2_tp1", "llama_kv2_tp4"},
                       Equivalence{"moe_tp1", "moe_tp2"}, Equivalence{"moe_tp1", "moe_tp4"},
-                      Equivalence{"moe_tp1", "moe_ep_tp2"}),
+                      Equivalence{"moe_tp1", "moe_ep_tp2"},
+                      // Vocabulary padded to 192 (1152 = 3 × 384), not vLLM's default 64.
+                      Equivalence{"llama_pad192_tp1", "llama_pad192_tp3"}),
     [](const auto& info) { return std::string(info.param.sharded); });
 
 /// Runs frag and expects a one-line error containing `expected` and no output file.
@@ -124,6 +126,24 @@ TEST(RunBadInput, AWorldSizeThatDoesNotMatchTpSize) {
 TEST(RunBadInput, WrongNumberOfRankFiles) {
   auto files = model_files("llama_tp2");
   expect_failure({"--world", "3", files[0], files[1]}, "got 2 rank file(s) for a world of 3 ranks");
+}
+
+TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  write_text(folder + "/plan.json",
+             R"({"interventions": [{"at": "model.layers.1.output", "do": "save", "as": "late", "visit": 4}]})");
+  auto files = model_files("llama_tp2");
+  auto result = run_command({frag_binary(), "run", "--world", "2", files[0], files[1], "--input", ids_file(folder),
+                             "--plan", folder + "/plan.json", "--out", folder + "/out.safetensors", "--timeout", "60"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  const std::string warning = "warning: " + folder +
+                              "/plan.json: visit 4 at model.layers.1.output was never reached: the last forward "
+                              "visited it 1 time";
+  const auto first = result.output.find(warning);
+  EXPECT_NE(first, std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find(warning, first + 1), std::string::npos) << "printed more than once: " << result.output;
+  EXPECT_EQ(runtime::read_safetensors(folder + "/out.safetensors").count("late"), 0u);
 }
 
 TEST(RunBadInput, MalformedTokenIds) {

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .distributed import tensor_model_parallel_all_reduce
-from .layers import (
+from .layers import (DEFAULT_VOCAB_PADDING_SIZE, 
     ColumnParallelLinear,
     FusedMoE,
     LogitsProcessor,
@@ -51,6 +51,8 @@ class LlamaConfig:
     # "gated": gate_up_proj (MergedColumnParallelLinear) -> SiLU-and-mul -> down_proj (Llama's MLP).
     # "plain": up_proj (ColumnParallelLinear, gather_output=False) -> GELU -> down_proj (GPT-NeoX / GPT-2 style).
     mlp: str = "gated"
+    # The embedding's and LM head's padding_size: the vocabulary is padded to a multiple of it (vLLM's default 64).
+    vocab_padding_size: int = 64
 
 
 LLAMA_MLP_KINDS = ("gated", "plain")
@@ -388,6 +390,11 @@ class LlamaDecoderLayer(nn.Module):
         return residual + hidden_states
 
 
+def _vocab_padding(config) -> int:
+    """The config's vocab padding_size; configs without the field pad as vLLM does by default."""
+    return int(getattr(config, "vocab_padding_size", DEFAULT_VOCAB_PADDING_SIZE))
+
+
 class LlamaModel(nn.Module):
     vocab_size: int
 
@@ -395,6 +402,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.vocab_size = config.vocab_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=config.dtype,
+                                                   padding_size=_vocab_padding(config),
                                                    prefix=prefix + ".embed_tokens", tp_rank=tp_rank, tp_size=tp_size)
         self.layers = nn.ModuleList([layer_cls(config, tp_rank, tp_size, prefix="%s.layers.%d" % (prefix, i))
                                      for i in range(config.num_hidden_layers)])
@@ -416,7 +424,8 @@ class _CausalLMBase(nn.Module):
         self.tp_size = int(tp_size)
         self.tp_rank = int(tp_rank)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=config.dtype,
-                                      org_num_embeddings=config.vocab_size, prefix="lm_head",
+                                      org_num_embeddings=config.vocab_size, padding_size=_vocab_padding(config),
+                                      prefix="lm_head",
                                       tp_rank=tp_rank, tp_size=tp_size)
         self.logits_processor = LogitsProcessor(config.vocab_size, config.vocab_size, tp_rank=tp_rank,
                                                 tp_size=tp_size)
