@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <fstream>
 #include <vector>
 
@@ -117,12 +118,20 @@ TensorMap read_safetensors(const std::string& path) {
       auto type = dtype_of(path, entry.at("dtype").get<std::string>());
       auto shape = entry.at("shape").get<std::vector<int64_t>>();
       auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
-      auto tensor = torch::empty(shape, torch::TensorOptions().dtype(type));
-      const uint64_t bytes = tensor.numel() * tensor.element_size();
+      // The size from the header is checked before anything is allocated: a hostile or corrupt shape
+      // (negative, or overflowing) is an error, not an allocation.
+      uint64_t bytes = c10::elementSize(type);
+      for (const int64_t dim : shape) {
+        if (dim < 0) fail("{}: tensor '{}' has a negative dimension {} in its shape", path, name, dim);
+        if (dim != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(dim))
+          fail("{}: tensor '{}' has a shape whose size overflows", path, name);
+        bytes *= static_cast<uint64_t>(dim);
+      }
       if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] > data_size ||
           offsets[1] - offsets[0] != bytes)
         fail("{}: tensor '{}' has data offsets that do not fit its shape or the file", path, name);
-      std::memcpy(tensor.data_ptr(), data.data() + offsets[0], bytes);
+      auto tensor = torch::empty(shape, torch::TensorOptions().dtype(type));
+      if (bytes > 0) std::memcpy(tensor.data_ptr(), data.data() + offsets[0], bytes);
       tensors[name] = tensor;
     } catch (const nlohmann::json::exception& e) {
       fail("{}: tensor '{}' has a malformed entry: {}", path, name, e.what());

@@ -20,7 +20,7 @@ esac
 
 torch_dir=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 out=build/fuzz; mkdir -p "$out/obj"
-flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -D_GLIBCXX_USE_CXX11_ABI=1 -DFMT_HEADER_ONLY -DFRAG_WITH_GLOO
+flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -D_GLIBCXX_USE_CXX11_ABI=1 -DFMT_HEADER_ONLY
        -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-sanitize=vptr
        -I. -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include")
 libs=(-L"$torch_dir/lib" -Wl,-rpath,"$torch_dir/lib" -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10 -Wl,--as-needed

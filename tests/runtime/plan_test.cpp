@@ -81,5 +81,38 @@ TEST(Plan, RanksCompareValuesByTheirBytesNotTheirPaths) {
   EXPECT_NE(a, parse(steps, two).steps.at(0).describe()) << "same bytes, other shape: another step";
 }
 
+/// A safetensors file with the given header and `data` bytes after it.
+std::string safetensors_with_header(const std::string& header, size_t data = 0) {
+  const std::string path = testing::temporary_folder() + "/x.safetensors";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  testing::write_text(path, bytes + header + std::string(data, '\0'));
+  return path;
+}
+
+std::string read_error(const std::string& path) {
+  try {
+    read_safetensors(path);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(Safetensors, HostileShapesAreErrorsNotAllocations) {
+  // Found by tests/fuzz/safetensors_fuzzer: shapes were allocated before they were checked.
+  EXPECT_THAT(read_error(safetensors_with_header(R"({"v":{"dtype":"F32","shape":[-4],"data_offsets":[0,0]}})")),
+              HasSubstr("tensor 'v' has a negative dimension -4"));
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,0]}})")),
+              HasSubstr("tensor 'v' has a shape whose size overflows"));
+  EXPECT_THAT(read_error(safetensors_with_header(R"({"v":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,16]}})", 16)),
+              HasSubstr("data offsets that do not fit"));
+  // An empty tensor is fine.
+  const auto empty = read_safetensors(safetensors_with_header(R"({"e":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})"));
+  ASSERT_EQ(empty.count("e"), 1u);
+  EXPECT_EQ(empty.at("e").numel(), 0);
+}
+
 }  // namespace
 }  // namespace frag::runtime
