@@ -45,6 +45,20 @@ bool any_fragment_op(const Block* block) {
   return false;
 }
 
+/// Clears the debug names of a callee body's values before it is copied into
+/// the root graph once per call site. With names, every copy collides with
+/// the last: Value::setDebugName renames the earlier owner ("x.1", "x.2",
+/// ...), and LibTorch's code printer (Module::save) probes candidate after
+/// candidate for a free name (PythonPrintImpl::genNameImpl), which made
+/// saving superlinear in the number of layers.
+void clear_debug_names(Block* block) {
+  for (Value* input : block->inputs()) input->setDebugName("");
+  for (Node* node : block->nodes()) {
+    for (Value* output : node->outputs()) output->setDebugName("");
+    for (Block* inner : node->blocks()) clear_debug_names(inner);
+  }
+}
+
 std::string join_path(const std::string& parent, const std::string& name) {
   return parent.empty() ? name : parent + "." + name;
 }
@@ -163,7 +177,11 @@ class FragmentOpInserter {
       emit_node(call, destination, env);
       return;
     }
-    auto body = function->graph();
+    auto& body = function_bodies_[function];
+    if (!body) {  // a copy without debug names (see clear_debug_names), once per function
+      body = function->graph()->copy();
+      clear_debug_names(body->block());
+    }
     Env inner;
     for (size_t i = 0; i < body->inputs().size(); ++i) inner[body->inputs()[i]] = lookup(env, call->input(i + 1));
     emit_block(body->block(), destination, inner);
@@ -238,6 +256,7 @@ class FragmentOpInserter {
     }
     torch::jit::ConstantPropagation(body);
     torch::jit::EliminateDeadCode(body);
+    clear_debug_names(body->block());
     specialized_.emplace(key, body);
     return body;
   }
@@ -307,6 +326,8 @@ class FragmentOpInserter {
   std::unordered_map<std::string, const ir::FragmentRule*> rules_;
   /// Specialized callee bodies (see specialize).
   std::unordered_map<std::string, std::shared_ptr<Graph>> specialized_;
+  /// Free functions' bodies without debug names (see emit_function).
+  std::unordered_map<const torch::jit::GraphFunction*, std::shared_ptr<Graph>> function_bodies_;
   /// Rank-local values and the fragmented location each derives from.
   std::unordered_map<Value*, std::string> derived_from_;
 };
