@@ -61,6 +61,13 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
+/// CPU time of this thread in ms: what other jobs on a shared machine cannot inflate by preemption.
+double thread_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
 struct Stats {
   std::vector<double> samples;
   void add(double ms) { samples.push_back(ms); }
@@ -110,7 +117,7 @@ struct Result {
   std::string file;
   int64_t layers = 0;  ///< decoder layers (model.layers.N)
   size_t parallel_layers = 0, fragmented = 0;
-  Stats load, rewrite, classify, insert, freeze, save, save_original;
+  Stats load, rewrite, rewrite_cpu, classify, insert, freeze, save, save_original;
   size_t nodes_before = 0, nodes_rewritten = 0, nodes_frozen = 0, blocks_rewritten = 0;
   uintmax_t bytes = 0;
 };
@@ -151,8 +158,10 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
 
     // The headline number: the whole pipeline on a fresh load.
     start = Clock::now();
+    const double cpu = thread_cpu_ms();
     table = frag::passes::rewrite_for_fragments(module, aliases, path);
     r.rewrite.add(ms_since(start));
+    r.rewrite_cpu.add(thread_cpu_ms() - cpu);
     r.nodes_rewritten = forward_nodes(module);
     r.blocks_rewritten = forward_blocks(module);
     rewritten = module;
@@ -243,14 +252,16 @@ int main(int argc, char** argv) {
     }
     std::vector<torch::jit::Module> modules;
     for (int i = 0; i < profile_rewrite; ++i) modules.push_back(load(files[0]));
-    Stats stats;
+    Stats stats, cpu;
     for (auto& module : modules) {
       auto start = Clock::now();
+      const double cpu_start = thread_cpu_ms();
       frag::passes::rewrite_for_fragments(module, aliases, files[0]);
       stats.add(ms_since(start));
+      cpu.add(thread_cpu_ms() - cpu_start);
     }
-    std::cout << fmt::format("{}: rewrite median {:.1f} ms, min {:.1f} ms over {} runs\n", files[0],
-                             stats.median(), stats.min(), profile_rewrite);
+    std::cout << fmt::format("{}: rewrite median {:.1f} ms, min {:.1f} ms, thread cpu median {:.1f} ms over {} runs\n",
+                             files[0], stats.median(), stats.min(), cpu.median(), profile_rewrite);
     return 0;
   }
   if (files.empty())
@@ -281,21 +292,21 @@ int main(int argc, char** argv) {
   std::cout << fmt::format("rewrite benchmark: {} reps per file (median / min in ms), LibTorch {}, "
                            "{} intra-op thread(s)\n\n",
                            reps, TORCH_VERSION, torch::get_num_threads());
-  std::cout << fmt::format("{:>6} {:>8} {:>6} {:>6}  {:>8}  {:>17}  {:>8} {:>8}  {:>8}  {:>7}  {:>9} {:>9} {:>6}  "
+  std::cout << fmt::format("{:>6} {:>8} {:>6} {:>6}  {:>8}  {:>17} {:>6}  {:>8} {:>8}  {:>8}  {:>7}  {:>9} {:>9} {:>6}  "
                            "{:>7} {:>9} {:>7} {:>7}\n",
-                           "layers", "file MB", "par", "frag", "load", "rewrite med/min", "classify",
+                           "layers", "file MB", "par", "frag", "load", "rewrite med/min", "cpu", "classify",
                            "insert", "freeze", "rw/frz", "save orig", "save rw", "sv/so", "nodes", "rewritten",
                            "blocks", "frozen");
   for (const auto& r : results)
-    std::cout << fmt::format("{:>6} {:>8.1f} {:>6} {:>6}  {:>8.1f}  {:>8.1f} /{:>7.1f}  {:>8.1f} {:>8.1f}  "
+    std::cout << fmt::format("{:>6} {:>8.1f} {:>6} {:>6}  {:>8.1f}  {:>8.1f} /{:>7.1f} {:>6.1f}  {:>8.1f} {:>8.1f}  "
                              "{:>8.1f}  {:>7.2f}  {:>9.1f} {:>9.1f} {:>6.2f}  {:>7} {:>9} {:>7} {:>7}\n",
                              r.layers, r.bytes / 1e6, r.parallel_layers, r.fragmented, r.load.median(),
-                             r.rewrite.median(), r.rewrite.min(), r.classify.median(), r.insert.median(),
+                             r.rewrite.median(), r.rewrite.min(), r.rewrite_cpu.median(), r.classify.median(), r.insert.median(),
                              r.freeze.median(), r.rewrite.median() / r.freeze.median(), r.save_original.median(),
                              r.save.median(), r.save.median() / r.save_original.median(), r.nodes_before,
                              r.nodes_rewritten, r.blocks_rewritten, r.nodes_frozen);
   std::cout << "\n(par = parallel layers, frag = fragmented locations; classify + insert = rewrite; "
-               "rw/frz = rewrite median / freeze_module median, same run; save orig / save rw = Module::save "
+               "cpu = median thread CPU time of the rewrite; rw/frz = rewrite median / freeze_module median, same run; save orig / save rw = Module::save "
                "of the original / rewritten module, interleaved; sv/so = their ratio; nodes = root forward "
                "graph before the rewrite, rewritten = after it, nested blocks included; blocks = blocks in the "
                "rewritten graph; frozen = nodes after freeze_module)\n";
@@ -324,8 +335,9 @@ int main(int argc, char** argv) {
   }
   std::cout << "\n";
   if (l80)
-    std::cout << fmt::format("target: rewrite of 80 layers <= 20 ms: {} ({:.1f} ms median)\n",
-                             l80->rewrite.median() <= 20 ? "MET" : "NOT MET", l80->rewrite.median());
+    std::cout << fmt::format("target: rewrite of 80 layers <= 20 ms: {} ({:.1f} ms median wall, {:.1f} ms thread cpu)\n",
+                             l80->rewrite.median() <= 20 ? "MET" : "NOT MET", l80->rewrite.median(),
+                             l80->rewrite_cpu.median());
   if (l80 && l160) {
     const double growth = l160->rewrite.median() / l80->rewrite.median();
     std::cout << fmt::format("target: rewrite of 160 layers <= 2.1 x 80 layers: {} (x{:.2f})\n",
