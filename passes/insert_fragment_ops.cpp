@@ -235,14 +235,22 @@ class FragmentOpInserter {
     if (node->kind() == kAllReduce || node->kind() == kAllGather) return;
     const std::string* source = nullptr;
     for (Value* input : node->inputs())
-      if (auto it = derived_from_.find(input); source == nullptr && it != derived_from_.end())
-        source = it->second;
+      if (source == nullptr) source = origin_of(input);
     for (Block* inner : node->blocks())
       for (Value* result : inner->outputs())
-        if (auto it = derived_from_.find(result); source == nullptr && it != derived_from_.end())
-          source = it->second;
+        if (source == nullptr) source = origin_of(result);
     if (source == nullptr) return;
-    for (Value* output : node->outputs()) derived_from_[output] = source;
+    for (Value* output : node->outputs()) set_origin(output, source);
+  }
+
+  /// The fragmented location a value of the rebuilt graph derives from, or nullptr.
+  const std::string* origin_of(const Value* value) const {
+    return value->unique() < derived_from_.size() ? derived_from_[value->unique()] : nullptr;
+  }
+
+  void set_origin(const Value* value, const std::string* origin) {
+    if (value->unique() >= derived_from_.size()) derived_from_.resize(2 * value->unique() + 64, nullptr);
+    derived_from_[value->unique()] = origin;
   }
 
   /// Instances of one class with equal folded config (the 80 decoder layers
@@ -333,7 +341,7 @@ class FragmentOpInserter {
     propagate_rank_local(unpack);
     Value* main = instrument(unpack->output(0), location, destination);
     if (main == unpack->output(0)) {
-      for (Value* element : unpack->outputs()) derived_from_.erase(element);
+      for (Value* element : unpack->outputs()) set_origin(element, nullptr);
       unpack->destroy();
       return output;
     }
@@ -358,11 +366,11 @@ class FragmentOpInserter {
       Value* piece = insert_op(kSplit, {edited, value, loc, rule_text}, value->type());
       // The piece carries on into the model: rank-local from here on (unless
       // one rank holds it all, as a padded vocab at tp_size 1).
-      if (rule->group_size > 1) derived_from_[piece] = &origins_.emplace_back(location);
+      if (rule->group_size > 1) set_origin(piece, &origins_.emplace_back(location));
       return piece;
     }
-    if (auto it = derived_from_.find(value); it != derived_from_.end()) {
-      table_.rank_local.push_back({location, *it->second});
+    if (const std::string* origin = origin_of(value)) {
+      table_.rank_local.push_back({location, *origin});
       return value;
     }
     table_.whole.push_back(location);
@@ -412,7 +420,8 @@ class FragmentOpInserter {
   /// Free functions' bodies without debug names (see emit_function).
   std::unordered_map<const torch::jit::GraphFunction*, std::shared_ptr<Graph>> function_bodies_;
   /// Rank-local values and the fragmented location each derives from.
-  std::unordered_map<Value*, const std::string*> derived_from_;
+  /// (By Value::unique(), dense in one graph: a lookup per input of every node.)
+  std::vector<const std::string*> derived_from_;
 };
 
 }  // namespace
