@@ -204,6 +204,7 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
 
 int main(int argc, char** argv) {
   int reps = 7, warmup = 1, profile_rewrite = 0, profile_save = 0;
+  std::string save_to;
   std::vector<std::string> files;
   CLI::App app{"Rewrite time vs model depth (rewrite_for_fragments, its two steps, LibTorch's freeze_module, "
                "save), one rank file after another. With no files: rank 0 of the exports "
@@ -223,6 +224,7 @@ int main(int argc, char** argv) {
                  "Only rewrite the one FILE.pt once and save it N times, for `perf record` (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 100000));
+  app.add_option("--save-to", save_to, "With --profile-save: keep the saved rewritten file at this path");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -238,14 +240,16 @@ int main(int argc, char** argv) {
       auto module = load(files[0]);
       auto table = frag::passes::rewrite_for_fragments(module, aliases, files[0]);
       torch::jit::ExtraFilesMap extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
-      const std::string out = (std::filesystem::temp_directory_path() / "rewrite_benchmark_profile.pt").string();
+      const std::string out = save_to.empty()
+                                  ? (std::filesystem::temp_directory_path() / "rewrite_benchmark_profile.pt").string()
+                                  : save_to;
       Stats stats;
       for (int i = 0; i < profile_save; ++i) {
         auto start = Clock::now();
         module.save(out, extra);
         stats.add(ms_since(start));
       }
-      std::filesystem::remove(out);
+      if (save_to.empty()) std::filesystem::remove(out);
       std::cout << fmt::format("{}: save of the rewritten module median {:.1f} ms, min {:.1f} ms over {} saves\n",
                                files[0], stats.median(), stats.min(), profile_save);
       return 0;
