@@ -154,8 +154,8 @@ class FragmentOpInserter {
 
   /// A constant of a callee body is emitted once, at the top of the root
   /// graph, and shared by every copy of that body (the 80 decoder layers
-  /// share one specialized body): a third of the inlined nodes were
-  /// constants, each copied 80 times.
+  /// share one specialized body): a quarter of the inlined nodes were
+  /// constants, each copied once per layer.
   void emit_constant(Node* node, Env& env) {
     auto [hoisted, fresh] = constants_.try_emplace(node, nullptr);
     if (fresh) {
