@@ -287,6 +287,22 @@ Classifier classifier_for(const std::string& kind) {
   return it == table.end() ? nullptr : it->second;
 }
 
+/// Calls `visit(path, module)` for `module` and every submodule below it, in
+/// the order of Module::named_modules (pre-order, slot order). Walks only the
+/// module-typed slots: named_modules visits every slot of every module and
+/// joins each path anew, which was most of the classification's time.
+template <typename Visit>
+void walk_modules(const torch::jit::Module& module, const std::string& path, const Visit& visit) {
+  visit(path, module);
+  const auto& type = module.type();
+  const auto& object = module._ivalue();
+  for (size_t i = 0; i < type->numAttributes(); ++i) {
+    if (!type->getAttribute(i)->is_module()) continue;
+    const std::string& name = type->getAttributeName(i);
+    walk_modules(torch::jit::Module(object->getSlot(i).toObject()), path.empty() ? name : path + "." + name, visit);
+  }
+}
+
 }  // namespace
 
 const std::vector<std::string>& known_layer_kinds() { return kKnownKinds; }
@@ -342,14 +358,14 @@ ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
                                            const LayerAliases& aliases, const std::string& source) {
   ir::FragmentTable table;
   const auto head_padded = lm_head_padded_vocab(root, aliases);
-  for (const auto& named : root.named_modules()) {
-    const std::string class_name = plain_class_name(named.value.type()->name()->qualifiedName());
+  walk_modules(root, "", [&](const std::string& path, const torch::jit::Module& module) {
+    const std::string class_name = plain_class_name(module.type()->name()->qualifiedName());
     auto alias = aliases.kind_of_class.find(class_name);
     const std::string kind = alias != aliases.kind_of_class.end() ? alias->second : class_name;
     Classifier classify = classifier_for(kind);
-    if (classify == nullptr) continue;
-    LayerEntry entry{named.name, class_name, kind, std::nullopt, std::nullopt, {}};
-    LayerConfig config(named.value, source, named.name, class_name);
+    if (classify == nullptr) return;
+    LayerEntry entry{path, class_name, kind, std::nullopt, std::nullopt, {}};
+    LayerConfig config(module, source, path, class_name);
     config.set_lm_head_padded_vocab(head_padded);
     classify(config, entry);
     // The model's tensor-parallel size: every sharded layer spans the same
@@ -362,7 +378,7 @@ ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
       table.tp_size = group;
     }
     table.layers.push_back(std::move(entry));
-  }
+  });
   return table;
 }
 

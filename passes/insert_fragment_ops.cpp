@@ -3,7 +3,6 @@
 
 #include "ir/error.h"
 #include "ir/op_schemas.h"
-#include "ir/module_path.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -15,6 +14,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <optional>
 #include <unordered_map>
 
 namespace frag::passes {
@@ -43,6 +45,20 @@ bool any_fragment_op(const Block* block) {
       if (any_fragment_op(inner)) return true;
   }
   return false;
+}
+
+/// Clears the debug names of a callee body's values before it is copied into
+/// the root graph once per call site. With names, every copy collides with
+/// the last: Value::setDebugName renames the earlier owner ("x.1", "x.2",
+/// ...), and LibTorch's code printer (Module::save) probes candidate after
+/// candidate for a free name (PythonPrintImpl::genNameImpl), which made
+/// saving superlinear in the number of layers.
+void clear_debug_names(Block* block) {
+  for (Value* input : block->inputs()) input->setDebugName("");
+  for (Node* node : block->nodes()) {
+    for (Value* output : node->outputs()) output->setDebugName("");
+    for (Block* inner : node->blocks()) clear_debug_names(inner);
+  }
 }
 
 std::string join_path(const std::string& parent, const std::string& name) {
@@ -76,7 +92,7 @@ class FragmentOpInserter {
     for (auto it = old_nodes.rbegin(); it != old_nodes.rend(); ++it) (*it)->destroy();
     Env env;
     for (size_t i = 0; i < original->inputs().size(); ++i) env[original->inputs()[i]] = graph_->inputs()[i];
-    paths_[graph_->inputs().at(0)] = "";
+    paths_[graph_->inputs().at(0)] = {"", root_};
     emit_block(original->block(), block, env);
     for (Value* output : original->outputs()) block->registerOutput(lookup(env, output));
     settle_location_lists();
@@ -112,6 +128,10 @@ class FragmentOpInserter {
 
   /// Copies one ordinary node (and its blocks, recursively).
   void emit_node(Node* node, Block* destination, Env& env) {
+    if (node->kind() == c10::prim::Constant) {
+      emit_constant(node, env);
+      return;
+    }
     Node* copy = graph_->createClone(node, [&](Value* v) { return lookup(env, v); }, /*copy_blocks=*/false);
     destination->appendNode(copy);
     for (size_t i = 0; i < node->outputs().size(); ++i) env[node->output(i)] = copy->output(i);
@@ -123,10 +143,27 @@ class FragmentOpInserter {
     }
     if (copy->kind() == c10::prim::GetAttr) {
       auto parent = paths_.find(copy->input(0));
-      if (parent != paths_.end() && copy->output()->type()->cast<c10::ClassType>())
-        paths_[copy->output()] = join_path(parent->second, copy->s(c10::attr::name));
+      if (parent != paths_.end() && copy->output()->type()->cast<c10::ClassType>()) {
+        const std::string& name = copy->s(c10::attr::name);
+        const auto& [parent_path, parent_module] = parent->second;
+        paths_[copy->output()] = {join_path(parent_path, name), parent_module.attr(name).toModule()};
+      }
     }
     propagate_rank_local(copy);
+  }
+
+  /// A constant of a callee body is emitted once, at the top of the root
+  /// graph, and shared by every copy of that body (the 80 decoder layers
+  /// share one specialized body): a quarter of the inlined nodes were
+  /// constants, each copied once per layer.
+  void emit_constant(Node* node, Env& env) {
+    auto [hoisted, fresh] = constants_.try_emplace(node, nullptr);
+    if (fresh) {
+      Node* copy = graph_->createClone(node, [](Value* v) -> Value* { TORCH_INTERNAL_ASSERT(false); return v; });
+      graph_->block()->prependNode(copy);
+      hoisted->second = copy->output();
+    }
+    env[node->output()] = hoisted->second;
   }
 
   /// Inlines a submodule call: instruments its input, emits the callee's
@@ -137,9 +174,9 @@ class FragmentOpInserter {
     for (Value* input : call->inputs()) arguments.push_back(lookup(env, input));
     auto path = paths_.find(arguments[0]);
     if (path == paths_.end()) fail("{}: a method call on a module the pass cannot resolve to a path", source_);
-    const std::string module_path = path->second;
+    const std::string module_path = path->second.first;
     const std::string method = call->s(c10::attr::name);
-    torch::jit::Module callee_module = ir::module_at(root_, module_path);
+    const torch::jit::Module callee_module = path->second.second;
     auto& callee = torch::jit::toGraphFunction(callee_module.get_method(method).function());
     const bool located = !module_path.empty() && method == "forward";
     if (located && arguments.size() >= 2 && arguments[1]->type()->isSubtypeOf(*c10::TensorType::get()))
@@ -163,7 +200,11 @@ class FragmentOpInserter {
       emit_node(call, destination, env);
       return;
     }
-    auto body = function->graph();
+    auto& body = function_bodies_[function];
+    if (!body) {  // a copy without debug names (see clear_debug_names), once per function
+      body = function->graph()->copy();
+      clear_debug_names(body->block());
+    }
     Env inner;
     for (size_t i = 0; i < body->inputs().size(); ++i) inner[body->inputs()[i]] = lookup(env, call->input(i + 1));
     emit_block(body->block(), destination, inner);
@@ -194,52 +235,106 @@ class FragmentOpInserter {
     if (node->kind() == kAllReduce || node->kind() == kAllGather) return;
     const std::string* source = nullptr;
     for (Value* input : node->inputs())
-      if (auto it = derived_from_.find(input); source == nullptr && it != derived_from_.end())
-        source = &it->second;
+      if (source == nullptr) source = origin_of(input);
     for (Block* inner : node->blocks())
       for (Value* result : inner->outputs())
-        if (auto it = derived_from_.find(result); source == nullptr && it != derived_from_.end())
-          source = &it->second;
+        if (source == nullptr) source = origin_of(result);
     if (source == nullptr) return;
-    const std::string origin = *source;
-    for (Value* output : node->outputs()) derived_from_[output] = origin;
+    for (Value* output : node->outputs()) set_origin(output, source);
+  }
+
+  /// The fragmented location a value of the rebuilt graph derives from, or nullptr.
+  const std::string* origin_of(const Value* value) const {
+    return value->unique() < derived_from_.size() ? derived_from_[value->unique()] : nullptr;
+  }
+
+  void set_origin(const Value* value, const std::string* origin) {
+    if (value->unique() >= derived_from_.size()) derived_from_.resize(2 * value->unique() + 64, nullptr);
+    derived_from_[value->unique()] = origin;
   }
 
   /// Instances of one class with equal folded config (the 80 decoder layers
-  /// of one file) share one specialized body, keyed by class, method and the
-  /// folded values.
+  /// of one file) share one specialized body. What is folded is every bool,
+  /// int, float, str or None attribute the method reads from self; which
+  /// attributes it reads is found once per method (see Specializations).
   std::shared_ptr<Graph> specialize(torch::jit::GraphFunction& callee, const torch::jit::Module& instance) {
-    const auto& source = callee.graph();
-    Value* source_self = source->inputs().at(0);
-    std::vector<std::pair<std::string, c10::IValue>> folded;
-    std::string key = fmt::format("{}|{}", static_cast<const void*>(instance.type().get()), callee.name());
-    for (const auto& use : source_self->uses()) {
-      if (use.user->kind() != c10::prim::GetAttr) continue;
-      const std::string name = use.user->s(c10::attr::name);
-      if (!instance.hasattr(name)) continue;
-      c10::IValue value = instance.attr(name);
-      if (!(value.isBool() || value.isInt() || value.isDouble() || value.isString() || value.isNone())) continue;
-      key += fmt::format("|{}={}", name, value.isNone() ? std::string("None") : c10::str(value));
-      folded.emplace_back(name, value);
+    Specializations& known = specializations_[&callee];
+    if (!known.scanned) {
+      known.scanned = true;
+      for (const auto& use : callee.graph()->inputs().at(0)->uses()) {
+        if (use.user->kind() != c10::prim::GetAttr) continue;
+        const std::string& name = use.user->s(c10::attr::name);
+        if (instance.type()->hasAttribute(name))
+          known.reads.push_back({name, instance.type()->getAttributeSlot(name), {}});
+        else if (instance.type()->hasConstant(name))
+          known.reads.push_back({name, std::nullopt, instance.type()->getConstant(name)});
+      }
     }
-    if (auto cached = specialized_.find(key); cached != specialized_.end()) return cached->second;
-    auto body = source->copy();
+    // The folded values of this instance (nullopt: that attribute is not folded).
+    std::vector<std::optional<c10::IValue>> values;
+    values.reserve(known.reads.size());
+    for (const auto& read : known.reads) {
+      c10::IValue value = read.slot ? instance._ivalue()->getSlot(*read.slot) : read.constant;
+      values.push_back(foldable(value) ? std::make_optional(std::move(value)) : std::nullopt);
+    }
+    for (const auto& [folded, body] : known.bodies)
+      if (same_values(folded, values)) return body;
+    auto body = callee.graph()->copy();
     Value* self = body->inputs().at(0);
     std::vector<Node*> reads;
     for (const auto& use : self->uses())
       if (use.user->kind() == c10::prim::GetAttr) reads.push_back(use.user);
+    bool folded_any = false;
     for (Node* read : reads) {
       const std::string name = read->s(c10::attr::name);
-      auto value = std::find_if(folded.begin(), folded.end(), [&](const auto& f) { return f.first == name; });
-      if (value == folded.end()) continue;
+      auto found = std::find_if(known.reads.begin(), known.reads.end(), [&](const auto& r) { return r.name == name; });
+      if (found == known.reads.end()) continue;
+      const auto& value = values[found - known.reads.begin()];
+      if (!value) continue;
       WithInsertPoint guard(read);
-      read->output()->replaceAllUsesWith(body->insertConstant(value->second));
+      read->output()->replaceAllUsesWith(body->insertConstant(*value));
       read->destroy();
+      folded_any = true;
     }
-    torch::jit::ConstantPropagation(body);
-    torch::jit::EliminateDeadCode(body);
-    specialized_.emplace(key, body);
+    // Nothing folded, nothing to propagate (the compiler already propagated
+    // the method's own constants). Skipped because ConstantPropagation's
+    // alias analysis walks the module types of a body that holds every layer
+    // (the model's forward): a fifth of the rewrite's time.
+    if (folded_any) {
+      torch::jit::ConstantPropagation(body);
+      torch::jit::EliminateDeadCode(body);
+    }
+    clear_debug_names(body->block());
+    known.bodies.emplace_back(std::move(values), body);
     return body;
+  }
+
+  static bool foldable(const c10::IValue& value) {
+    return value.isBool() || value.isInt() || value.isDouble() || value.isString() || value.isNone();
+  }
+
+  /// Equal folded configs: same kinds and values (floats bit for bit).
+  static bool same_values(const std::vector<std::optional<c10::IValue>>& a,
+                          const std::vector<std::optional<c10::IValue>>& b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i].has_value() != b[i].has_value()) return false;
+      if (!a[i]) continue;
+      const c10::IValue& x = *a[i];
+      const c10::IValue& y = *b[i];
+      if (x.tagKind() != y.tagKind()) return false;
+      if (x.isDouble()) {
+        const double dx = x.toDouble(), dy = y.toDouble();
+        if (std::memcmp(&dx, &dy, sizeof dx) != 0) return false;
+      } else if (x.isString()) {
+        if (x.toStringRef() != y.toStringRef()) return false;
+      } else if (x.isInt()) {
+        if (x.toInt() != y.toInt()) return false;
+      } else if (x.isBool()) {
+        if (x.toBool() != y.toBool()) return false;
+      }
+    }
+    return true;
   }
 
   /// Instruments a call's output and returns the value its users get.
@@ -254,7 +349,7 @@ class FragmentOpInserter {
     propagate_rank_local(unpack);
     Value* main = instrument(unpack->output(0), location, destination);
     if (main == unpack->output(0)) {
-      for (Value* element : unpack->outputs()) derived_from_.erase(element);
+      for (Value* element : unpack->outputs()) set_origin(element, nullptr);
       unpack->destroy();
       return output;
     }
@@ -273,22 +368,29 @@ class FragmentOpInserter {
     auto found = rules_.find(location);
     if (const ir::FragmentRule* rule = found == rules_.end() ? nullptr : found->second) {
       Value* loc = graph_->insertConstant(location);
-      Value* rule_text = graph_->insertConstant(ir::to_json(*rule).dump());
+      Value* rule_text = graph_->insertConstant(rule_text_of(rule));
       Value* whole = insert_op(kGather, {value, loc, rule_text}, value->type());
       Value* edited = insert_op(kIntervene, {whole, loc, graph_->insertConstant(true)}, value->type());
       Value* piece = insert_op(kSplit, {edited, value, loc, rule_text}, value->type());
       // The piece carries on into the model: rank-local from here on (unless
       // one rank holds it all, as a padded vocab at tp_size 1).
-      if (rule->group_size > 1) derived_from_[piece] = location;
+      if (rule->group_size > 1) set_origin(piece, &origins_.emplace_back(location));
       return piece;
     }
-    if (auto it = derived_from_.find(value); it != derived_from_.end()) {
-      table_.rank_local.push_back({location, it->second});
+    if (const std::string* origin = origin_of(value)) {
+      table_.rank_local.push_back({location, *origin});
       return value;
     }
     table_.whole.push_back(location);
     Value* loc = graph_->insertConstant(location);
     return insert_op(kIntervene, {value, loc, graph_->insertConstant(false)}, value->type());
+  }
+
+  /// A rule's JSON text, made once per rule.
+  const std::string& rule_text_of(const ir::FragmentRule* rule) {
+    auto [text, fresh] = rule_texts_.try_emplace(rule);
+    if (fresh) text->second = ir::to_json(*rule).dump();
+    return text->second;
   }
 
   Value* insert_op(c10::Symbol kind, const std::vector<Value*>& inputs, const c10::TypePtr& type) {
@@ -301,14 +403,33 @@ class FragmentOpInserter {
   ir::FragmentTable& table_;
   const std::string& source_;
   std::shared_ptr<Graph> graph_;
-  /// Module paths of the module-typed values of the rebuilt graph.
-  std::unordered_map<Value*, std::string> paths_;
+  /// Module paths and modules of the module-typed values of the rebuilt graph.
+  std::unordered_map<Value*, std::pair<std::string, torch::jit::Module>> paths_;
   /// Fragment rules by location (from the table).
   std::unordered_map<std::string, const ir::FragmentRule*> rules_;
-  /// Specialized callee bodies (see specialize).
-  std::unordered_map<std::string, std::shared_ptr<Graph>> specialized_;
+  /// What a method reads from self, and its specialized bodies (see specialize).
+  struct Specializations {
+    struct Read {
+      std::string name;
+      std::optional<size_t> slot;  ///< the attribute's slot; none for a class constant
+      c10::IValue constant;
+    };
+    bool scanned = false;
+    std::vector<Read> reads;
+    std::vector<std::pair<std::vector<std::optional<c10::IValue>>, std::shared_ptr<Graph>>> bodies;
+  };
+  std::unordered_map<const torch::jit::GraphFunction*, Specializations> specializations_;
+  /// Constants of the source graphs (callee bodies) -> their one copy at the top of the root graph.
+  std::unordered_map<const Node*, Value*> constants_;
+  /// Rule texts by rule (see rule_text_of).
+  std::unordered_map<const ir::FragmentRule*, std::string> rule_texts_;
+  /// The fragmented locations rank-local values derive from (stable addresses for derived_from_).
+  std::deque<std::string> origins_;
+  /// Free functions' bodies without debug names (see emit_function).
+  std::unordered_map<const torch::jit::GraphFunction*, std::shared_ptr<Graph>> function_bodies_;
   /// Rank-local values and the fragmented location each derives from.
-  std::unordered_map<Value*, std::string> derived_from_;
+  /// (By Value::unique(), dense in one graph: a lookup per input of every node.)
+  std::vector<const std::string*> derived_from_;
 };
 
 }  // namespace
