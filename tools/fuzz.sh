@@ -45,6 +45,12 @@ declare -A sources=(
 )
 targets=(plan rules safetensors token_ids archive)
 status=0
+# Compile every distinct source first, two at a time (CI has two cores), then link each target.
+export -f compile; export CXX out; export FLAGS_STR="${flags[*]}"
+all_sources=$(for t in "${targets[@]}"; do echo "tests/fuzz/${t}_fuzzer.cpp ${sources[$t]}"; done | tr ' ' '\n' | sort -u)
+# shellcheck disable=SC2016
+echo "$all_sources" | xargs -P 2 -I{} bash -c 'flags=($FLAGS_STR); compile {} > /dev/null' ||
+  { echo "fuzz: compiling failed"; status=1; }
 for t in "${targets[@]}"; do
   objs=()
   for src in tests/fuzz/${t}_fuzzer.cpp ${sources[$t]}; do
