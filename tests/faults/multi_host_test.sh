@@ -80,13 +80,14 @@ launch() {
     rank_pids+=($!)
   done
 }
-# wait_rank PID BOUND -> exit status (999 if still running after BOUND seconds, then killed)
+# wait_rank PID BOUND: sets $status (999 if still running after BOUND seconds, then killed). Not in $(...):
+# a subshell cannot wait for its parent's children.
 wait_rank() {
   local pid=$1 bound=$2 deadline
   deadline=$(awk -v n="$(now)" -v b="$bound" 'BEGIN { printf "%.0f", n + b }')
   while kill -0 "$pid" 2> /dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.1; done
-  if kill -0 "$pid" 2> /dev/null; then kill -KILL "$pid"; wait "$pid" 2> /dev/null; echo 999; return; fi
-  wait "$pid"; echo $?
+  if kill -0 "$pid" 2> /dev/null; then kill -KILL "$pid"; wait "$pid" 2> /dev/null; status=999; return; fi
+  wait "$pid"; status=$?
 }
 
 # 1. tp=4 over two hosts equals tp=1.
@@ -95,7 +96,7 @@ wait_rank() {
 t0=$(now)
 launch tp4 60
 for r in 0 1 2 3; do
-  status=$(wait_rank "${rank_pids[$r]}" 180)
+  wait_rank "${rank_pids[$r]}" 180
   [ "$status" -eq 0 ] && ok "two hosts, rank $r: exit 0" || { fail "two hosts, rank $r: exit $status"; cat "$work/tp4.rank$r.log"; }
 done
 t1=$(now)
@@ -134,18 +135,18 @@ fault_run() {  # fault_run NAME HOW (cut | kill)
   local survivors=(0 1 2 3)
   [ "$how" = kill ] && survivors=(0 1)
   for r in "${survivors[@]}"; do
-    status=$(wait_rank "${rank_pids[$r]}" $((timeout + 60)))
+    wait_rank "${rank_pids[$r]}" $((timeout + 60))
     t1=$(now); s=$(elapsed "$t0" "$t1")
     local log=$work/$name.rank$r.log
     [ "$status" -ne 0 ] && [ "$status" -ne 999 ] && ok "$name: rank $r exits $status" \
       || fail "$name: rank $r exit $status (999: still running after $((timeout + 60)) s)"
     [ "$status" -lt 128 ] || [ "$status" -eq 999 ] || fail "$name: rank $r died of signal $((status - 128))"
-    if grep -q 'frag: error:' "$log"; then ok "$name: rank $r printed a frag: error: line"
+    if grep -qE '^frag: (rank [0-9]+: )?error: ' "$log"; then ok "$name: rank $r printed a frag: error: line"
     else fail "$name: rank $r printed no 'frag: error:' line"; cat "$log"; fi
     grep -qE 'terminate called|Aborted|core dumped' "$log" && { fail "$name: rank $r crashed"; cat "$log"; }
     within "$s" $((timeout + 10)) && ok "$name: rank $r ended ${s}s after the fault (<= $((timeout + 10))s)" \
       || fail "$name: rank $r ended ${s}s after the fault (> $((timeout + 10))s)"
-    timing+=("$(printf '%-22s | rank %d | %6s | %s' "$name" "$r" "$s" "$(grep -m1 'error' "$log" | cut -c1-110)")")
+    timing+=("$(printf '%-22s | rank %d | %6s | %s' "$name" "$r" "$s" "$(grep -m1 'error' "$log" | sed -E 's|/[^ :]*/||g' | cut -c1-120)")")
   done
 }
 fault_run host1-cut cut
