@@ -144,6 +144,9 @@ fault_run() {  # fault_run NAME HOW (cut | kill)
     if grep -qE '^frag: (rank [0-9]+: )?error: ' "$log"; then ok "$name: rank $r printed a frag: error: line"
     else fail "$name: rank $r printed no 'frag: error:' line"; cat "$log"; fi
     grep -qE 'terminate called|Aborted|core dumped' "$log" && { fail "$name: rank $r crashed"; cat "$log"; }
+    # The error is the lost peer, not something else (the generation is long, past the fault and the timeout).
+    grep -qE 'error: .*(peer|gloo|Connection|timed out)' "$log" && ok "$name: rank $r names the lost peer" \
+      || { fail "$name: rank $r's error is not about the lost peer"; cat "$log"; }
     within "$s" $((timeout + 10)) && ok "$name: rank $r ended ${s}s after the fault (<= $((timeout + 10))s)" \
       || fail "$name: rank $r ended ${s}s after the fault (> $((timeout + 10))s)"
     timing+=("$(printf '%-22s | rank %d | %6s | %s' "$name" "$r" "$s" "$(grep -m1 'error' "$log" | sed -E 's|/[^ :]*/||g' | cut -c1-120)")")
