@@ -35,11 +35,12 @@ first_error() { grep -m1 'error' "$1" | sed -E 's|/[^ :]*/||g' | cut -c1-120; } 
 row() { rows+=("$(printf '%-26s | %-30s | %7s | %s' "$1" "$2" "$3" "$(first_error "$4")")"); }
 
 # Checks one finished fault: exit status non-zero and not a crash signal, a `frag: error:` line, in time.
-# check NAME STATUS SECONDS BOUND LOG [PATTERN]
+# check NAME STATUS SECONDS BOUND LOG [PATTERN [ALLOWED_STATUS]] (ALLOWED_STATUS: a signal death that is no
+# crash, e.g. the launcher passing on its killed rank's 137)
 check() {
-  local name=$1 status=$2 seconds=$3 bound=$4 log=$5 pattern=${6:-}
+  local name=$1 status=$2 seconds=$3 bound=$4 log=$5 pattern=${6:-} allowed=${7:-}
   if [ "$status" -eq 0 ]; then fail "$name: exit 0"; else ok "$name: exit $status"; fi
-  if [ "$status" -ge 128 ] && [ "$status" -ne 130 ] && [ "$status" -ne 143 ]; then
+  if [ "$status" -ge 128 ] && [ "$status" -ne 130 ] && [ "$status" -ne 143 ] && [ "$status" != "$allowed" ]; then
     fail "$name: died of signal $((status - 128)) (a crash?)"; fi
   if grep -qE '^frag: (rank [0-9]+: )?error: ' "$log"; then ok "$name: a frag: error: line"
   else fail "$name: no 'frag: [rank N: ]error:' line"; cat "$log"; fi
@@ -66,9 +67,15 @@ rank_pid() {  # rank_pid LAUNCHER R -> pid of rank R, waiting up to 60 s for it
 }
 # Waits (up to 120 s) for a child to finish; sets $status (999: still running, then killed). Bounded: a hang
 # is a failure, not a stuck test. (Not in $(...): a subshell cannot wait for its parent's children.)
+# With a LOG, also sets $error_at: when the first error line appeared there (the fault surfaced).
 wait_bounded() {
-  local pid=$1 i
-  for i in $(seq 1200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  local pid=$1 log=${2:-} i
+  error_at=
+  for i in $(seq 1200); do
+    [ -z "$error_at" ] && [ -n "$log" ] && grep -qE '^frag: (rank [0-9]+: )?error: ' "$log" && error_at=$(now)
+    kill -0 "$pid" 2>/dev/null || break; sleep 0.1
+  done
+  [ -z "$error_at" ] && error_at=$(now)
   if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; status=999; return; fi
   wait "$pid"; status=$?
 }
@@ -89,9 +96,14 @@ if r1=$(rank_pid "$launcher" 1); then
   sleep 3  # past loading: the ranks are generating
   kill -0 "$launcher" 2>/dev/null || { echo "the run ended before the fault:"; cat "$work/a.log"; }
   t0=$(now); kill -KILL "$r1"
-  wait_bounded "$launcher"; t1=$(now)
+  wait_bounded "$launcher" "$work/a.log"; t1=$(now)
   s=$(elapsed "$t0" "$t1")
-  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" 'peer'
+  # The launcher exits as its first failed rank did: 128 + SIGKILL.
+  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" 'rank 0: error: .*peer' 137
+  [ "$status" -eq 137 ] && ok "killed rank: the launcher exits 137 (its rank 1's death)" \
+    || fail "killed rank: launcher exit $status, expected 137"
+  grep -q 'frag: rank 0: error' "$work/a.log" && ok "killed rank: rank 0 printed its error" \
+    || fail "killed rank: rank 0 printed no error"
   if kill -0 "$r0" 2>/dev/null; then fail "killed rank: rank 0 (pid $r0) still alive"; kill -KILL "$r0"
   else ok "killed rank: rank 0 ended too"; fi
   row "rank SIGKILLed mid-run" "error, others end (< ${timeout_a}s)" "$s" "$work/a.log"
@@ -105,13 +117,19 @@ long_run "$work/b.log" "$timeout_b"
 if r1=$(rank_pid "$launcher" 1); then
   sleep 3
   t0=$(now); kill -STOP "$r1"
-  wait_bounded "$launcher"; t1=$(now)
+  wait_bounded "$launcher" "$work/b.log"; t1=$(now)
   kill -CONT "$r1" 2>/dev/null; kill -KILL "$r1" 2>/dev/null
-  s=$(elapsed "$t0" "$t1")
-  check "stalled rank" "$status" "$s" $((timeout_b + 10)) "$work/b.log"
+  s=$(elapsed "$t0" "$error_at")
+  exit_s=$(elapsed "$t0" "$t1")
+  # The error (rank 0's collective timing out) surfaces after --timeout; the launcher then gives the stopped
+  # rank --timeout + 10 s more (tools/launcher.cpp) before it SIGKILLs it, so it exits within 2 x timeout + 10.
+  check "stalled rank" "$status" "$s" $((timeout_b + 10)) "$work/b.log" 'rank 0: error: .*(timed out|timeout)'
   if within "$((timeout_b - 1))" "$s"; then ok "stalled rank: not before the timeout (${s}s >= $((timeout_b - 1))s)"
-  else fail "stalled rank: ended after ${s}s, before --timeout $timeout_b"; fi
+  else fail "stalled rank: the error came after ${s}s, before --timeout $timeout_b"; fi
+  within "$exit_s" $((2 * timeout_b + 10 + 5)) && ok "stalled rank: the launcher exited after ${exit_s}s" \
+    || fail "stalled rank: the launcher exited after ${exit_s}s > 2 x $timeout_b + 15"
   row "rank SIGSTOPped mid-run" "error after --timeout ${timeout_b}s" "$s" "$work/b.log"
+  rows+=("$(printf '%-26s | %-30s | %7s | %s' "  (launcher exit)" "<= 2 x timeout + 10 s" "$exit_s" "rank 1 SIGKILLed by the launcher")")
 else
   fail "stalled rank: no rank 1 process appeared"; cat "$work/b.log"
 fi
