@@ -80,6 +80,14 @@ wait_bounded() {
   wait "$pid"; status=$?
 }
 
+# Mid-run: rank R holds its store connection and its Gloo pair (two sockets or more), then 3 s more.
+wait_mid_run() {
+  local pid=$1 i
+  for i in $(seq 900); do
+    [ "$(ls -l "/proc/$pid/fd" 2>/dev/null | grep -c 'socket:')" -ge 2 ] && break; sleep 0.1
+  done
+  sleep 3
+}
 # A long run (many generated tokens) so that a fault lands mid-run; rank 0's --out is never written.
 long_run() {  # long_run LOG TIMEOUT -> launcher pid in $launcher
   "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --generate 100000 --timeout "$2" \
@@ -93,13 +101,13 @@ timeout_a=20
 long_run "$work/a.log" "$timeout_a"
 if r1=$(rank_pid "$launcher" 1); then
   r0=$(rank_pid "$launcher" 0)
-  sleep 3  # past loading: the ranks are generating
+  wait_mid_run "$r1"  # past loading and the rendezvous: the ranks are generating
   kill -0 "$launcher" 2>/dev/null || { echo "the run ended before the fault:"; cat "$work/a.log"; }
   t0=$(now); kill -KILL "$r1"
   wait_bounded "$launcher" "$work/a.log"; t1=$(now)
   s=$(elapsed "$t0" "$t1")
   # The launcher exits as its first failed rank did: 128 + SIGKILL.
-  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" 'rank 0: error: .*peer' 137
+  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" 'rank 0: error: .*forward failed: .*peer' 137
   [ "$status" -eq 137 ] && ok "killed rank: the launcher exits 137 (its rank 1's death)" \
     || fail "killed rank: launcher exit $status, expected 137"
   grep -q 'frag: rank 0: error' "$work/a.log" && ok "killed rank: rank 0 printed its error" \
@@ -115,7 +123,7 @@ fi
 timeout_b=5
 long_run "$work/b.log" "$timeout_b"
 if r1=$(rank_pid "$launcher" 1); then
-  sleep 3
+  wait_mid_run "$r1"
   t0=$(now); kill -STOP "$r1"
   wait_bounded "$launcher" "$work/b.log"; t1=$(now)
   kill -CONT "$r1" 2>/dev/null; kill -KILL "$r1" 2>/dev/null
@@ -123,7 +131,7 @@ if r1=$(rank_pid "$launcher" 1); then
   exit_s=$(elapsed "$t0" "$t1")
   # The error (rank 0's collective timing out) surfaces after --timeout; the launcher then gives the stopped
   # rank --timeout + 10 s more (tools/launcher.cpp) before it SIGKILLs it, so it exits within 2 x timeout + 10.
-  check "stalled rank" "$status" "$s" $((timeout_b + 10)) "$work/b.log" 'rank 0: error: .*(timed out|timeout)'
+  check "stalled rank" "$status" "$s" $((timeout_b + 10)) "$work/b.log" 'rank 0: error: .*forward failed: .*(timed out|timeout)'
   if within "$((timeout_b - 1))" "$s"; then ok "stalled rank: not before the timeout (${s}s >= $((timeout_b - 1))s)"
   else fail "stalled rank: the error came after ${s}s, before --timeout $timeout_b"; fi
   within "$exit_s" $((2 * timeout_b + 10 + 5)) && ok "stalled rank: the launcher exited after ${exit_s}s" \
