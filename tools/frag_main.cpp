@@ -73,6 +73,7 @@ void check_input_files(const RunArguments& args, const std::string& file) {
 /// The files --out must not replace: the inputs.
 std::vector<std::string> run_inputs(const RunArguments& args, int world) {
   std::vector<std::string> inputs;
+  inputs.reserve(static_cast<size_t>(world) + 3);
   for (int rank = 0; rank < world; ++rank) inputs.push_back(file_for_rank(args, rank, world));
   for (const auto& extra : {args.input, args.plan, args.rules_file})
     if (!extra.empty()) inputs.push_back(extra);

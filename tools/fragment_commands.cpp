@@ -179,6 +179,7 @@ int rewrite_command(const RewriteArguments& args) {
   }
   // Before any work: a link, a device or an input as the target is refused unless forced.
   std::vector<OutputTarget> targets;
+  targets.reserve(paths.size());
   for (const auto& path : paths) targets.push_back(check_output_target(path, args.files, args.force, "-o"));
   // Regular targets are written to temporaries (removed on failure and on signals) and renamed into place
   // once every file is written; devices are written in place, before any rename.
