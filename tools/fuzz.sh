@@ -41,7 +41,7 @@ declare -A sources=(
   [rules]="passes/classify_parallel_layers.cpp ir/fragment_rule.cpp ir/fragment_table.cpp ir/json_file.cpp"
   [safetensors]="runtime/safetensors.cpp"
   [token_ids]="tools/token_ids.cpp tools/safe_files.cpp"
-  [archive]="runtime/rank_module.cpp runtime/rank_context.cpp runtime/communicator.cpp runtime/gloo_communicator.cpp ir/fragment_rule.cpp"
+  [archive]="runtime/rank_module.cpp runtime/rank_context.cpp runtime/communicator.cpp runtime/gloo_communicator.cpp runtime/nccl_communicator.cpp ir/fragment_rule.cpp"
 )
 targets=(plan rules safetensors token_ids archive)
 status=0
