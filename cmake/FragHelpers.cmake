@@ -128,10 +128,10 @@ endfunction()
 function(frag_check_lists)
   file(GLOB_RECURSE found CONFIGURE_DEPENDS RELATIVE "${CMAKE_SOURCE_DIR}"
     "${CMAKE_SOURCE_DIR}/ir/*.cpp" "${CMAKE_SOURCE_DIR}/passes/*.cpp"
-    "${CMAKE_SOURCE_DIR}/runtime/*.cpp" "${CMAKE_SOURCE_DIR}/tools/*.cpp"
+    "${CMAKE_SOURCE_DIR}/runtime/*.cpp" "${CMAKE_SOURCE_DIR}/program/*.cpp" "${CMAKE_SOURCE_DIR}/tools/*.cpp"
     "${CMAKE_SOURCE_DIR}/tests/*.cpp")
-  set(listed ${FRAG_IR_SOURCES} ${FRAG_PASSES_SOURCES} ${FRAG_RUNTIME_SOURCES}
-             ${FRAG_TOOLS_SOURCES} ${FRAG_TEST_SUPPORT_SOURCES} ${FRAG_TEST_SOURCES})
+  set(listed ${FRAG_IR_SOURCES} ${FRAG_PASSES_SOURCES} ${FRAG_RUNTIME_SOURCES} ${FRAG_PROGRAM_SOURCES}
+             ${FRAG_TOOLS_SOURCES} ${FRAG_TEST_SUPPORT_SOURCES} ${FRAG_TEST_SOURCES} ${FRAG_FUZZ_SOURCES})
   foreach(entry IN LISTS FRAG_BINARIES)
     separate_arguments(entry UNIX_COMMAND "${entry}")
     list(GET entry 1 source)
