@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <new>
 #include <regex>
 #include <sstream>
 
@@ -55,6 +56,11 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
     result.module = torch::jit::load(path, device, extra);
   } catch (const c10::Error& e) {
     fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what_without_backtrace()));
+  } catch (const std::bad_alloc&) {
+    // LibTorch's unpickler allocates what sizes inside the file say (a memo id, a list length) before
+    // reading further: a damaged file asks for more memory than the process may have.
+    fail("{}: not a loadable TorchScript file: it asks LibTorch's reader for more memory than this process "
+         "can allocate (sizes inside the file are damaged)", path);
   } catch (const std::exception& e) {
     fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what()));
   }

@@ -170,6 +170,15 @@ TEST(Faults, RewriteOntoAFullDiskLeavesNoTemporary) {
   EXPECT_TRUE(listing(folder).empty()) << "no output and no temporary may be left";
 }
 
+TEST(Faults, AFileWhoseSizesAskForTooMuchMemoryIsAClearError) {
+  // Found by tests/fuzz/archive_fuzzer: a rank file whose pickled debug info holds a huge memo id makes
+  // LibTorch's unpickler allocate ~20 GB before it reads on. Under a memory limit (as a container or
+  // ulimit gives) that is std::bad_alloc, which must end as one clear error, not an abort.
+  auto result = run_command({"/bin/sh", "-c", "ulimit -v 6000000; exec \"$0\" inspect \"$1\"", frag_binary(),
+                             "tests/tools/data/damaged_memo_size.pt"});
+  expect_one_clear_error(result, "tests/tools/data/damaged_memo_size.pt: not a loadable TorchScript file: it asks");
+}
+
 // ---------------------------------------------------------------------------
 // 2. Hangs
 
