@@ -16,10 +16,22 @@
 
 namespace frag {
 
+/// `text` with control characters other than newline and tab written as \xNN: a NUL byte from a
+/// file would otherwise end the message where what() is printed as a C string.
+inline std::string printable(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (unsigned char c : text) {
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f) out += fmt::format("\\x{:02x}", c);
+    else out += static_cast<char>(c);
+  }
+  return out;
+}
+
 /// Bad input or a failed run, described so that a user can act on it.
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& message) : std::runtime_error(message) {}
+  explicit Error(const std::string& message) : std::runtime_error(printable(message)) {}
 };
 
 /// Throws frag::Error with a fmt-formatted message.

@@ -7,6 +7,7 @@
 
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -170,6 +171,34 @@ std::string PlanStep::describe() const {
   return text;
 }
 
+namespace {
+
+/// The keys of a plan step, quoted, for messages.
+std::vector<std::string> field_names(const nlohmann::json& step) {
+  std::vector<std::string> names;
+  for (const auto& [key, _] : step.items()) names.push_back("\"" + key + "\"");
+  return names;
+}
+
+/// Names the first field of `step` whose JSON type is not the one its key needs.
+std::string wrong_type(const nlohmann::json& step) {
+  for (const auto& [key, value] : step.items()) {
+    const char* expected = nullptr;
+    if (key == "at" || key == "do" || key == "as" || key == "value" || key == "index") {
+      if (!value.is_string()) expected = "a string";
+    } else if (key == "by") {
+      if (!value.is_number()) expected = "a number";
+    } else if (key == "modules") {
+      if (!value.is_array() || !std::all_of(value.begin(), value.end(), [](const auto& m) { return m.is_string(); }))
+        expected = "a list of module paths (strings)";
+    }
+    if (expected) return fmt::format("\"{}\" must be {}, got {}", key, expected, value.dump());
+  }
+  return "a field has the wrong type";
+}
+
+}  // namespace
+
 Plan Plan::from_file(const std::string& path) {
   return from_json(ir::read_json_file(path, "plan"), path, std::filesystem::path(path).parent_path().string());
 }
@@ -189,6 +218,12 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
     const std::string where = fmt::format("{}: intervention {}", source, i);
     if (!j.is_object()) fail("{} is not an object", where);
     PlanStep step;
+    for (const char* key : {"at", "do"})
+      if (!j.contains(key))
+        fail("{}: needs \"{}\" ({}); it has {}", where, key,
+             std::string(key) == "at" ? "the location, e.g. \"model.layers.0.mlp.output\""
+                                      : "the action: save, set, add, scale, zero or call",
+             j.empty() ? std::string("no fields") : fmt::format("the fields {}", fmt::join(field_names(j), ", ")));
     try {
       step.at = j.at("at").get<std::string>();
       const auto action_text = j.at("do").get<std::string>();
@@ -204,6 +239,9 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
         if (!j.contains("as")) fail("{}: \"{}\" needs \"as\": the name to save under", where, action_text);
         step.as = j.at("as").get<std::string>();
         if (step.as.empty()) fail("{}: \"as\" is empty", where);
+        // Names become safetensors keys and lines of output: no control characters (a NUL, a newline).
+        if (std::any_of(step.as.begin(), step.as.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
+          fail("{}: \"as\": \"{}\" holds a control character; a saved name must be printable", where, step.as);
         if (reserved_save_name(step.as))
           fail("{}: \"as\": \"{}\" is reserved (frag run --out writes the logits and metadata under it)", where,
                step.as);
@@ -225,6 +263,9 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
         step.visit = visit.get<int64_t>();
         if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
       }
+    } catch (const nlohmann::json::type_error&) {
+      // Which field has the wrong type: the library's message names only the types.
+      fail("{}: {}", where, wrong_type(j));
     } catch (const nlohmann::json::exception& e) {
       fail("{}: {}", where, e.what());
     }

@@ -4,11 +4,13 @@
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
 
+#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <future>
@@ -186,11 +188,24 @@ std::vector<std::string> RankContext::exchange(const std::string& step, const st
 
 void RankContext::agree(const std::string& step, const std::string& local_error) {
   auto errors = exchange(step, local_error);
-  std::string message;
+  if (world_size_ == 1) {
+    if (!errors[0].empty()) throw RankAgreementError(errors[0]);
+    return;
+  }
+  // Ranks that failed alike are named together, so a bad plan shared by 8 ranks reads as one message.
+  std::vector<std::pair<std::string, std::vector<size_t>>> distinct;  // message -> ranks, in rank order
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
+    auto it = std::find_if(distinct.begin(), distinct.end(), [&](const auto& d) { return d.first == errors[r]; });
+    if (it == distinct.end()) distinct.push_back({errors[r], {r}});
+    else it->second.push_back(r);
+  }
+  std::string message;
+  for (const auto& [text, ranks] : distinct) {
     if (!message.empty()) message += "; ";
-    message += world_size_ == 1 ? errors[r] : fmt::format("rank {}: {}", r, errors[r]);
+    if (ranks.size() == errors.size()) message += fmt::format("every rank: {}", text);
+    else if (ranks.size() == 1) message += fmt::format("rank {}: {}", ranks[0], text);
+    else message += fmt::format("ranks {}: {}", fmt::join(ranks, ", "), text);
   }
   if (!message.empty()) throw RankAgreementError(message);
 }

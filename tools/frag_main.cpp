@@ -18,6 +18,7 @@
 #include "tools/token_ids.h"
 
 #include <CLI/CLI.hpp>
+#include <c10/util/Logging.h>
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -210,6 +211,10 @@ std::string rank_prefix() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // LibTorch's own log lines (c10d's connection retries with a backtrace each, warnings) would come
+  // before frag's one-line error and bury it. TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings them back.
+  if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr) FLAGS_caffe2_log_level = c10::GLOG_FATAL;
+  else c10::initLogging();
   CLI::App app{"fragments: read and edit a tensor-parallel model's activations as whole tensors"};
   app.require_subcommand(1);
 

@@ -6,22 +6,17 @@ cd "$(dirname "$0")/.."
 PY=$(bash tools/python_env.sh)  # the project's Python (tools/install_deps.sh); its torch is the LibTorch of both builds
 
 status=0
+rm -f build/sanitize.log build/fuzz.log  # counted at the end: only this run's
 echo "== bazel build //..."
 bazel build //... 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)' || status=1
 
+# The CMake build, with clang under ASan+UBSan (tools/sanitize.sh): it keeps CMakeLists.txt honest,
+# runs the unit suites and frag under faults with the sanitizers, and builds the fuzz targets.
 if [ "${FRAG_SKIP_CMAKE:-0}" != 1 ]; then
-  echo "== cmake build (LibTorch from find_package(Torch))"
+  echo "== cmake build, clang + ASan + UBSan (tools/sanitize.sh; log build/sanitize/build.log)"
   mkdir -p build
-  # -O1 as Bazel builds: here CMake's build is a check that it compiles and links (Bazel runs the tests),
-  # and -O3 would double its time on CI's two cores.
-  if cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" \
-        -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
-        -DPython3_EXECUTABLE="$PY" > build/cmake.log 2>&1 &&
-     cmake --build build/cmake -j2 >> build/cmake.log 2>&1; then
-    echo "cmake build OK (log: build/cmake.log)"
-  else
-    echo "cmake build FAILED (log: build/cmake.log):"; tail -40 build/cmake.log; status=1
-  fi
+  bash tools/sanitize.sh > build/sanitize.log 2>&1 || status=1
+  grep -E '^sanitize: ' build/sanitize.log
 fi
 
 echo "== bazel test //..."
@@ -34,5 +29,6 @@ echo "== fuzz (tools/fuzz.sh, ${FRAG_FUZZ_SECONDS:=15} s per target)"
 mkdir -p build
 FRAG_FUZZ_SECONDS=$FRAG_FUZZ_SECONDS bash tools/fuzz.sh > build/fuzz.log 2>&1
 grep -E '^fuzz: [a-z_]+ (clean|FAILED)|^fuzz: .*failed' build/fuzz.log
-"$PY" tools/summarize_tests.py "$(bazel info bazel-testlogs 2>/dev/null)" $labels --log build/fuzz.log || status=1
+logs=(--log build/fuzz.log); [ -f build/sanitize.log ] && logs+=(--log build/sanitize.log)
+"$PY" tools/summarize_tests.py "$(bazel info bazel-testlogs 2>/dev/null)" $labels "${logs[@]}" || status=1
 exit $status

@@ -157,6 +157,16 @@ TEST(Rendezvous, AgreeFailsOnEveryRankWhenOneRankFails) {
   for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "rank 1: bad file") << "rank " << r;
 }
 
+TEST(Rendezvous, AgreeNamesRanksThatFailedAlikeOnce) {
+  FRAG_REQUIRE_GLOO();
+  auto same = run_ranks(3, 20s, [](int, const Context& context) { context->agree("check", "bad plan"); });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(same[r], "every rank: bad plan") << "rank " << r;
+  auto mixed = run_ranks(3, 20s, [](int rank, const Context& context) {
+    context->agree("check", rank == 1 ? "bad file" : "bad plan");
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(mixed[r], "ranks 0, 2: bad plan; rank 1: bad file") << "rank " << r;
+}
+
 TEST(Rendezvous, ExchangeReturnsValuesInRankOrder) {
   FRAG_REQUIRE_GLOO();
   auto errors = run_ranks(3, 20s, [](int rank, const Context& context) {

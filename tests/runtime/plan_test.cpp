@@ -67,6 +67,26 @@ TEST(Plan, NamesAndVisitsAreValidatedAtParse) {
               HasSubstr("must be a whole number"));
 }
 
+TEST(Plan, MissingAndMistypedFieldsAreNamedInTheUsersWords) {
+  // Not the JSON library's "key 'at' not found" / "type must be string, but is number".
+  EXPECT_THAT(parse_error({{{"location", "a.output"}, {"action", "save"}}}),
+              HasSubstr("intervention 0: needs \"at\" (the location, e.g. \"model.layers.0.mlp.output\"); it has "
+                        "the fields \"action\", \"location\""));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}}}), HasSubstr("needs \"do\" (the action: save, set, add"));
+  EXPECT_THAT(parse_error({{{"at", 3}, {"do", "zero"}}}), HasSubstr("intervention 0: \"at\" must be a string, got 3"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "scale"}, {"by", "2"}}}),
+              HasSubstr("\"by\" must be a number, got \"2\""));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", "m"}}}),
+              HasSubstr("\"modules\" must be a list of module paths (strings), got \"m\""));
+}
+
+TEST(Plan, ControlCharactersNeitherTruncateMessagesNorBecomeNames) {
+  // A NUL byte used to end the message where what() was printed; names with one were written as keys.
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", std::string("x\0y", 3)}}}),
+              HasSubstr("\"as\": \"x\\x00y\" holds a control character; a saved name must be printable"));
+  EXPECT_EQ(std::string(Error(std::string("before\0after\x01", 13)).what()), "before\\x00after\\x01");
+}
+
 TEST(Plan, RanksCompareValuesByTheirBytesNotTheirPaths) {
   const auto one = testing::temporary_folder();
   const auto two = testing::temporary_folder();

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The project's own code (and GoogleTest) built with clang under AddressSanitizer and
+# UndefinedBehaviorSanitizer, LibTorch as shipped: a CMake build in build/sanitize
+# (FRAG_SANITIZE=address,undefined, FRAG_FUZZ=ON, so the libFuzzer targets of tests/fuzz come from it
+# too), and the GoogleTest suites run there.
+#   tools/sanitize.sh                 build everything there; run the suites of the CI tier (below)
+#   tools/sanitize.sh --all           run every C++ test binary (adds the long CLI suites: ~15 min more)
+#   tools/sanitize.sh --build [T...]  configure and build only (targets T; default all)
+# Prints one line per suite and GoogleTest's summary lines, which tools/summarize_tests.py counts.
+# Environment: FRAG_SANITIZE_BUILD (default build/sanitize), FRAG_SANITIZE_CXX (default clang++).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=$(bash tools/python_env.sh)
+build=${FRAG_SANITIZE_BUILD:-build/sanitize}
+cxx=${FRAG_SANITIZE_CXX:-clang++}
+
+# The CI tier: every unit suite, plus frag under faults and bad input (the paths where memory errors
+# hide). --all adds the end-to-end CLI and model suites, which Bazel runs unsanitized on every build.
+tier=(tests/ir/fragment_rule_test tests/ir/location_table_test
+      tests/passes/classify_parallel_layers_test tests/passes/insert_fragment_ops_test
+      tests/passes/remove_fragment_ops_test tests/passes/bind_location_ids_test
+      tests/runtime/plan_test tests/runtime/intervention_runtime_test tests/runtime/ad_hoc_call_test
+      tests/runtime/communicator_test tests/program/cuda_test tests/tools/api_example_test
+      tests/tools/torch2_fixture_test tests/tools/frag_faults_test)
+more=(tests/program/sharded_model_test tests/tools/frag_inspect_test tests/tools/frag_rewrite_test
+      tests/tools/frag_run_test)
+
+mode=tier; targets=()
+case "${1:-}" in
+  --all) mode=all ;;
+  --build) mode=build; shift; targets=("$@") ;;
+  "") ;;
+  *) echo "usage: tools/sanitize.sh [--all | --build [TARGET...]]"; exit 2 ;;
+esac
+
+command -v "$cxx" >/dev/null || { echo "sanitize: $cxx not found (tools/install_deps.sh installs clang)"; exit 1; }
+mkdir -p "$build"
+log="$build/build.log"
+if [ ! -f "$build/build.ninja" ]; then
+  # -O1 -g1: fast enough to run the suites, line tables for the sanitizers' stack traces; asserts stay on.
+  cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" -DFRAG_SANITIZE=address,undefined -DFRAG_FUZZ=ON \
+        -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+        -DPython3_EXECUTABLE="$PY" > "$log" 2>&1 ||
+    { echo "sanitize: configuring $build failed (log $log):"; tail -30 "$log"
+      echo "[  FAILED  ] 1 test, configuring the sanitized build"; exit 1; }
+fi
+target_args=(); for t in "${targets[@]}"; do target_args+=(--target "$t"); done
+if ! cmake --build "$build" -j"${FRAG_BUILD_JOBS:-2}" "${target_args[@]}" >> "$log" 2>&1; then
+  echo "sanitize: building in $build failed (log $log):"; grep -E "error|FAILED" "$log" | head -20
+  echo "[  FAILED  ] 1 test, building the sanitized build"; exit 1
+fi
+[ "$mode" = build ] && exit 0
+
+suites=("${tier[@]}"); [ "$mode" = all ] && suites+=("${more[@]}")
+# Leaks: LibTorch keeps process-lifetime caches, so leak checking would report LibTorch. Every other
+# report (use after free, overflow, undefined behaviour) ends the suite with a non-zero exit.
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:halt_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export FRAG_TEST_DATA=$PWD/$build FRAG_PYTHON=$PY
+status=0
+for suite in "${suites[@]}"; do
+  out="$build/logs/$suite.log"; mkdir -p "$(dirname "$out")"
+  start=$SECONDS
+  (cd "$build" && "./$suite") > "$out" 2>&1; rc=$?
+  summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out" | tr '\n' ' ')
+  if [ $rc -eq 0 ] && ! grep -qE 'ERROR: AddressSanitizer|runtime error:' "$out"; then
+    echo "sanitize: $suite clean ($((SECONDS - start)) s): $summary"
+  else
+    echo "sanitize: $suite FAILED (exit $rc, log $out):"
+    grep -E 'ERROR: AddressSanitizer|runtime error:|SUMMARY|\[  FAILED  \]' "$out" | head -8
+    # A suite that died before GoogleTest's summary counts as one failed test.
+    grep -qE '^\[  FAILED  \]' "$out" || echo "[  FAILED  ] 1 test, $suite ended before its summary"
+    status=1
+  fi
+  # GoogleTest's own summary lines, for tools/summarize_tests.py.
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) \] [0-9]+ tests?' "$out"
+done
+exit $status
