@@ -120,11 +120,14 @@ def layer_configs(module: nn.Module) -> List[dict]:
     order: what the C++ pass reads from a TorchScript module's attributes, for formats that keep none."""
     layers = []
     for path, sub in module.named_modules():
-        cls = type(sub).__name__
-        if cls not in CONTRACT_ATTRIBUTES:
+        # A subclass of a kit layer keeps its own class name (a rules file may alias it) and its base's contract.
+        contract = next((CONTRACT_ATTRIBUTES[c.__name__] for c in type(sub).__mro__
+                         if c.__module__ == KIT_LAYERS[0].__module__ and c.__name__ in CONTRACT_ATTRIBUTES), None)
+        if contract is None:
             continue
+        cls = type(sub).__name__
         config = {}
-        for name, kind in CONTRACT_ATTRIBUTES[cls].items():
+        for name, kind in contract.items():
             value = getattr(sub, name)
             config[name] = [int(v) for v in value] if kind is list else kind(value)
         params = {name: list(p.shape) for name, p in sub.named_parameters(recurse=False)}
