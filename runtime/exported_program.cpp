@@ -171,7 +171,8 @@ ExportedProgram read_exported_program(const std::string& path) {
         fail("{}: {} records {} as a {}, but the graph's nn_module_stack has a {}", path, kExtraInfoRecord,
              module.path, module.class_name, in_graph->second);
       for (const auto& [name, value] : layer.at("config").items()) module.attributes[name] = config_value(value);
-      for (const auto& [name, shape] : layer.value("parameters", nlohmann::json::object()).items())
+      const nlohmann::json parameters = layer.value("parameters", nlohmann::json::object());  // kept alive
+      for (const auto& [name, shape] : parameters.items())
         module.parameter_shapes[name] = shape.get<std::vector<int64_t>>();
       if (!recorded.insert(module.path).second) fail("{}: {} records {} twice", path, kExtraInfoRecord, module.path);
       program.modules.push_back(std::move(module));
