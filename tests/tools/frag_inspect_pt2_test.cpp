@@ -20,6 +20,8 @@
 #include <functional>
 #include <set>
 
+#include <unistd.h>
+
 namespace frag {
 namespace {
 
@@ -27,6 +29,13 @@ using testing::frag;
 using testing::lines_of;
 using testing::model_files;
 using testing::temporary_folder;
+
+/// Removes a flat temporary folder. Not std::filesystem::remove_all: libtorch exports a copy of it that the
+/// dynamic linker may pick, and that copy crashed here.
+void remove_folder(const std::string& folder) {
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) ::unlink(entry.path().c_str());
+  ::rmdir(folder.c_str());
+}
 
 std::vector<std::string> pt2_files(const std::string& export_name) {
   std::vector<std::string> files;
@@ -90,10 +99,11 @@ TEST_P(InspectPt2, SameLocationsAndLayoutsAsTheTorchScriptExport) {
   EXPECT_TRUE(report["rank_local"].is_null());
 }
 
-TEST_P(InspectPt2, TextReportListsTheSameRows) {
-  const auto files = pt2_files(GetParam().pt2);
+TEST(InspectPt2Text, TextReportListsTheSameRows) {
+  // One case (kv heads replicated): the JSON cases above cover every model; this covers the text printer.
+  const auto files = pt2_files("llama_kv2_tp4_pt2");
   auto pt2 = frag({"inspect", files[0]});
-  auto ts = frag({"inspect", model_files(GetParam().torchscript)[0]});
+  auto ts = frag({"inspect", model_files("llama_kv2_tp4")[0]});
   ASSERT_EQ(pt2.exit_code, 0) << pt2.err;
   ASSERT_EQ(ts.exit_code, 0) << ts.err;
   // The table of fragmented locations: from its heading to the blank line after it.
@@ -150,7 +160,7 @@ class DamagedPt2 : public ::testing::Test {
     folder_ = temporary_folder();
     original_ = pt2_files("llama_tp2_pt2")[0];
   }
-  void TearDown() override { std::filesystem::remove_all(folder_); }
+  void TearDown() override { remove_folder(folder_); }
 
   std::string damaged(const std::string& name,
                       const std::function<std::string(const std::string&, std::string)>& edit) {
@@ -259,7 +269,7 @@ TEST(InspectPt2Inputs, RewriteOfAnArchiveIsRefusedForNow) {
   EXPECT_NE(line.find(file), std::string::npos) << line;
   EXPECT_NE(line.find("torch.export archive"), std::string::npos) << line;
   EXPECT_FALSE(std::filesystem::exists(folder + "/out.pt2"));
-  std::filesystem::remove_all(folder);
+  remove_folder(folder);
 }
 
 }  // namespace
