@@ -8,6 +8,7 @@
 
 #include "ir/error.h"
 #include "ir/json_file.h"
+#include "ir/module_description.h"
 
 #include <fmt/ranges.h>
 
@@ -30,36 +31,33 @@ const std::vector<std::string> kKnownKinds = {
 /// Reads one layer's config attributes, with errors that name the layer.
 class LayerConfig {
  public:
-  LayerConfig(const torch::jit::Module& module, const std::string& source, const std::string& path,
-              const std::string& class_name)
-      : module_(module), source_(source), path_(path), class_name_(class_name) {}
+  LayerConfig(const ir::ModuleDescription& module, const std::string& source, const std::string& class_name)
+      : module_(module), source_(source), path_(module.path), class_name_(class_name) {}
 
   int64_t integer(const char* name) const {
-    auto value = get(name);
+    const auto& value = get(name);
     if (!value.isInt()) wrong_type(name, "int", value);
     return value.toInt();
   }
 
   bool boolean(const char* name) const {
-    auto value = get(name);
+    const auto& value = get(name);
     if (!value.isBool()) wrong_type(name, "bool", value);
     return value.toBool();
   }
 
   std::vector<int64_t> integers(const char* name) const {
-    auto value = get(name);
+    const auto& value = get(name);
     if (!value.isIntList()) wrong_type(name, "List[int]", value);
     return value.toIntVector();
   }
 
   /// Size of a parameter's dim, if the parameter exists.
   std::optional<int64_t> param_size(const char* name, int64_t dim) const {
-    if (!module_.hasattr(name)) return std::nullopt;
-    auto value = module_.attr(name);
-    if (!value.isTensor()) return std::nullopt;
-    const auto& t = value.toTensor();
-    if (t.dim() <= dim) return std::nullopt;
-    return t.size(dim);
+    auto it = module_.parameter_shapes.find(name);
+    if (it == module_.parameter_shapes.end() || static_cast<int64_t>(it->second.size()) <= dim)
+      return std::nullopt;
+    return it->second[static_cast<size_t>(dim)];
   }
 
   /// The padded vocabulary of the model's LM head, when it has one: what a
@@ -76,12 +74,13 @@ class LayerConfig {
   }
 
  private:
-  c10::IValue get(const char* name) const {
-    if (!module_.hasattr(name))
+  const c10::IValue& get(const char* name) const {
+    auto it = module_.attributes.find(name);
+    if (it == module_.attributes.end())
       fail("{}: {} ({}): missing config attribute '{}'; export the layer with fragkit or keep "
            "vLLM's attribute names",
            source_, path_, class_name_, name);
-    return module_.attr(name);
+    return it->second;
   }
 
   [[noreturn]] void wrong_type(const char* name, const char* expected, const c10::IValue& found) const {
@@ -89,7 +88,7 @@ class LayerConfig {
          name, expected, found.tagKind());
   }
 
-  const torch::jit::Module& module_;
+  const ir::ModuleDescription& module_;
   const std::string& source_;
   const std::string& path_;
   const std::string& class_name_;
@@ -336,36 +335,73 @@ LayerAliases LayerAliases::from_file(const std::string& path) {
 
 namespace {
 
+/// The known kind `class_name` is treated as, or "" for a module the pass ignores.
+std::string kind_of(const std::string& class_name, const LayerAliases& aliases) {
+  auto alias = aliases.kind_of_class.find(class_name);
+  const std::string kind = alias != aliases.kind_of_class.end() ? alias->second : class_name;
+  return classifier_for(kind) != nullptr ? kind : std::string();
+}
+
 /// The one num_embeddings_padded of the model's ParallelLMHead layers (none, or several that differ: nullopt).
-std::optional<int64_t> lm_head_padded_vocab(const torch::jit::Module& root, const LayerAliases& aliases) {
+std::optional<int64_t> lm_head_padded_vocab(const std::vector<ir::ModuleDescription>& modules,
+                                            const LayerAliases& aliases) {
   std::optional<int64_t> padded;
-  for (const auto& named : root.named_modules()) {
-    const std::string class_name = plain_class_name(named.value.type()->name()->qualifiedName());
-    auto alias = aliases.kind_of_class.find(class_name);
-    const std::string kind = alias != aliases.kind_of_class.end() ? alias->second : class_name;
-    if (kind != "ParallelLMHead" || !named.value.hasattr("num_embeddings_padded")) continue;
-    auto value = named.value.attr("num_embeddings_padded");
-    if (!value.isInt()) continue;  // reported when the head itself is classified
-    if (padded && *padded != value.toInt()) return std::nullopt;
-    padded = value.toInt();
+  for (const auto& module : modules) {
+    if (kind_of(plain_class_name(module.class_name), aliases) != "ParallelLMHead") continue;
+    auto value = module.attributes.find("num_embeddings_padded");
+    if (value == module.attributes.end() || !value->second.isInt()) continue;  // reported when classified
+    if (padded && *padded != value->second.toInt()) return std::nullopt;
+    padded = value->second.toInt();
   }
   return padded;
 }
 
 }  // namespace
 
-ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
-                                           const LayerAliases& aliases, const std::string& source) {
-  ir::FragmentTable table;
-  const auto head_padded = lm_head_padded_vocab(root, aliases);
+std::vector<ir::ModuleDescription> describe_modules(const torch::jit::Module& root, const LayerAliases& aliases) {
+  std::vector<ir::ModuleDescription> modules;
   walk_modules(root, "", [&](const std::string& path, const torch::jit::Module& module) {
     const std::string class_name = plain_class_name(module.type()->name()->qualifiedName());
-    auto alias = aliases.kind_of_class.find(class_name);
-    const std::string kind = alias != aliases.kind_of_class.end() ? alias->second : class_name;
+    if (kind_of(class_name, aliases).empty()) return;  // only known layers' attributes are read
+    ir::ModuleDescription description{path, class_name, {}, {}, true, "module attributes"};
+    const auto& type = module.type();
+    const auto& object = module._ivalue();
+    for (size_t i = 0; i < type->numAttributes(); ++i) {
+      if (type->getAttribute(i)->is_module()) continue;
+      const std::string& name = type->getAttributeName(i);
+      const c10::IValue& value = object->getSlot(i);
+      if (value.isTensor())
+        description.parameter_shapes[name] = value.toTensor().sizes().vec();
+      else
+        description.attributes[name] = value;
+    }
+    for (size_t i = 0; i < type->numConstants(); ++i)
+      description.attributes.emplace(type->getConstantName(i), type->getConstant(i));
+    modules.push_back(std::move(description));
+  });
+  return modules;
+}
+
+ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
+                                           const LayerAliases& aliases, const std::string& source) {
+  return classify_parallel_layers(describe_modules(root, aliases), aliases, source);
+}
+
+ir::FragmentTable classify_parallel_layers(const std::vector<ir::ModuleDescription>& modules,
+                                           const LayerAliases& aliases, const std::string& source) {
+  ir::FragmentTable table;
+  const auto head_padded = lm_head_padded_vocab(modules, aliases);
+  for (const auto& module : modules) {
+    const std::string class_name = plain_class_name(module.class_name);
+    const std::string kind = kind_of(class_name, aliases);
+    if (kind.empty()) continue;
+    if (!module.has_config)
+      fail("{}: {} ({}): no recorded layer config; expected it in {}, found none (export with "
+           "fragkit.export.export(..., format=\"export\"))",
+           source, module.path, class_name, module.config_origin);
     Classifier classify = classifier_for(kind);
-    if (classify == nullptr) return;
-    LayerEntry entry{path, class_name, kind, std::nullopt, std::nullopt, {}};
-    LayerConfig config(module, source, path, class_name);
+    LayerEntry entry{module.path, class_name, kind, std::nullopt, std::nullopt, {}};
+    LayerConfig config(module, source, class_name);
     config.set_lm_head_padded_vocab(head_padded);
     classify(config, entry);
     // The model's tensor-parallel size: every sharded layer spans the same
@@ -378,7 +414,7 @@ ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
       table.tp_size = group;
     }
     table.layers.push_back(std::move(entry));
-  });
+  }
   return table;
 }
 

@@ -6,6 +6,11 @@
 // whether it is fragmented and by which fragment rule (ir/fragment_rule.h).
 // The decision depends on the layer's type and config only, never on the rank.
 //
+// One classification serves both formats: a TorchScript module is first
+// described (ir::ModuleDescription: path, class, attributes, parameter shapes);
+// a torch.export archive is described from its graph's nn_module_stack and the
+// configs the kit recorded (runtime/exported_program.h).
+//
 // TorchScript keeps no class hierarchy, so a layer is known by its class name
 // with `___torch_mangle_N` segments stripped; a user rules file can declare
 // more class names as a kind of a known layer:
@@ -15,6 +20,7 @@
 #pragma once
 
 #include "ir/fragment_table.h"
+#include "ir/module_description.h"
 
 #include <torch/script.h>
 
@@ -43,6 +49,16 @@ std::string plain_class_name(const std::string& qualified_name);
 /// file, the module path and the problem.
 ir::FragmentTable classify_parallel_layers(const torch::jit::Module& root,
                                            const LayerAliases& aliases, const std::string& source);
+
+/// The same on described modules, in the order given (pre-order, as
+/// named_modules). A known layer without config (`has_config` false) is a
+/// frag::Error naming the file, the layer and where the config was expected.
+ir::FragmentTable classify_parallel_layers(const std::vector<ir::ModuleDescription>& modules,
+                                           const LayerAliases& aliases, const std::string& source);
+
+/// The modules of `root` that are known layers (aliases included), described
+/// with every non-module attribute and the shapes of their tensors.
+std::vector<ir::ModuleDescription> describe_modules(const torch::jit::Module& root, const LayerAliases& aliases);
 
 /// Checks that several rank files' tables agree (rank order as given); a
 /// difference is a frag::Error naming both files and the first differing layer.

@@ -5,6 +5,7 @@
                                            [--ep] [--seed S] [--dtype float32|bfloat16]
                                            [--hidden H] [--intermediate I] [--heads N] [--head-dim D]
                                            [--vocab V] [--vocab-padding P] [--mlp gated|plain]
+                                           [--format torchscript|export]
 
 The size flags override the model config's defaults (tiny: hidden 64, 8 heads of
 8, intermediate 128, vocab 1000); without them the export is the tiny model. When
@@ -16,7 +17,8 @@ GPT-2 style: a ColumnParallelLinear up_proj with gather_output=False, so its out
 is a plain shard on the last dim, GELU, a RowParallelLinear down_proj). The default
 exports exactly what an export without the flag does.
 
-Writes DIR/rank{r}.pt for r in 0..tp-1 (tp 1 gives the whole model).
+Writes DIR/rank{r}.pt for r in 0..tp-1 (tp 1 gives the whole model); --format export writes
+DIR/rank{r}.pt2 (torch.export archives) instead.
 """
 import argparse
 import os
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--mlp", choices=list(LLAMA_MLP_KINDS), default=None,
                    help="llama only: the MLP, 'gated' (default: gate_up_proj, SiLU-and-mul, down_proj) or "
                         "'plain' (up_proj ColumnParallelLinear with gather_output=False, GELU, down_proj)")
+    p.add_argument("--format", choices=["torchscript", "export"], default="torchscript",
+                   help="torchscript (rank{r}.pt, the default) or export (torch.export, rank{r}.pt2)")
     args = p.parse_args(argv)
 
     if args.tp < 1:
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
             if args.vocab_padding is not None:
                 p.error("--vocab-padding applies to --model llama only")
             build = qwen2_moe_builder(Qwen2MoeConfig(**overrides), enable_expert_parallel=args.ep)
-        paths = export(build, args.tp, args.out, seed=args.seed)
+        paths = export(build, args.tp, args.out, seed=args.seed, format=args.format)
     except (ValueError, NotImplementedError) as e:
         print("export_model: error: %s" % e, file=sys.stderr)
         return 2

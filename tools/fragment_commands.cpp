@@ -13,6 +13,7 @@
 #include "ir/error.h"
 #include "passes/insert_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
+#include "runtime/exported_program.h"
 #include "runtime/rank_module.h"
 #include "tools/safe_files.h"
 
@@ -71,28 +72,47 @@ void check_rank_files(const std::vector<std::string>& files) {
   require_distinct_files(files, "the rank files");
 }
 
-std::vector<ir::FragmentTable> analyze_files(const std::vector<std::string>& files,
-                                             const passes::LayerAliases& aliases) {
-  check_rank_files(files);
+/// The rank files' tables; .pt2 archives are classified from their recorded configs, without the graph
+/// analysis that finds whole and rank-local locations (done for TorchScript by the rewrite).
+struct Analysis {
   std::vector<ir::FragmentTable> tables;
+  bool graph_analysed = true;
+};
+
+Analysis analyze_files(const std::vector<std::string>& files, const passes::LayerAliases& aliases) {
+  check_rank_files(files);
+  Analysis analysis;
   std::vector<std::string> export_ids;
+  std::vector<bool> exported;
+  for (const auto& file : files) exported.push_back(runtime::is_exported_program(file));
+  for (size_t r = 1; r < files.size(); ++r)
+    if (exported[r] != exported[0])
+      fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "
+           "one export", files[0], files[r]);
   for (const auto& file : files) {
+    if (exported[0]) {
+      auto program = runtime::read_exported_program(file);
+      export_ids.push_back(program.info.export_id);
+      analysis.tables.push_back(passes::classify_parallel_layers(program.modules, aliases, file));
+      analysis.graph_analysed = false;
+      continue;
+    }
     auto rank = runtime::load_rank_module(file);
     export_ids.push_back(rank.info.export_id);
     if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
       fail("{}: already rewritten by frag rewrite; inspect reads the original export", file);
-    tables.push_back(passes::analyze_fragments(rank.module, aliases, file));
+    analysis.tables.push_back(passes::analyze_fragments(rank.module, aliases, file));
   }
   // Layouts first: they name what differs; then the export ids.
-  passes::check_tables_agree(files, tables);
+  passes::check_tables_agree(files, analysis.tables);
   check_one_export(files, export_ids);
-  return tables;
+  return analysis;
 }
 
 }  // namespace
 
 std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                         bool all) {
+                         bool all, bool graph_analysed) {
   std::string out = fmt::format("{}: tp_size {}, {} parallel layers\n", fmt::join(files, ", "),
                                 table.tp_size, table.layers.size());
   auto rows = fragmented_rows(table);
@@ -110,6 +130,10 @@ std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::
   for (const auto& r : rows)
     out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:<{}}  {}\n", r.location, w_loc, r.class_name,
                        w_class, r.layout, w_layout, r.whole, w_whole, r.group);
+  if (!graph_analysed) {
+    out += "\nrank-local and whole locations: not analysed for torch.export archives yet (layers only)\n";
+    return out;
+  }
   out += fmt::format("\nrank-local values ({}): derived from a fragment, not whole on any rank\n",
                      table.rank_local.size());
   for (const auto& local : table.rank_local)
@@ -121,7 +145,8 @@ std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::
   return out;
 }
 
-nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files) {
+nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,
+                            bool graph_analysed) {
   nlohmann::json fragmented = nlohmann::json::array();
   for (const auto& r : fragmented_rows(table)) {
     fragmented.push_back({{"location", r.location},
@@ -142,23 +167,33 @@ nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<st
   for (const auto& layer : table.layers)
     layers.push_back({{"path", layer.path}, {"class", layer.class_name}, {"kind", layer.kind},
                       {"notes", layer.notes}});
-  return {{"format", "fragments.inspect/1"}, {"files", files},     {"tp_size", table.tp_size},
-          {"fragmented", fragmented},        {"rank_local", rank_local}, {"whole", table.whole},
+  // null, not empty, where the graph was not analysed: "none" would be a claim.
+  return {{"format", "fragments.inspect/1"},
+          {"files", files},
+          {"tp_size", table.tp_size},
+          {"fragmented", fragmented},
+          {"rank_local", graph_analysed ? rank_local : nlohmann::json(nullptr)},
+          {"whole", graph_analysed ? nlohmann::json(table.whole) : nlohmann::json(nullptr)},
           {"layers", layers}};
 }
 
 int inspect_command(const InspectArguments& args) {
-  auto tables = analyze_files(args.files, load_aliases(args.rules_file));
+  auto analysis = analyze_files(args.files, load_aliases(args.rules_file));
+  const auto& table = analysis.tables[0];
   if (args.json)
-    std::cout << inspect_json(tables[0], args.files).dump(2) << "\n";
+    std::cout << inspect_json(table, args.files, analysis.graph_analysed).dump(2) << "\n";
   else
-    std::cout << inspect_text(tables[0], args.files, args.all);
+    std::cout << inspect_text(table, args.files, args.all, analysis.graph_analysed);
   return 0;
 }
 
 int rewrite_command(const RewriteArguments& args) {
   remove_temporaries_on_signals();
   check_rank_files(args.files);
+  for (const auto& file : args.files)
+    if (runtime::is_exported_program(file))
+      fail("{}: a torch.export archive; frag rewrite reads TorchScript rank files only for now (frag inspect "
+           "reads both)", file);
   const auto aliases = load_aliases(args.rules_file);
   std::vector<std::string> paths;
   std::error_code ignored;  // a path that cannot be examined is not a folder; check_output_target says why

@@ -25,9 +25,13 @@ struct RewriteArguments {
 };
 
 /// The inspect report of one export (all rank files agree; the first is shown).
-std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files, bool all);
-/// The same as a stable JSON document (format "fragments.inspect/1"; README documents it).
-nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files);
+/// `graph_analysed` false (a .pt2 archive): the whole and rank-local lists are not known and not shown.
+std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files, bool all,
+                         bool graph_analysed = true);
+/// The same as a stable JSON document (format "fragments.inspect/1"; README documents it); "whole" and
+/// "rank_local" are null where the graph was not analysed.
+nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,
+                            bool graph_analysed = true);
 
 /// `frag inspect`: prints the report; returns the exit code.
 int inspect_command(const InspectArguments& args);

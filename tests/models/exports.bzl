@@ -1,9 +1,14 @@
 """Exports reference models with the Python kit at build time (genrules)."""
 
 def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dtype = None, seed = None,
-                 mlp = None, vocab_padding = None):
-    """Writes <name>/rank{r}.pt for r < tp by running tools/export_model.py."""
+                 mlp = None, vocab_padding = None, format = None):
+    """Writes <name>/rank{r}.pt (format "export": rank{r}.pt2) for r < tp by running tools/export_model.py."""
     flags = "--model %s --tp %d" % (model, tp)
+    suffix = "pt"
+    if format:
+        flags += " --format %s" % format
+        if format == "export":
+            suffix = "pt2"
     if kv_heads:
         flags += " --kv-heads %d" % kv_heads
     if ep:
@@ -21,7 +26,7 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
     native.genrule(
         name = name,
         srcs = ["//tools:fragkit"],
-        outs = ["%s/rank%d.pt" % (name, r) for r in range(tp)],
+        outs = ["%s/rank%d.%s" % (name, r, suffix) for r in range(tp)],
         cmd = ("PYTHONDONTWRITEBYTECODE=1 $(location @torch//:python) $(location //tools:export_model.py) " +
                flags + " --out $(RULEDIR)/" + name + " > /dev/null"),
         tools = ["//tools:export_model.py", "@torch//:python"],

@@ -22,7 +22,10 @@ def run_rank(rank, world_size, port, cases, out_dir, tools_dir):
                 if name == "ops":
                     out = _ops_case(rank, world_size)
                 else:
-                    module = torch.jit.load(os.path.join(case["dir"], "rank%d.pt" % rank))
+                    if case.get("format") == "export":
+                        module = torch.export.load(os.path.join(case["dir"], "rank%d.pt2" % rank)).module()
+                    else:
+                        module = torch.jit.load(os.path.join(case["dir"], "rank%d.pt" % rank))
                     inputs = torch.load(case["inputs"])
                     out = module(*inputs)
                 torch.save(out, os.path.join(out_dir, "%s.rank%d.pt" % (name, rank)))

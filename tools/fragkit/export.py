@@ -1,4 +1,4 @@
-"""Export one TorchScript file per tensor-parallel rank.
+"""Export one file per tensor-parallel rank: TorchScript (``rank{r}.pt``) or torch.export (``rank{r}.pt2``).
 
 ``build(tp_rank, tp_size)`` returns an nn.Module made of kit layers and ordinary modules.  The tp_size 1
 build (with its random init, under ``seed``) is the whole model; each rank's module gets its slice of it:
@@ -8,16 +8,25 @@ direct parameters and buffers copied whole (norms, routers, rotary caches...).
 Each file also carries ``fragkit.json`` (an extra file beside the code): ``{"export_id", "tp_size",
 "tp_rank", "model"}``.  The export id is a digest of the whole model's weights and tp_size, so every rank
 file of one export has the same id and the runner can refuse rank files mixed from different exports.
+
+``format="export"`` writes ``rank{r}.pt2`` with ``torch.export.export`` (batch and sequence dims dynamic)
+and ``torch.export.save``.  An exported program keeps no module attributes, so ``fragkit.json`` (the
+archive's ``extra/fragkit.json``) then also records every kit layer's config: ``"layers"`` is a list, in
+``named_modules`` order, of ``{"path", "class", "config": {CONTRACT_ATTRIBUTES of the class},
+"parameters": {name: shape}}`` (format ``"fragkit.layers/1"``), which the C++ pass classifies exactly as
+it classifies a TorchScript module's attributes.
 """
 import hashlib
+import io
 import json
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from .layers import KIT_LAYERS
+from . import ops
+from .layers import CONTRACT_ATTRIBUTES, KIT_LAYERS
 
 Builder = Callable[[int, int], nn.Module]
 
@@ -86,22 +95,67 @@ def shard_model(build: Builder, tp_size: int, seed: int = 0) -> Tuple[nn.Module,
     return full, ranks
 
 
-def export(build: Builder, tp_size: int, out_dir: str, seed: int = 0) -> List[str]:
-    """Script and save ``out_dir/rank{r}.pt`` for r in range(tp_size).  Returns the paths."""
+FORMATS = ("torchscript", "export")
+LAYERS_FORMAT = "fragkit.layers/1"
+
+
+def export(build: Builder, tp_size: int, out_dir: str, seed: int = 0, format: str = "torchscript") -> List[str]:
+    """Save ``out_dir/rank{r}.pt`` (TorchScript) or ``rank{r}.pt2`` (``format="export"``: torch.export) for
+    r in range(tp_size).  Returns the paths."""
     if tp_size < 1:
         raise ValueError("tp_size must be >= 1")
+    _check_format(format)
     torch.manual_seed(seed)
     full = build(0, 1).eval()
-    return export_ranks(full, build, tp_size, out_dir)
+    return export_ranks(full, build, tp_size, out_dir, format=format)
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError("format must be one of %s, got %r" % (", ".join(FORMATS), format))
+
+
+def layer_configs(module: nn.Module) -> List[dict]:
+    """Every kit layer's contract config (``CONTRACT_ATTRIBUTES``) and parameter shapes, in ``named_modules``
+    order: what the C++ pass reads from a TorchScript module's attributes, for formats that keep none."""
+    layers = []
+    for path, sub in module.named_modules():
+        # A subclass of a kit layer keeps its own class name (a rules file may alias it) and its base's contract.
+        contract = next((CONTRACT_ATTRIBUTES[c.__name__] for c in type(sub).__mro__
+                         if c.__module__ == KIT_LAYERS[0].__module__ and c.__name__ in CONTRACT_ATTRIBUTES), None)
+        if contract is None:
+            continue
+        cls = type(sub).__name__
+        config = {}
+        for name, kind in contract.items():
+            value = getattr(sub, name)
+            config[name] = [int(v) for v in value] if kind is list else kind(value)
+        params = {name: list(p.shape) for name, p in sub.named_parameters(recurse=False)}
+        layers.append({"path": path, "class": cls, "config": config, "parameters": params})
+    return layers
+
+
+def example_input_ids() -> Tensor:
+    """The traced input of a kit model: token ids [batch, seq]; both dims are exported dynamic."""
+    return torch.zeros(2, 8, dtype=torch.long)
+
+
+def export_program(module: nn.Module, tp_size: int) -> "torch.export.ExportedProgram":
+    """``torch.export`` of one rank's kit model (``forward(input_ids)``), batch and sequence dims dynamic."""
+    dim = torch.export.Dim.DYNAMIC
+    with ops.tracing_group_size(tp_size), torch.no_grad():
+        return torch.export.export(module, (example_input_ids(),), dynamic_shapes=({0: dim, 1: dim},))
 
 
 def export_ranks(full: nn.Module, build: Builder, tp_size: int, out_dir: str, info: Optional[dict] = None,
-                 progress: Optional[Callable[[int], None]] = None) -> List[str]:
+                 progress: Optional[Callable[[int], None]] = None, format: str = "torchscript") -> List[str]:
     """Slice ``full`` (the model built at tp_size 1, weights loaded) into ``build(r, tp_size)`` for each rank,
-    script and save ``out_dir/rank{r}.pt``; ``info`` joins ``fragkit.json``.  Each file is written under a
-    temporary name and renamed when all are written, so a failure leaves no rank file behind."""
+    script and save ``out_dir/rank{r}.pt`` (or export ``rank{r}.pt2``, ``format="export"``); ``info`` joins
+    ``fragkit.json``.  Each file is written under a temporary name and renamed when all are written, so a
+    failure leaves no rank file behind."""
     if tp_size < 1:
         raise ValueError("tp_size must be >= 1")
+    _check_format(format)
     os.makedirs(out_dir, exist_ok=True)
     export_id = _export_id(full, tp_size)
     written = []
@@ -110,13 +164,25 @@ def export_ranks(full: nn.Module, build: Builder, tp_size: int, out_dir: str, in
             m = full if tp_size == 1 else build(r, tp_size).eval()
             if m is not full:
                 load_rank_from_full(m, full)
-            stabilize_script_types(m)
-            scripted = torch.jit.script(m)
-            path = os.path.join(out_dir, "rank%d.pt" % r)
             meta = dict(info or {}, export_id=export_id, tp_size=tp_size, tp_rank=r, model=type(full).__name__)
-            written.append(path)
-            scripted.save(path + ".tmp", _extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})
-            del m, scripted
+            if format == "export":
+                path = os.path.join(out_dir, "rank%d.pt2" % r)
+                meta.update(layers_format=LAYERS_FORMAT, layers=layer_configs(m))
+                program = export_program(m, tp_size)
+                written.append(path)
+                buffer = io.BytesIO()  # saved in memory: the archive's folder name comes from a file's name
+                torch.export.save(program, buffer, extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})
+                with open(path + ".tmp", "wb") as f:
+                    f.write(buffer.getvalue())
+                del program, buffer
+            else:
+                stabilize_script_types(m)
+                scripted = torch.jit.script(m)
+                path = os.path.join(out_dir, "rank%d.pt" % r)
+                written.append(path)
+                scripted.save(path + ".tmp", _extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})
+                del scripted
+            del m
             if progress is not None:
                 progress(r)
         for path in written:

@@ -596,8 +596,14 @@ class FusedMoE(nn.Module):
         for i in range(self.local_num_experts):
             sel = topk_ids == (self.expert_start + i)
             tokens = torch.nonzero(sel.any(dim=-1)).squeeze(-1)
-            if tokens.numel() == 0:
-                continue
+            # Skipping an idle expert is a data-dependent branch that torch.export cannot trace; the loop
+            # body is exact for zero tokens too, so only TorchScript and eager runs skip.
+            if torch.jit.is_scripting():
+                if tokens.numel() == 0:
+                    continue
+            elif not torch.compiler.is_compiling():
+                if tokens.numel() == 0:
+                    continue
             weight = (topk_weights * sel.to(topk_weights.dtype)).sum(dim=-1).index_select(0, tokens)
             xe = x.index_select(0, tokens)
             gate_up = F.linear(xe, self.w13_weight[i])

@@ -95,6 +95,50 @@ def _all_gather_impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 _IMPLS = {"all_reduce": _all_reduce_impl, "all_gather": _all_gather_impl}
 
+# The group size that all_gather's fake kernel assumes when torch.distributed is not initialized: a rank is
+# exported (torch.export) in one process, so the kit sets it to the export's tp_size (``tracing_group_size``).
+_FAKE_GROUP_SIZE = 1
+
+
+class tracing_group_size:
+    """``with tracing_group_size(tp):`` makes ``frag::all_gather``'s fake kernel gather ``tp`` pieces."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+
+    def __enter__(self):
+        global _FAKE_GROUP_SIZE
+        self.saved, _FAKE_GROUP_SIZE = _FAKE_GROUP_SIZE, self.size
+        return self
+
+    def __exit__(self, *exc):
+        global _FAKE_GROUP_SIZE
+        _FAKE_GROUP_SIZE = self.saved
+        return False
+
+
+def _fake_group_size() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _FAKE_GROUP_SIZE
+
+
+def _all_reduce_fake(x: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_gather_fake(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    nd = x.dim()
+    if dim < -nd or dim >= max(nd, 1):
+        raise RuntimeError("frag::all_gather: dim %d out of range for a %d-d tensor" % (dim, nd))
+    shape = list(x.shape)
+    shape[dim % nd] = shape[dim % nd] * _fake_group_size()
+    return x.new_empty(shape)
+
+
+_FAKES = {"all_reduce": _all_reduce_fake, "all_gather": _all_gather_fake}
+
 
 def _register() -> None:
     global _LIB, DEFINED_HERE
@@ -117,6 +161,18 @@ def _register() -> None:
     DEFINED_HERE = True
 
 
+def _register_fakes() -> None:
+    """Fake (meta) kernels, which torch.export needs to trace the ops; skipped where one exists (C++)."""
+    register_fake = getattr(torch.library, "register_fake", None)
+    if register_fake is None:
+        return
+    for name, fake in _FAKES.items():
+        try:
+            register_fake(NAMESPACE + "::" + name, fake, lib=_LIB)
+        except RuntimeError:
+            pass  # already has a fake or meta kernel
+
+
 def registered_schemas() -> List[str]:
     """The schemas the dispatcher holds now for the frag ops (to compare with ``OP_SCHEMAS``)."""
     out = []
@@ -127,3 +183,4 @@ def registered_schemas() -> List[str]:
 
 
 _register()
+_register_fakes()

@@ -1,0 +1,49 @@
+//===- runtime/exported_program.h - One rank's torch.export archive -*- C++ -*-===//
+//
+// Reads a .pt2 archive (torch.export.save: a zip written by PyTorch's stream
+// writer, read here with LibTorch's PyTorchStreamReader): the graph
+// (models/model.json, schema major kSchemaMajor), the module tree its nodes
+// name (metadata "nn_module_stack": "key,path,class;…"), and the kit's
+// extra/fragkit.json (export id, tp, and each parallel layer's config, which an
+// exported program keeps nowhere else). The result describes the modules as
+// the classification wants them (ir::ModuleDescription), so .pt2 and
+// TorchScript files go through one classification.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "ir/module_description.h"
+#include "runtime/rank_module.h"
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace frag::runtime {
+
+/// The models/model.json schema major version this build reads (PyTorch 2.11 writes 8.x).
+inline constexpr int64_t kSchemaMajor = 8;
+/// The kit's record of layer configs in extra/fragkit.json.
+inline constexpr const char* kLayersFormat = "fragkit.layers/1";
+
+/// One rank's archive, read.
+struct ExportedProgram {
+  std::string path;
+  ExportInfo info;
+  int64_t schema_major = 0, schema_minor = 0;
+  /// Every module the graph names and every recorded layer: recorded layers
+  /// first, in the kit's order (named_modules), then the others.
+  std::vector<ir::ModuleDescription> modules;
+  /// The graph document (models/model.json) as read.
+  nlohmann::json model;
+};
+
+/// True when `path` is a torch.export archive (its archive_format record says "pt2").
+bool is_exported_program(const std::string& path);
+
+/// Reads `path`. Not an archive, another schema major, a malformed graph or
+/// record: frag::Error naming the file, what was expected and what was found.
+ExportedProgram read_exported_program(const std::string& path);
+
+}  // namespace frag::runtime
