@@ -3,7 +3,143 @@
 
 #include "ir/error.h"
 
+#include <c10/core/WrapDimMinimal.h>
+
+#include <map>
+#include <mutex>
+
 namespace frag::runtime {
+namespace {
+
+/// Where the whole's entries along the rule's dim come from (assembly), or
+/// which entries of the whole a rank keeps (cut), on one device.
+struct IndexPlan {
+  int64_t dim = 0;
+  bool identity = false;   ///< assembly: the gathered buffer in order, nothing dropped
+  torch::Tensor rank;      ///< assembly: per whole entry, the rank it comes from
+  torch::Tensor offset;    ///< assembly: its offset in that rank's piece; cut: the whole's entries kept
+};
+
+/// A rule's layout fields, the shape and the device: equal keys give equal plans.
+using Key = std::vector<int64_t>;
+
+Key key_of(const ir::FragmentRule& rule, at::IntArrayRef shape, const torch::Device& device, int64_t what) {
+  Key key{what,
+          static_cast<int64_t>(rule.kind),
+          rule.group_size,
+          rule.dim,
+          rule.num_heads,
+          rule.num_kv_heads,
+          rule.head_size,
+          rule.v_head_size,
+          rule.org_vocab,
+          rule.padded_vocab,
+          static_cast<int64_t>(device.type()),
+          device.index(),
+          static_cast<int64_t>(rule.segment_sizes.size())};
+  key.insert(key.end(), rule.segment_sizes.begin(), rule.segment_sizes.end());
+  key.insert(key.end(), shape.begin(), shape.end());
+  return key;
+}
+
+/// Plans are small (index vectors along one dim); a forward uses a few dozen.
+/// Bounded, so shapes that change every call (decode steps) cannot grow it.
+class PlanCache {
+ public:
+  template <typename Make>
+  IndexPlan get(const Key& key, Make make) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = plans_.find(key);
+      if (it != plans_.end()) return it->second;
+    }
+    IndexPlan plan = make();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (plans_.size() >= kMaxPlans) plans_.clear();
+    plans_.emplace(key, plan);
+    return plan;
+  }
+
+ private:
+  static constexpr size_t kMaxPlans = 1024;
+  std::mutex mutex_;
+  std::map<Key, IndexPlan> plans_;
+};
+
+PlanCache& plan_cache() {
+  static PlanCache cache;
+  return cache;
+}
+
+/// A shape of ones of `ndim` dims with `size` at `dim`: position numbers along one dim.
+std::vector<int64_t> line_shape(int64_t ndim, int64_t dim, int64_t size) {
+  std::vector<int64_t> shape(static_cast<size_t>(ndim), 1);
+  shape[static_cast<size_t>(dim)] = size;
+  return shape;
+}
+
+IndexPlan make_assembly_plan(const ir::FragmentRule& rule, at::IntArrayRef piece_shape, const torch::Device& device) {
+  const int64_t ndim = static_cast<int64_t>(piece_shape.size());
+  IndexPlan plan;
+  plan.dim = c10::maybe_wrap_dim(rule.dim, ndim);
+  const int64_t size = piece_shape[static_cast<size_t>(plan.dim)];
+  const int64_t ranks = rule.group_size;
+  // Number every entry of every rank's piece along the dim, assemble the
+  // numbers as the rule assembles values, and read off where each came from.
+  std::vector<torch::Tensor> numbers;
+  for (int64_t r = 0; r < ranks; ++r)
+    numbers.push_back(torch::arange(r * size, (r + 1) * size, torch::kLong).view(line_shape(ndim, plan.dim, size)));
+  torch::Tensor source = ir::whole_from_pieces(rule, numbers).reshape({-1}).contiguous();
+  plan.identity = source.numel() == ranks * size && torch::equal(source, torch::arange(ranks * size, torch::kLong));
+  plan.rank = torch::div(source, size, "floor").to(device);
+  plan.offset = torch::remainder(source, size).to(device);
+  return plan;
+}
+
+IndexPlan make_cut_plan(const ir::FragmentRule& rule, at::IntArrayRef whole_shape, int64_t rank,
+                        const torch::Device& device) {
+  const int64_t ndim = static_cast<int64_t>(whole_shape.size());
+  IndexPlan plan;
+  plan.dim = c10::maybe_wrap_dim(rule.dim, ndim);
+  const int64_t size = whole_shape[static_cast<size_t>(plan.dim)];
+  torch::Tensor numbers = torch::arange(size, torch::kLong).view(line_shape(ndim, plan.dim, size));
+  plan.offset = ir::piece_of_whole(rule, numbers, rank).reshape({-1}).contiguous().to(device);
+  return plan;
+}
+
+}  // namespace
+
+torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Tensor& gathered) {
+  if (ir::collective_for(rule) != ir::CollectiveKind::kAllGather)
+    fail("whole_from_gathered: a {} rule needs no all-gather", ir::kind_name(rule.kind));
+  if (gathered.dim() < 2 || gathered.size(0) != rule.group_size)
+    fail("whole_from_gathered: expected [{}, piece...] for a group of {}, got a tensor of {} dims", rule.group_size,
+         rule.group_size, gathered.dim());
+  const auto piece_shape = gathered.sizes().slice(1);
+  const IndexPlan plan = plan_cache().get(key_of(rule, piece_shape, gathered.device(), 0),
+                                          [&] { return make_assembly_plan(rule, piece_shape, gathered.device()); });
+  if (plan.identity && plan.dim == 0) {
+    // Rank-major blocks on dim 0 are the whole already: a view of the fresh buffer.
+    std::vector<int64_t> shape(piece_shape.begin(), piece_shape.end());
+    shape[0] *= rule.group_size;
+    return gathered.view(shape);
+  }
+  // [ranks, pre..., size, post...] → [pre..., ranks, size, post...] (a view); one
+  // index kernel picks (rank, offset) per whole entry.
+  c10::List<std::optional<at::Tensor>> indices;
+  for (int64_t d = 0; d < plan.dim; ++d) indices.push_back(std::nullopt);
+  indices.push_back(plan.rank);
+  indices.push_back(plan.offset);
+  return at::index(gathered.movedim(0, plan.dim), indices);
+}
+
+torch::Tensor piece_from_whole(const ir::FragmentRule& rule, const torch::Tensor& whole, int64_t rank) {
+  if (ir::collective_for(rule) != ir::CollectiveKind::kAllGather) return ir::piece_of_whole(rule, whole, rank);
+  if (rank < 0 || rank >= rule.group_size) return ir::piece_of_whole(rule, whole, rank);  // its error
+  const IndexPlan plan = plan_cache().get(key_of(rule, whole.sizes(), whole.device(), 1 + rank),
+                                          [&] { return make_cut_plan(rule, whole.sizes(), rank, whole.device()); });
+  return whole.index_select(plan.dim, plan.offset);
+}
 
 torch::Tensor whole_from_piece(RankContext& context, const ir::FragmentRule& rule, const torch::Tensor& piece,
                                std::string_view location) {
@@ -15,7 +151,7 @@ torch::Tensor whole_from_piece(RankContext& context, const ir::FragmentRule& rul
     case ir::CollectiveKind::kAllReduce:
       return group.all_reduce(piece);
     case ir::CollectiveKind::kAllGather:
-      return ir::whole_from_pieces(rule, group.all_gather(piece));
+      return whole_from_gathered(rule, group.all_gather_stacked(piece));
     case ir::CollectiveKind::kNone:
       break;
   }

@@ -3,6 +3,14 @@
 // The one place that turns a rule into a collective: the triples' gathers and
 // the call wrappers' outputs both assemble whole values here.
 //
+// Assembly is fused: an all-gather rule runs one all-gather into one buffer
+// [group size, *piece shape] and one index copy from it (qkv with replicated
+// kv heads, segments, the padded vocab shard alike; a shard on dim 0 is a view
+// of the buffer, no copy). A partial sum is one all-reduce. The index that
+// says which gathered entry lands where is computed once per (rule, piece
+// shape, device) by running ir::whole_from_pieces / ir::piece_of_whole on
+// position numbers, so the result is bit-identical to theirs by construction.
+//
 //===----------------------------------------------------------------------===//
 #pragma once
 
@@ -17,9 +25,17 @@ namespace frag::runtime {
 
 /// The whole value of which `piece` is this rank's part under `rule`: the
 /// collective the rule asks for (ir::collective_for) over the rule's group,
-/// then ir::whole_from_pieces. Always a fresh tensor. A group whose size is not
+/// then the fused assembly. Always a fresh tensor. A group whose size is not
 /// the rule's: frag::Error naming `location`.
 torch::Tensor whole_from_piece(RankContext& context, const ir::FragmentRule& rule, const torch::Tensor& piece,
                                std::string_view location);
+
+/// ir::whole_from_pieces(rule, gathered.unbind(0)) for an all-gather rule, in
+/// one copy (none for a shard on dim 0): `gathered` is [group size, *piece].
+torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Tensor& gathered);
+
+/// ir::piece_of_whole(rule, whole, rank) in one copy for an all-gather rule
+/// (falls back to ir::piece_of_whole for the others). Always a fresh tensor.
+torch::Tensor piece_from_whole(const ir::FragmentRule& rule, const torch::Tensor& whole, int64_t rank);
 
 }  // namespace frag::runtime
