@@ -27,10 +27,13 @@ void CollectiveWatchdog::watch(Marker marker, const char* what) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (error_) fail("{}", *error_);
   const auto now = std::chrono::steady_clock::now();
-  if (pending_.empty()) last_progress_ = now;  // idle time is no stall
+  const bool was_idle = pending_.empty();
+  if (was_idle) last_progress_ = now;  // idle time is no stall
   pending_.push_back(Pending{marker, what, ++sequence_, now});
   lock.unlock();
-  wake_.notify_one();
+  // Only an idle watchdog sleeps until woken; a busy one polls anyway, and a
+  // wake-up per collective would cost the enqueuing thread a context switch.
+  if (was_idle) wake_.notify_one();
 }
 
 void CollectiveWatchdog::check() {

@@ -16,6 +16,10 @@ namespace {
 struct IndexPlan {
   int64_t dim = 0;
   bool identity = false;   ///< assembly: the gathered buffer in order, nothing dropped
+  /// assembly: the whole is `blocks` equal parts per piece, part-major then
+  /// rank (a shard: 1; gate_up: 2): one permuted copy, no index tensors.
+  int64_t blocks = 0;
+  bool fallback = false;   ///< cut: entries the whole does not hold (vocab padding): use the reference
   torch::Tensor rank;      ///< assembly: per whole entry, the rank it comes from
   torch::Tensor offset;    ///< assembly: its offset in that rank's piece; cut: the whole's entries kept
 };
@@ -91,6 +95,21 @@ IndexPlan make_assembly_plan(const ir::FragmentRule& rule, at::IntArrayRef piece
     numbers.push_back(torch::arange(r * size, (r + 1) * size, torch::kLong).view(line_shape(ndim, plan.dim, size)));
   torch::Tensor source = ir::whole_from_pieces(rule, numbers).reshape({-1}).contiguous();
   plan.identity = source.numel() == ranks * size && torch::equal(source, torch::arange(ranks * size, torch::kLong));
+  // Equal parts, part-major: whole[s, r, j] = piece_r[s * part + j]. A strided
+  // copy with no index tensors reads fewer bytes and launches cheaper than a gather.
+  if (source.numel() == ranks * size)
+    for (int64_t blocks : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}}) {
+      if (size % blocks != 0) continue;
+      const int64_t part = size / blocks;
+      auto expected = (torch::arange(ranks, torch::kLong).view({1, ranks, 1}) * size +
+                       torch::arange(blocks, torch::kLong).view({blocks, 1, 1}) * part +
+                       torch::arange(part, torch::kLong).view({1, 1, part}))
+                          .reshape({-1});
+      if (torch::equal(source, expected)) {
+        plan.blocks = blocks;
+        break;
+      }
+    }
   plan.rank = torch::div(source, size, "floor").to(device);
   plan.offset = torch::remainder(source, size).to(device);
   return plan;
@@ -102,8 +121,11 @@ IndexPlan make_cut_plan(const ir::FragmentRule& rule, at::IntArrayRef whole_shap
   IndexPlan plan;
   plan.dim = c10::maybe_wrap_dim(rule.dim, ndim);
   const int64_t size = whole_shape[static_cast<size_t>(plan.dim)];
-  torch::Tensor numbers = torch::arange(size, torch::kLong).view(line_shape(ndim, plan.dim, size));
-  plan.offset = ir::piece_of_whole(rule, numbers, rank).reshape({-1}).contiguous().to(device);
+  // Numbered from 1: whatever the reference fills in (vocab padding) shows as out of range.
+  torch::Tensor numbers = torch::arange(1, size + 1, torch::kLong).view(line_shape(ndim, plan.dim, size));
+  torch::Tensor kept = ir::piece_of_whole(rule, numbers, rank).reshape({-1}).contiguous();
+  plan.fallback = kept.numel() > 0 && (kept.min().item<int64_t>() < 1 || kept.max().item<int64_t>() > size);
+  plan.offset = (kept - 1).to(device);
   return plan;
 }
 
@@ -124,6 +146,19 @@ torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Ten
     shape[0] *= rule.group_size;
     return gathered.view(shape);
   }
+  if (plan.blocks > 0) {
+    // [ranks, pre, blocks, part, post] → [pre, blocks, ranks, part, post]: one copy.
+    int64_t pre = 1, post = 1;
+    for (int64_t d = 0; d < plan.dim; ++d) pre *= piece_shape[static_cast<size_t>(d)];
+    for (size_t d = static_cast<size_t>(plan.dim) + 1; d < piece_shape.size(); ++d) post *= piece_shape[d];
+    const int64_t size = piece_shape[static_cast<size_t>(plan.dim)];
+    std::vector<int64_t> shape(piece_shape.begin(), piece_shape.end());
+    shape[static_cast<size_t>(plan.dim)] *= rule.group_size;
+    return gathered.view({rule.group_size, pre, plan.blocks, size / plan.blocks, post})
+        .permute({1, 2, 0, 3, 4})
+        .contiguous()
+        .view(shape);
+  }
   // [ranks, pre..., size, post...] → [pre..., ranks, size, post...] (a view); one
   // index kernel picks (rank, offset) per whole entry.
   c10::List<std::optional<at::Tensor>> indices;
@@ -138,6 +173,7 @@ torch::Tensor piece_from_whole(const ir::FragmentRule& rule, const torch::Tensor
   if (rank < 0 || rank >= rule.group_size) return ir::piece_of_whole(rule, whole, rank);  // its error
   const IndexPlan plan = plan_cache().get(key_of(rule, whole.sizes(), whole.device(), 1 + rank),
                                           [&] { return make_cut_plan(rule, whole.sizes(), rank, whole.device()); });
+  if (plan.fallback) return ir::piece_of_whole(rule, whole, rank);
   return whole.index_select(plan.dim, plan.offset);
 }
 
