@@ -5,6 +5,7 @@
 
 #include <c10/core/WrapDimMinimal.h>
 
+#include <array>
 #include <map>
 #include <mutex>
 
@@ -20,8 +21,10 @@ struct IndexPlan {
   /// rank (a shard: 1; gate_up: 2): one permuted copy, no index tensors.
   int64_t blocks = 0;
   bool fallback = false;   ///< cut: entries the whole does not hold (vocab padding): use the reference
-  torch::Tensor rank;      ///< assembly: per whole entry, the rank it comes from
-  torch::Tensor offset;    ///< assembly: its offset in that rank's piece; cut: the whole's entries kept
+  /// assembly otherwise: runs {rank, offset, length} of consecutive entries of
+  /// one piece, in the whole's order; one cat of views copies them (one kernel).
+  std::vector<std::array<int64_t, 3>> runs;
+  torch::Tensor offset;    ///< cut: the whole's entries this rank keeps
 };
 
 /// A rule's layout fields, the shape and the device: equal keys give equal plans.
@@ -110,8 +113,14 @@ IndexPlan make_assembly_plan(const ir::FragmentRule& rule, at::IntArrayRef piece
         break;
       }
     }
-  plan.rank = torch::div(source, size, "floor").to(device);
-  plan.offset = torch::remainder(source, size).to(device);
+  const auto* from = source.data_ptr<int64_t>();
+  for (int64_t i = 0; i < source.numel(); ++i) {
+    const int64_t rank = from[i] / size, offset = from[i] % size;
+    auto& runs = plan.runs;
+    if (!runs.empty() && runs.back()[0] == rank && runs.back()[1] + runs.back()[2] == offset) ++runs.back()[2];
+    else runs.push_back({rank, offset, 1});
+  }
+  (void)device;
   return plan;
 }
 
@@ -159,13 +168,13 @@ torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Ten
         .contiguous()
         .view(shape);
   }
-  // [ranks, pre..., size, post...] → [pre..., ranks, size, post...] (a view); one
-  // index kernel picks (rank, offset) per whole entry.
-  c10::List<std::optional<at::Tensor>> indices;
-  for (int64_t d = 0; d < plan.dim; ++d) indices.push_back(std::nullopt);
-  indices.push_back(plan.rank);
-  indices.push_back(plan.offset);
-  return at::index(gathered.movedim(0, plan.dim), indices);
+  // Unequal parts (qkv, replicated kv heads) or padding (vocab): views of the
+  // runs, one cat (CUDA copies all of them in one batched kernel).
+  if (plan.runs.empty()) return ir::whole_from_pieces(rule, gathered.unbind(0));  // an empty whole
+  std::vector<torch::Tensor> parts;
+  parts.reserve(plan.runs.size());
+  for (const auto& [rank, offset, length] : plan.runs) parts.push_back(gathered[rank].narrow(plan.dim, offset, length));
+  return torch::cat(parts, plan.dim);
 }
 
 torch::Tensor piece_from_whole(const ir::FragmentRule& rule, const torch::Tensor& whole, int64_t rank) {

@@ -12,7 +12,7 @@
 //    pieces; one synchronize() at the end, as ShardedModel's forward does.
 // 2. Assembly. The 8B-shaped tp 2 rules' wholes from a gathered buffer: the
 //    previous path (unbind, ir::whole_from_pieces: a narrow per part and a
-//    cat) against the fused one (runtime::whole_from_gathered: one index copy),
+//    cat) against the fused one (runtime::whole_from_gathered: one copy),
 //    17 assemblies per round as 4 layers plus the logits need; bit-identity
 //    checked for every rule.
 //
@@ -194,14 +194,35 @@ int main(int argc, char** argv) {
       round(fused);
       (fused ? t_new : t_old).push_back(ms_since(start));
     }
+  // Per rule, the same comparison (one whole per timing, 4 back to back so launches dominate less).
+  std::vector<std::pair<double, double>> per_rule;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    std::vector<double> a, b;
+    for (int i = 0; i < iterations; ++i)
+      for (int k = 0; k < 2; ++k) {
+        const bool fused = (i + k) % 2 == 1;
+        torch::cuda::synchronize();
+        const auto start = Clock::now();
+        for (int rep = 0; rep < 4; ++rep)
+          (void)(fused ? whole_from_gathered(entries[e].rule, gathered[e])
+                       : ir::whole_from_pieces(entries[e].rule, gathered[e].unbind(0)));
+        torch::cuda::synchronize();
+        (fused ? b : a).push_back(ms_since(start) / 4);
+      }
+    per_rule.emplace_back(median(a), median(b));
+  }
   const double o = median(t_old), n = median(t_new);
   fmt::print("== 2. assembly of {} wholes per round (8B-shaped tp 2 rules, bf16, {} tokens, {} rounds)\n", per_round,
              tokens, iterations);
   fmt::print("    per-part narrow + cat (before)                {:8.3f} ms  ({:.1f} us per whole)\n", o,
              1000 * o / per_round);
-  fmt::print("    fused index copy (after)                      {:8.3f} ms  ({:.1f} us per whole)\n", n,
+  fmt::print("    fused, one copy (after)                       {:8.3f} ms  ({:.1f} us per whole)\n", n,
              1000 * n / per_round);
   fmt::print("    before / after                                {:8.3f}\n", o / n);
+  fmt::print("    per whole, us (before / after = ratio):\n");
+  for (size_t e = 0; e < entries.size(); ++e)
+    fmt::print("      {:40s} {:7.1f} / {:7.1f} = {:.2f}\n", entries[e].name, 1000 * per_rule[e].first,
+               1000 * per_rule[e].second, per_rule[e].first / per_rule[e].second);
   fmt::print("    all bit-identical: {}\n", identical ? "yes" : "NO");
   return identical ? 0 : 1;
 }
