@@ -6,6 +6,7 @@
 #include <c10/core/WrapDimMinimal.h>
 
 #include <array>
+#include <memory>
 #include <map>
 #include <mutex>
 
@@ -17,8 +18,10 @@ namespace {
 struct IndexPlan {
   int64_t dim = 0;
   bool identity = false;   ///< assembly: the gathered buffer in order, nothing dropped
-  /// assembly: the whole is `blocks` equal parts per piece, part-major then
-  /// rank (a shard: 1; gate_up: 2): one permuted copy, no index tensors.
+  /// assembly: the whole is `blocks` ≥ 2 equal parts per piece, part-major
+  /// then rank (gate_up: 2): one permuted copy, where a cat would copy
+  /// 2·ranks runs. Plain shards take the cat (its kernel moved them faster
+  /// than a permuted copy at 128–512 tokens on an H200).
   int64_t blocks = 0;
   bool fallback = false;   ///< cut: entries the whole does not hold (vocab padding): use the reference
   /// assembly otherwise: runs {rank, offset, length} of consecutive entries of
@@ -53,14 +56,15 @@ Key key_of(const ir::FragmentRule& rule, at::IntArrayRef shape, const torch::Dev
 /// Bounded, so shapes that change every call (decode steps) cannot grow it.
 class PlanCache {
  public:
+  /// Shared, so a hit copies no vectors and a clear() cannot pull a plan from under a user.
   template <typename Make>
-  IndexPlan get(const Key& key, Make make) {
+  std::shared_ptr<const IndexPlan> get(const Key& key, Make make) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = plans_.find(key);
       if (it != plans_.end()) return it->second;
     }
-    IndexPlan plan = make();
+    auto plan = std::make_shared<const IndexPlan>(make());
     std::lock_guard<std::mutex> lock(mutex_);
     if (plans_.size() >= kMaxPlans) plans_.clear();
     plans_.emplace(key, plan);
@@ -70,7 +74,7 @@ class PlanCache {
  private:
   static constexpr size_t kMaxPlans = 1024;
   std::mutex mutex_;
-  std::map<Key, IndexPlan> plans_;
+  std::map<Key, std::shared_ptr<const IndexPlan>> plans_;
 };
 
 PlanCache& plan_cache() {
@@ -101,7 +105,7 @@ IndexPlan make_assembly_plan(const ir::FragmentRule& rule, at::IntArrayRef piece
   // Equal parts, part-major: whole[s, r, j] = piece_r[s * part + j]. A strided
   // copy with no index tensors reads fewer bytes and launches cheaper than a gather.
   if (source.numel() == ranks * size)
-    for (int64_t blocks : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}}) {
+    for (int64_t blocks : {int64_t{2}, int64_t{3}, int64_t{4}}) {
       if (size % blocks != 0) continue;
       const int64_t part = size / blocks;
       auto expected = (torch::arange(ranks, torch::kLong).view({1, ranks, 1}) * size +
@@ -147,8 +151,9 @@ torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Ten
     fail("whole_from_gathered: expected [{}, piece...] for a group of {}, got a tensor of {} dims", rule.group_size,
          rule.group_size, gathered.dim());
   const auto piece_shape = gathered.sizes().slice(1);
-  const IndexPlan plan = plan_cache().get(key_of(rule, piece_shape, gathered.device(), 0),
-                                          [&] { return make_assembly_plan(rule, piece_shape, gathered.device()); });
+  const auto shared = plan_cache().get(key_of(rule, piece_shape, gathered.device(), 0),
+                                       [&] { return make_assembly_plan(rule, piece_shape, gathered.device()); });
+  const IndexPlan& plan = *shared;
   if (plan.identity && plan.dim == 0) {
     // Rank-major blocks on dim 0 are the whole already: a view of the fresh buffer.
     std::vector<int64_t> shape(piece_shape.begin(), piece_shape.end());
@@ -180,8 +185,9 @@ torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Ten
 torch::Tensor piece_from_whole(const ir::FragmentRule& rule, const torch::Tensor& whole, int64_t rank) {
   if (ir::collective_for(rule) != ir::CollectiveKind::kAllGather) return ir::piece_of_whole(rule, whole, rank);
   if (rank < 0 || rank >= rule.group_size) return ir::piece_of_whole(rule, whole, rank);  // its error
-  const IndexPlan plan = plan_cache().get(key_of(rule, whole.sizes(), whole.device(), 1 + rank),
-                                          [&] { return make_cut_plan(rule, whole.sizes(), rank, whole.device()); });
+  const auto shared = plan_cache().get(key_of(rule, whole.sizes(), whole.device(), 1 + rank),
+                                       [&] { return make_cut_plan(rule, whole.sizes(), rank, whole.device()); });
+  const IndexPlan& plan = *shared;
   if (plan.fallback) return ir::piece_of_whole(rule, whole, rank);
   return whole.index_select(plan.dim, plan.offset);
 }

@@ -5,10 +5,11 @@
 //
 // Assembly is fused: an all-gather rule runs one all-gather into one buffer
 // [group size, *piece shape] and one copy from it: none for a shard on dim 0
-// (a view of the buffer); one permuted copy where the whole is equal parts of
-// each piece, part-major (shards, gate_up); one cat of views, a single batched
-// copy kernel on CUDA, for the rest (qkv with or without replicated kv heads,
-// uneven segments, the padded vocab shard, whose padding is never read). A
+// (a view of the buffer); one permuted copy where the whole is several equal
+// parts of each piece, part-major (gate_up); one cat of views, a single
+// batched copy kernel on CUDA, for the rest (shards on other dims, qkv with or
+// without replicated kv heads, uneven segments, the padded vocab shard, whose
+// padding is never read). A
 // partial sum is one all-reduce. Which gathered entry lands where is computed
 // once per (rule, piece shape, device) by running ir::whole_from_pieces /
 // ir::piece_of_whole on position numbers, so the result is bit-identical to
