@@ -34,7 +34,9 @@ struct IndexPlan {
 using Key = std::vector<int64_t>;
 
 Key key_of(const ir::FragmentRule& rule, at::IntArrayRef shape, const torch::Device& device, int64_t what) {
-  Key key{what,
+  Key key;
+  key.reserve(16 + rule.segment_sizes.size() + shape.size());
+  key = {what,
           static_cast<int64_t>(rule.kind),
           rule.group_size,
           rule.dim,
@@ -178,7 +180,12 @@ torch::Tensor whole_from_gathered(const ir::FragmentRule& rule, const torch::Ten
   if (plan.runs.empty()) return ir::whole_from_pieces(rule, gathered.unbind(0));  // an empty whole
   std::vector<torch::Tensor> parts;
   parts.reserve(plan.runs.size());
-  for (const auto& [rank, offset, length] : plan.runs) parts.push_back(gathered[rank].narrow(plan.dim, offset, length));
+  // Views cost host time per op: one unbind, and a narrow only where a run is part of a piece.
+  const auto rows = gathered.unbind(0);
+  const int64_t size = piece_shape[static_cast<size_t>(plan.dim)];
+  for (const auto& [rank, offset, length] : plan.runs)
+    parts.push_back(offset == 0 && length == size ? rows[static_cast<size_t>(rank)]
+                                                  : rows[static_cast<size_t>(rank)].narrow(plan.dim, offset, length));
   return torch::cat(parts, plan.dim);
 }
 
