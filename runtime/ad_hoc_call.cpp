@@ -61,7 +61,7 @@ torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& 
   const ir::LayerEntry* layer = locations_->layer(path);
   torch::Tensor input = whole;
   if (layer && layer->input)
-    input = ir::piece_of_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
+    input = piece_from_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
   auto module = ir::module_at(root_, path);
   std::vector<c10::IValue> inputs{input};
   for (size_t i = 1; i < wholes.size(); ++i) inputs.emplace_back(wholes[i]);

@@ -17,6 +17,11 @@ std::vector<torch::Tensor> Communicator::all_gather(const torch::Tensor& x) {
   return do_all_gather(x);
 }
 
+torch::Tensor Communicator::all_gather_stacked(const torch::Tensor& x) {
+  ++collective_count_;
+  return do_all_gather_stacked(x);
+}
+
 namespace {
 
 /// World size 1: the sum of one tensor is itself; the gather of one is a list of it.
@@ -29,6 +34,7 @@ class SingleRankCommunicator final : public Communicator {
  protected:
   torch::Tensor do_all_reduce(const torch::Tensor& x) override { return x.clone(); }
   std::vector<torch::Tensor> do_all_gather(const torch::Tensor& x) override { return {x.clone()}; }
+  torch::Tensor do_all_gather_stacked(const torch::Tensor& x) override { return x.unsqueeze(0).clone(); }
 };
 
 }  // namespace

@@ -6,6 +6,10 @@
 // and a single-rank communicator for world size 1. Every collective has a
 // timeout: a rank that dies makes the others fail, never wait forever.
 //
+// Collectives may return before they ran (NCCL enqueues them on the current
+// CUDA stream; a watchdog enforces the timeout): synchronize() waits for what
+// was enqueued and throws what failed. The forward calls it once at its end.
+//
 //===----------------------------------------------------------------------===//
 #pragma once
 
@@ -41,6 +45,13 @@ class Communicator {
   torch::Tensor all_reduce(const torch::Tensor& x);
   /// Every rank's tensor (all of one shape), in group-rank order.
   std::vector<torch::Tensor> all_gather(const torch::Tensor& x);
+  /// Every rank's tensor stacked in one fresh buffer [size, *x.shape], in
+  /// group-rank order (what fused assembly reads).
+  torch::Tensor all_gather_stacked(const torch::Tensor& x);
+  /// Waits until every collective enqueued so far has finished; throws the
+  /// error of one that failed or timed out (on every later call too). A no-op
+  /// for backends whose collectives finish before they return.
+  virtual void synchronize() {}
 
   /// Collectives this communicator has run since it was made.
   int64_t collective_count() const { return collective_count_.load(); }
@@ -48,6 +59,8 @@ class Communicator {
  protected:
   virtual torch::Tensor do_all_reduce(const torch::Tensor& x) = 0;
   virtual std::vector<torch::Tensor> do_all_gather(const torch::Tensor& x) = 0;
+  /// Default: do_all_gather and a stack (one more copy).
+  virtual torch::Tensor do_all_gather_stacked(const torch::Tensor& x) { return torch::stack(do_all_gather(x)); }
 
  private:
   std::atomic<int64_t> collective_count_{0};
@@ -63,10 +76,15 @@ std::shared_ptr<Communicator> make_gloo_communicator(
     std::chrono::milliseconds timeout, const std::string& hostname);
 
 /// NCCL (CUDA tensors) over a c10d store used to share the NCCL unique id.
+/// Collectives are enqueued on the current stream and return; a watchdog
+/// thread aborts the communicator when one makes no progress for `timeout` or
+/// NCCL reports an error, and the next collective or synchronize() throws.
+/// `sync_each_collective` (or FRAG_NCCL_SYNC_EACH=1 in the environment) waits
+/// after every collective instead, as before (for benchmarks and debugging).
 /// Throws frag::Error where this build has no NCCL.
 std::shared_ptr<Communicator> make_nccl_communicator(
     const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank, int size,
-    std::chrono::milliseconds timeout, int cuda_device);
+    std::chrono::milliseconds timeout, int cuda_device, bool sync_each_collective = false);
 
 /// Whether this build can make each backend.
 bool have_gloo();

@@ -57,6 +57,18 @@ class GlooCommunicator final : public Communicator {
     return output[0];
   }
 
+  // Gloo copies its result into the output tensors: let them be one buffer's rows.
+  torch::Tensor do_all_gather_stacked(const torch::Tensor& x) override {
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    std::vector<at::Tensor> input{bf16 ? x.contiguous().view(torch::kHalf) : x.contiguous()};
+    std::vector<int64_t> shape{size_};
+    for (auto d : input[0].sizes()) shape.push_back(d);
+    auto buffer = torch::empty(shape, input[0].options());
+    std::vector<std::vector<at::Tensor>> output{buffer.unbind(0)};
+    wait(group_->allgather(output, input), "all_gather");
+    return bf16 ? buffer.view(torch::kBFloat16) : buffer;
+  }
+
  private:
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
     try {

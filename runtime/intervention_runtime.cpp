@@ -166,7 +166,7 @@ torch::Tensor InterventionRuntime::split(const torch::Tensor& value, const torch
   if (!state.gathered || !state.edited) return piece;  // reads hand back the original piece
   const ir::FragmentRule& rule = rule_of(*state.entry);
   const int64_t rank = current_rank_context().group(rule.group).rank();
-  return ir::piece_of_whole(rule, value, rank).to(piece.options());
+  return piece_from_whole(rule, value, rank).to(piece.options());
 }
 
 }  // namespace frag::runtime

@@ -5,11 +5,16 @@
 // makes the NCCL unique id and shares it through the c10d store. Collectives
 // run on PyTorch's current CUDA stream where this build has c10_cuda
 // (FRAG_WITH_C10_CUDA), else on the legacy default stream, which orders with
-// PyTorch's default stream. Each collective is polled against the timeout and
-// the communicator is aborted when it runs out, so no rank waits forever.
+// PyTorch's default stream. A collective is enqueued and returns: no host
+// synchronisation per collective. A CUDA event recorded behind each one goes to
+// a CollectiveWatchdog, whose thread aborts the communicator when NCCL reports
+// an error or no collective finishes for the timeout; the next collective or
+// synchronize() (once per forward) throws its one-line error. So no rank
+// waits forever, and the host runs ahead of the GPU as in plain PyTorch.
 //
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
+#include "runtime/collective_watchdog.h"
 #include "runtime/communicator.h"
 
 #ifdef FRAG_WITH_NCCL
@@ -17,7 +22,9 @@
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <cstdlib>
 #include <cstring>
+#include <fmt/format.h>
 #include <thread>
 
 #ifdef FRAG_WITH_C10_CUDA
@@ -51,8 +58,8 @@ void check_cuda(cudaError_t status, const char* what) {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                   int rank, int size, std::chrono::milliseconds timeout, int device)
-      : rank_(rank), size_(size), timeout_(timeout), device_(device) {
+                   int rank, int size, std::chrono::milliseconds timeout, int device, bool sync_each)
+      : rank_(rank), size_(size), timeout_(timeout), device_(device), sync_each_(sync_each) {
     check_cuda(cudaSetDevice(device_), "cudaSetDevice");
     ncclUniqueId id;
     const std::string key = prefix + "/nccl_unique_id";
@@ -71,11 +78,34 @@ class NcclCommunicator final : public Communicator {
     config.blocking = 0;
     check_nccl(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig");
     wait_for_comm("ncclCommInitRank");
+    CollectiveWatchdog::Backend backend;
+    backend.finished = [](CollectiveWatchdog::Marker marker) {
+      // An error here (a broken context) counts as finished; the async error says why.
+      return cudaEventQuery(static_cast<cudaEvent_t>(marker)) != cudaErrorNotReady;
+    };
+    backend.async_error = [this]() -> std::optional<std::string> {
+      if (comm_ == nullptr) return std::nullopt;
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return std::string("ncclCommGetAsyncError failed");
+      if (state == ncclSuccess || state == ncclInProgress) return std::nullopt;
+      return std::string(ncclGetErrorString(state));
+    };
+    backend.abort = [this] {
+      if (comm_ != nullptr) ncclCommAbort(comm_);
+      comm_ = nullptr;
+    };
+    backend.thread_start = [device = device_] { cudaSetDevice(device); };
+    watchdog_ = std::make_unique<CollectiveWatchdog>(std::move(backend), timeout_,
+                                                     fmt::format("NCCL rank {} of {}", rank_, size_));
   }
 
   ~NcclCommunicator() override {
+    watchdog_.reset();  // stops its thread before the communicator goes
     if (comm_ != nullptr) ncclCommDestroy(comm_);
+    for (auto event : events_) cudaEventDestroy(event);
   }
+
+  void synchronize() override { watchdog_->wait_all(); }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -86,26 +116,28 @@ class NcclCommunicator final : public Communicator {
     check_device(x);
     auto input = x.contiguous();
     auto output = torch::empty_like(input);
-    check_nccl(ncclAllReduce(input.data_ptr(), output.data_ptr(), input.numel(),
-                             nccl_type(input.scalar_type()), ncclSum, comm_, stream()),
-               "ncclAllReduce");
-    wait_for_comm("ncclAllReduce");
-    wait_for_stream("all_reduce");
+    enqueue("all_reduce", [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclAllReduce(input.data_ptr(), output.data_ptr(), input.numel(), nccl_type(input.scalar_type()),
+                           ncclSum, comm, stream);
+    });
     return output;
   }
 
   std::vector<torch::Tensor> do_all_gather(const torch::Tensor& x) override {
+    return do_all_gather_stacked(x).unbind(0);
+  }
+
+  torch::Tensor do_all_gather_stacked(const torch::Tensor& x) override {
     check_device(x);
     auto input = x.contiguous();
     std::vector<int64_t> shape{size_};
     for (auto d : input.sizes()) shape.push_back(d);
     auto output = torch::empty(shape, input.options());
-    check_nccl(ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(),
-                             nccl_type(input.scalar_type()), comm_, stream()),
-               "ncclAllGather");
-    wait_for_comm("ncclAllGather");
-    wait_for_stream("all_gather");
-    return output.unbind(0);
+    enqueue("all_gather", [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), nccl_type(input.scalar_type()), comm,
+                           stream);
+    });
+    return output;
   }
 
  private:
@@ -115,6 +147,41 @@ class NcclCommunicator final : public Communicator {
 #else
     return cudaStreamLegacy;
 #endif
+  }
+
+  /// Enqueues one collective on the current stream and returns: the inputs
+  /// and outputs are tensors of PyTorch's caching allocator, whose blocks are
+  /// reused only in this stream's order, so they need no host wait either.
+  template <typename Call>
+  void enqueue(const char* what, Call call) {
+    watchdog_->check();
+    const cudaStream_t s = stream();
+    {
+      std::lock_guard<std::mutex> lock(watchdog_->backend_mutex());
+      if (comm_ == nullptr) fail("NCCL {} on rank {} of {}: the communicator was aborted", what, rank_, size_);
+      const ncclResult_t status = call(comm_, s);
+      check_nccl(status, what);
+      // A non-blocking communicator may still be setting up (first use of a
+      // peer): its enqueue completes before the next call may start.
+      if (status == ncclInProgress) wait_for_comm(what);
+    }
+    cudaEvent_t event = next_event();
+    check_cuda(cudaEventRecord(event, s), "cudaEventRecord");
+    watchdog_->watch(event, what);
+    if (sync_each_) synchronize();
+  }
+
+  cudaEvent_t next_event() {
+    for (auto marker : watchdog_->take_finished()) free_events_.push_back(static_cast<cudaEvent_t>(marker));
+    if (!free_events_.empty()) {
+      cudaEvent_t event = free_events_.back();
+      free_events_.pop_back();
+      return event;
+    }
+    cudaEvent_t event = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    events_.push_back(event);
+    return event;
   }
 
   void check_device(const torch::Tensor& x) const {
@@ -142,20 +209,6 @@ class NcclCommunicator final : public Communicator {
     check_nccl(state, what);
   }
 
-  void wait_for_stream(const char* what) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    while (true) {
-      cudaError_t status = cudaStreamQuery(stream());
-      if (status == cudaSuccess) return;
-      if (status != cudaErrorNotReady) check_cuda(status, what);
-      ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async);
-      if (async != ncclSuccess && async != ncclInProgress) check_nccl(async, what);
-      if (std::chrono::steady_clock::now() > deadline) abort(what);
-      std::this_thread::yield();
-    }
-  }
-
   [[noreturn]] void abort(const char* what) {
     ncclCommAbort(comm_);
     comm_ = nullptr;
@@ -167,7 +220,11 @@ class NcclCommunicator final : public Communicator {
   int size_;
   std::chrono::milliseconds timeout_;
   int device_;
+  bool sync_each_;
   ncclComm_t comm_ = nullptr;
+  std::vector<cudaEvent_t> events_;       ///< every event made, destroyed with the communicator
+  std::vector<cudaEvent_t> free_events_;  ///< finished ones, to record again
+  std::unique_ptr<CollectiveWatchdog> watchdog_;
 };
 
 }  // namespace
@@ -177,8 +234,10 @@ bool have_nccl() { return true; }
 std::shared_ptr<Communicator> make_nccl_communicator(const c10::intrusive_ptr<c10d::Store>& store,
                                                      const std::string& prefix, int rank, int size,
                                                      std::chrono::milliseconds timeout,
-                                                     int cuda_device) {
-  return std::make_shared<NcclCommunicator>(store, prefix, rank, size, timeout, cuda_device);
+                                                     int cuda_device, bool sync_each_collective) {
+  const char* env = std::getenv("FRAG_NCCL_SYNC_EACH");
+  if (env != nullptr && std::string(env) == "1") sync_each_collective = true;
+  return std::make_shared<NcclCommunicator>(store, prefix, rank, size, timeout, cuda_device, sync_each_collective);
 }
 
 #else
@@ -187,7 +246,7 @@ bool have_nccl() { return false; }
 
 std::shared_ptr<Communicator> make_nccl_communicator(const c10::intrusive_ptr<c10d::Store>&,
                                                      const std::string&, int, int,
-                                                     std::chrono::milliseconds, int) {
+                                                     std::chrono::milliseconds, int, bool) {
   fail("this build of fragments has no NCCL backend (configure with NCCL found to enable it)");
 }
 

@@ -1,6 +1,8 @@
 //===- runtime/rank_context.cpp - This process's place among the ranks --===//
 #include "runtime/rank_context.h"
 
+#include <algorithm>
+
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
 
@@ -165,6 +167,16 @@ Communicator& RankContext::group(const std::string& name) const {
   auto it = groups_.find(name);
   if (it == groups_.end()) fail("unknown communicator group '{}': expected tp, ep, tp×ep or world", name);
   return *it->second;
+}
+
+void RankContext::synchronize() const {
+  // The groups may share one communicator: synchronize each once.
+  std::vector<Communicator*> done;
+  for (const auto& [name, group] : groups_) {
+    if (std::find(done.begin(), done.end(), group.get()) != done.end()) continue;
+    done.push_back(group.get());
+    group->synchronize();
+  }
 }
 
 std::vector<std::string> RankContext::exchange(const std::string& step, const std::string& value) {

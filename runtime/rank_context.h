@@ -71,6 +71,11 @@ class RankContext {
   /// The communicator of a named group; an unknown name is an error.
   Communicator& group(const std::string& name) const;
 
+  /// Waits for every collective enqueued on this rank's communicators (NCCL
+  /// returns before they ran) and throws the error of one that failed or
+  /// timed out. The forward calls it once at its end.
+  void synchronize() const;
+
   /// Every rank posts `value` under `step`; returns all ranks' values in rank
   /// order. Goes through the store, not a collective, so ranks that have
   /// failed locally can still report why.

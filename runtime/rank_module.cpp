@@ -2,6 +2,7 @@
 #include "runtime/rank_module.h"
 
 #include "ir/error.h"
+#include "runtime/rank_context.h"
 
 #include <nlohmann/json.hpp>
 
@@ -120,6 +121,9 @@ torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_id
   try {
     output = forward == nullptr ? rank_module.module.forward({input_ids})
                                 : (*forward)({rank_module.module._ivalue(), input_ids});
+    // Collectives run asynchronously (NCCL): one wait per forward, where a
+    // failed or timed-out one surfaces, instead of one per collective.
+    current_rank_context().synchronize();
   } catch (const c10::Error& e) {
     fail("{}: forward failed: {}", rank_module.path, interpreter_message(e.what_without_backtrace()));
   } catch (const Error&) {

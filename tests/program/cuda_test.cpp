@@ -10,9 +10,19 @@
 #include "tests/support/test_support.h"
 #include "tools/launcher.h"
 
+#include "runtime/collective_watchdog.h"
+
 #include <gtest/gtest.h>
+#include <atomic>
+#include <chrono>
 #include <iostream>
+#include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#if __has_include(<cuda_runtime.h>)
+#include <cuda_runtime.h>
+#define FRAG_TEST_HAVE_CUDART 1
+#endif
 
 namespace frag::program {
 namespace {
@@ -44,6 +54,130 @@ TEST(Cuda, NcclWithOneRankReducesAndGathers) {
   EXPECT_TRUE(torch::equal(pieces[0].cpu(), x.to(torch::kBFloat16).cpu()));
   EXPECT_EQ(nccl->collective_count(), 2);
   EXPECT_THROW(nccl->all_reduce(torch::ones({2})), frag::Error) << "CPU tensors are refused";
+}
+
+std::shared_ptr<Communicator> nccl_world_1(std::chrono::milliseconds timeout, bool sync_each = false) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(tools::find_free_port());
+  options.isServer = true;
+  options.numWorkers = 1;
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+  return make_nccl_communicator(store, "test", 0, 1, timeout, 0, sync_each);
+}
+
+#ifdef FRAG_TEST_HAVE_CUDART
+/// Holds the default stream (the one PyTorch and the communicator use here)
+/// in a host function until release(): work queued behind it cannot run.
+class StreamGate {
+ public:
+  StreamGate() {
+    cudaSetDevice(0);
+    if (cudaLaunchHostFunc(nullptr, &StreamGate::hold, this) != cudaSuccess) throw std::runtime_error("cudaLaunchHostFunc");
+  }
+  ~StreamGate() { release(); }
+  void release() { open_ = true; }
+  bool open() const { return open_; }
+
+ private:
+  static void CUDART_CB hold(void* self) {
+    while (!static_cast<StreamGate*>(self)->open_) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::atomic<bool> open_{false};
+};
+#endif
+
+TEST(Cuda, NcclCollectivesReturnBeforeTheyRunAndSynchronizeWaits) {
+  FRAG_REQUIRE_CUDA();
+  if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL backend";
+#ifndef FRAG_TEST_HAVE_CUDART
+  GTEST_SKIP() << "built without cuda_runtime.h";
+#else
+  auto nccl = nccl_world_1(std::chrono::seconds(30));
+  auto x = torch::arange(12, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA)).reshape({3, 4});
+  nccl->all_reduce(x);  // first use sets the communicator up
+  nccl->synchronize();
+  StreamGate gate;
+  std::atomic<bool> released_late{false};
+  std::thread guard([&] {  // never hang: a host-synchronising collective would wait here
+    std::this_thread::sleep_for(std::chrono::seconds(5));
+    if (!gate.open()) released_late = true;
+    gate.release();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto sum = nccl->all_reduce(x);
+  auto stacked = nccl->all_gather_stacked(x);
+  const auto returned = std::chrono::steady_clock::now() - start;
+  const bool gate_was_closed = !gate.open();
+  gate.release();
+  guard.join();
+  EXPECT_TRUE(gate_was_closed) << "the collectives waited for the stream";
+  EXPECT_FALSE(released_late);
+  EXPECT_LT(returned, std::chrono::seconds(2));
+  nccl->synchronize();
+  EXPECT_TRUE(torch::equal(sum.cpu(), x.cpu()));
+  EXPECT_TRUE(torch::equal(stacked.cpu(), x.unsqueeze(0).cpu()));
+#endif
+}
+
+TEST(Cuda, NcclSyncEachCollectiveWaitsForTheStream) {
+  FRAG_REQUIRE_CUDA();
+  if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL backend";
+#ifndef FRAG_TEST_HAVE_CUDART
+  GTEST_SKIP() << "built without cuda_runtime.h";
+#else
+  auto nccl = nccl_world_1(std::chrono::seconds(30), /*sync_each=*/true);
+  auto x = torch::ones({4}, torch::TensorOptions().device(torch::kCUDA));
+  nccl->all_reduce(x);
+  StreamGate gate;
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    gate.release();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  nccl->all_reduce(x);
+  const auto returned = std::chrono::steady_clock::now() - start;
+  opener.join();
+  EXPECT_GE(returned, std::chrono::milliseconds(250)) << "FRAG_NCCL_SYNC_EACH mode must wait per collective";
+#endif
+}
+
+TEST(Cuda, WatchdogFailsAStalledStreamWithinTheTimeout) {
+  FRAG_REQUIRE_CUDA();
+#ifndef FRAG_TEST_HAVE_CUDART
+  GTEST_SKIP() << "built without cuda_runtime.h";
+#else
+  // The NCCL communicator's watchdog on real CUDA events; a stalled peer is a
+  // stream that does not move (one GPU cannot hold two NCCL ranks). Abort opens it.
+  StreamGate gate;
+  cudaEvent_t event = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(event, nullptr), cudaSuccess);
+  CollectiveWatchdog::Backend backend;
+  backend.finished = [](CollectiveWatchdog::Marker m) {
+    return cudaEventQuery(static_cast<cudaEvent_t>(m)) != cudaErrorNotReady;
+  };
+  backend.async_error = [] { return std::optional<std::string>(); };
+  backend.abort = [&] { gate.release(); };
+  backend.thread_start = [] { cudaSetDevice(0); };
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    CollectiveWatchdog watchdog(backend, std::chrono::milliseconds(300), "NCCL rank 0 of 1");
+    watchdog.watch(event, "all_gather");
+    try {
+      watchdog.wait_all();
+    } catch (const frag::Error& e) {
+      message = e.what();
+    }
+  }
+  const auto waited = std::chrono::steady_clock::now() - start;
+  gate.release();
+  cudaStreamSynchronize(nullptr);
+  cudaEventDestroy(event);
+  EXPECT_NE(message.find("all_gather #1 made no progress for 300 ms"), std::string::npos) << message;
+  EXPECT_GE(waited, std::chrono::milliseconds(300));
+  EXPECT_LT(waited, std::chrono::seconds(3));
+#endif
 }
 
 TEST(Cuda, InterventionsOnTheGpuMatchTheCpu) {

@@ -34,6 +34,9 @@ TEST(SingleRank, CollectivesAreCopies) {
   ASSERT_EQ(pieces.size(), 1u);
   EXPECT_TRUE(torch::equal(pieces[0], x));
   EXPECT_EQ(context->group("tp").collective_count(), 2);
+  auto stacked = context->group("tp").all_gather_stacked(x);
+  EXPECT_TRUE(torch::equal(stacked, x.unsqueeze(0)));
+  EXPECT_NE(stacked.data_ptr(), x.data_ptr());
 }
 
 TEST(SingleRank, UnknownGroupIsAnError) {
@@ -88,6 +91,23 @@ TEST_P(GlooRanks, BFloat16GathersBitExactAndSumsOnceRounded) {
     auto expected = torch::zeros({3, 5});
     for (int r = 0; r < world; ++r) expected += of_rank(r).to(torch::kFloat);
     EXPECT_TRUE(torch::equal(sum, expected.to(torch::kBFloat16)));
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST_P(GlooRanks, StackedGatherIsOneBufferInRankOrderBitExact) {
+  FRAG_REQUIRE_GLOO();
+  const int world = GetParam();
+  auto errors = run_ranks(world, 20s, [world](int rank, const Context& context) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      auto of_rank = [dtype](int r) { return ((torch::arange(6, torch::kFloat).reshape({2, 3}) + r) * 0.77).to(dtype); };
+      auto stacked = context->group("tp").all_gather_stacked(of_rank(rank));
+      ASSERT_EQ(stacked.sizes(), (std::vector<int64_t>{world, 2, 3}));
+      EXPECT_EQ(stacked.scalar_type(), dtype);
+      EXPECT_TRUE(stacked.is_contiguous());
+      for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(stacked[r], of_rank(r))) << "rank " << r;
+    }
+    context->synchronize();  // Gloo: nothing pending, a no-op
   });
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }

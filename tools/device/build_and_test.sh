@@ -10,6 +10,7 @@
 #   FRAG_BUILD_DIR  build folder (default: build/device)
 #   FRAG_DEPS_DIR   dependency copies (default: .deps)
 #   CTEST_ARGS      extra ctest arguments, e.g. "-R frag_run" (default: none)
+#   FRAG_BUILD_TARGETS  build only these targets (space-separated; default: all)
 #   OUT             where logs are copied when set (the device tool's output folder)
 # Exit status: 0 when configure, build and every test pass.
 set -uo pipefail
@@ -77,7 +78,10 @@ grep -A10 'CMake Warning' "$LOGS/configure.log" | head -40
 
 echo "== build (-j$JOBS)"
 start=$(date +%s)
-if ! cmake --build "$BUILD" -j "$JOBS" > "$LOGS/build.log" 2>&1; then
+targets=()
+# shellcheck disable=SC2206
+[ -n "${FRAG_BUILD_TARGETS:-}" ] && targets=(--target ${FRAG_BUILD_TARGETS})
+if ! cmake --build "$BUILD" -j "$JOBS" "${targets[@]}" > "$LOGS/build.log" 2>&1; then
   grep -n -E 'error|FAILED' "$LOGS/build.log" | head -40
   tail -30 "$LOGS/build.log"
   fail "build failed (log: $LOGS/build.log)"
