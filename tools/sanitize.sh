@@ -20,9 +20,11 @@ tier=(tests/ir/fragment_rule_test tests/ir/location_table_test
       tests/passes/classify_parallel_layers_test tests/passes/insert_fragment_ops_test
       tests/passes/remove_fragment_ops_test tests/passes/bind_location_ids_test
       tests/runtime/plan_test tests/runtime/intervention_runtime_test tests/runtime/ad_hoc_call_test
-      tests/runtime/communicator_test tests/program/cuda_test tests/tools/api_example_test
+      tests/runtime/communicator_test tests/runtime/collective_watchdog_test tests/runtime/whole_value_test
+      tests/program/cuda_test tests/tools/api_example_test
       tests/tools/torch2_fixture_test tests/tools/frag_faults_test)
-more=(tests/program/sharded_model_test tests/tools/frag_inspect_test tests/tools/frag_rewrite_test
+more=(tests/program/sharded_model_test tests/tools/frag_inspect_test tests/tools/frag_inspect_pt2_test
+      tests/tools/frag_rewrite_test
       tests/tools/frag_run_test)
 
 mode=tier; targets=()
