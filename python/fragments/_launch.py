@@ -6,6 +6,8 @@ on first use, once per process.
 """
 import multiprocessing
 import os
+import pickle
+import queue as queue_module
 import socket
 import time
 import traceback
@@ -54,7 +56,9 @@ def _rank_main(fn, rank, world, port, backend, timeout, args, queue):
         queue.close()
         queue.join_thread()
         os._exit(1)
-    queue.put((rank, "ok", result, time.monotonic()))
+    # Pickled here with the plain pickler: multiprocessing's would pass tensors as shared memory that
+    # vanishes when this process exits before the launcher reads it.
+    queue.put((rank, "ok", pickle.dumps(result), time.monotonic()))
 
 
 def launch(fn, world=None, backend="gloo", args=(), timeout=60.0):
@@ -85,19 +89,22 @@ def launch(fn, world=None, backend="gloo", args=(), timeout=60.0):
     for p in processes:
         p.start()
     results, failure, deadline = {}, None, None
-    reported = set()
+    reported, dead_since = set(), {}
     while len(reported) < world:
         try:
             rank, status, payload, when = queue.get(timeout=0.1)
             reported.add(rank)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             elif failure is None:  # the first failure is the cause; later ones are its consequences
                 failure = (rank, payload)
                 deadline = time.monotonic() + timeout
-        except Exception:  # queue.Empty: check for ranks that died without a word
+        except queue_module.Empty:  # check for ranks that died without a word
             for r, p in enumerate(processes):
-                if r not in reported and not p.is_alive():
+                if r in reported or p.is_alive():
+                    continue
+                # Its last message may still be in the pipe: a rank counts as dead after a grace period.
+                if time.monotonic() - dead_since.setdefault(r, time.monotonic()) > 2.0:
                     reported.add(r)
                     if failure is None:
                         failure = (r, f"rank {r} died (exit code {p.exitcode})\n")
