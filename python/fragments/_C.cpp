@@ -161,7 +161,7 @@ struct PyModel {
     model->clear();
     model->clear_saved();
     try {
-      model->apply(make_plan(records, "trace"));
+      model->apply(make_plan(records, "model.trace"));
       for (const auto& c : callables)
         on(c[0].cast<std::string>(), c[1].cast<py::function>(),
            c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());

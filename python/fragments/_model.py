@@ -385,13 +385,13 @@ class Trace:
                 step.do = "zero"
             else:
                 step.value = torch.tensor(float(operand), dtype=self._model.dtype)
-                step.value_name = f"{operand} (given in Python)"
+                step.value_name = f"{operand} given in Python"
         elif isinstance(operand, torch.Tensor):
             if operand.dtype != self._model.dtype:
                 raise FragmentsError(f"{where}: the edit's tensor is {operand.dtype}, the model computes in "
                                      f"{self._model.dtype}")
             step.value = operand.detach().cpu().contiguous()
-            step.value_name = f"of shape {list(operand.shape)} (given in Python)"
+            step.value_name = "given in Python"
         else:
             raise FragmentsError(f"{where}: an edit takes a tensor or a number, got {type(operand).__name__}")
         self._steps.append(step)
