@@ -189,6 +189,22 @@ class FrontEndTest(unittest.TestCase):
         self.assertEqual(message.count("Traceback"), 1, message)
         self.assertLess(elapsed, 5 + 30, "the other rank was not ended within the timeout")
 
+    def test_launch_under_torchrun(self):
+        model, _ = Reference.of("llama_tp1")
+        with model.trace(torch.tensor([[3, 1, 4, 1, 5, 9]])):
+            expected = model.output.save()
+        with tempfile.TemporaryDirectory() as folder:
+            run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                  os.path.join(HERE, "torchrun_script.py"),
+                                  os.path.join(MODELS, "llama_tp2", "rank{rank}.pt"), folder],
+                                 capture_output=True, text=True, timeout=300)
+            self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+            for rank in range(2):
+                with open(os.path.join(folder, f"launched{rank}.txt")) as f:
+                    self.assertEqual(f.read(), f"[{rank}]", "launch ran this process's rank only")
+                logits = torch.load(os.path.join(folder, f"logits{rank}.pt"))
+                self.assertLessEqual(relative(logits, expected.value), TOLERANCE, f"rank {rank} vs tp=1")
+
     def test_rewritten_file_loads_with_plain_jit_load(self):
         with tempfile.TemporaryDirectory() as folder:
             rewritten = os.path.join(folder, "rank0.pt")
