@@ -265,6 +265,25 @@ PYBIND11_MODULE(_C, m) {
              }
              return out;
            })
+      .def("int_attributes",
+           [](PyModel& m, const std::string& path) {
+             // The integer attributes of a submodule (a layer's layout config: head_size, total_num_heads…).
+             py::dict out;
+             torch::jit::Module module = m.model->module();
+             if (!path.empty()) {
+               size_t start = 0;
+               while (start <= path.size()) {
+                 const size_t dot = std::min(path.find('.', start), path.size());
+                 const auto name = path.substr(start, dot - start);
+                 if (!module.hasattr(name) || !module.attr(name).isModule()) return out;
+                 module = module.attr(name).toModule();
+                 start = dot + 1;
+               }
+             }
+             for (const auto& attribute : module.named_attributes(/*recurse=*/false))
+               if (attribute.value.isInt()) out[py::str(attribute.name)] = attribute.value.toInt();
+             return out;
+           })
       .def("callable",
            [](const PyModel& m, const std::string& path) -> std::string {
              try {

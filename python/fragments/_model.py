@@ -87,8 +87,11 @@ class SavedValue:
         self._what = what
         self._ready = False
         self._value = None
+        self._post = None  # a view of the saved whole (a head), applied when the value arrives
 
     def _set(self, value):
+        if self._post is not None:
+            value = [self._post(v) for v in value] if isinstance(value, list) else self._post(value)
         self._value, self._ready = value, True
 
     @property
@@ -176,7 +179,36 @@ class Location:
     """A location (`<module>.input`, `<module>.output`; the model's output is its logits)."""
 
     def __init__(self, model, name, visit=None):
-        self._model, self.name, self._visit = model, name, visit
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "_visit", visit)
+
+    def _regions(self):
+        return self._model._head_layout(self.name)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        regions = self._regions()
+        if name == "heads" and "heads" in regions:  # o_proj.input: the heads are the whole width
+            start, stop, head_dim = regions["heads"]
+            return _Heads(_Region(self, start, stop, head_dim, self.name))
+        if name in regions:
+            start, stop, head_dim = regions[name]
+            return _Region(self, start, stop, head_dim, f"{self.name}.{name}")
+        if name == "heads":
+            raise AttributeError(f"{self.name} has no heads of its own: take them from a segment "
+                                 f"({', '.join('.' + r for r in regions) or 'none here'})")
+        options = list(regions) + ["save", "apply", "visit", "all"]
+        raise AttributeError(f"location {self.name} has no attribute {name!r}{_did_you_mean(name, options)}")
+
+    def __setattr__(self, name, value):
+        regions = self._regions()
+        if name not in regions:
+            raise AttributeError(f"location {self.name}: only its segments ({', '.join(regions) or 'none'}) "
+                                 f"can be assigned, not {name!r}")
+        start, stop, _ = regions[name]
+        self._model._active_trace(f"{self.name}.{name} = ...")._edit(self, f"...,{start}:{stop}", value)
 
     def _where(self):
         return self.name + (f" (visit {self._visit})" if self._visit is not None else "")
@@ -219,6 +251,63 @@ class Location:
 
     def __repr__(self):
         return f"<location {self._where()}>"
+
+
+class _Region:
+    """A part of a location's last dim in whole coordinates: a q/k/v segment, all heads, or one head
+    (`.heads[i]`). Edits become plan steps with an index; a save is the whole location's, sliced after
+    the trace. Across ranks the runtime takes reads from one copy of a replicated kv head and lands edits
+    on every copy (the split of the segments rule)."""
+
+    def __init__(self, location, start, stop, head_dim, what):
+        self._location, self._start, self._stop, self._head_dim, self._what = location, start, stop, head_dim, what
+
+    @property
+    def index(self):
+        return f"...,{self._start}:{self._stop}"
+
+    @property
+    def heads(self):
+        return _Heads(self)
+
+    def save(self):
+        start, stop = self._start, self._stop
+        trace = self._location._model._active_trace(f"{self._what}.save()")
+        return trace._save(self._location, post=lambda t: t[..., start:stop], what=self._what)
+
+    def __iadd__(self, value):
+        return _Pending(self._location, self.index, "add", value)
+
+    def __isub__(self, value):
+        return _Pending(self._location, self.index, "add", -_as_tensor_or_number(value, self._location))
+
+    def __imul__(self, value):
+        return _Pending(self._location, self.index, "scale", value)
+
+    def __repr__(self):
+        return f"<{self._what}: [..., {self._start}:{self._stop}] of {self._location.name}>"
+
+
+class _Heads:
+    """`region.heads[i]`: head i of a segment (head_dim wide), in whole coordinates."""
+
+    def __init__(self, region):
+        self._region = region
+        self._count = (region._stop - region._start) // region._head_dim
+
+    def __len__(self):
+        return self._count
+
+    def __getitem__(self, i):
+        if not isinstance(i, numbers.Integral) or not -self._count <= i < self._count:
+            raise IndexError(f"{self._region._what}.heads[{i!r}]: it has {self._count} heads (0 to {self._count - 1})")
+        i %= self._count
+        r, d = self._region, self._region._head_dim
+        return _Region(r._location, r._start + i * d, r._start + (i + 1) * d, d, f"{r._what}.heads[{i}]")
+
+    def __setitem__(self, i, value):
+        head = self[i]
+        head._location._model._active_trace(f"{head._what} = ...")._edit(head._location, head.index, value)
 
 
 class _Logits(Location):
@@ -343,10 +432,11 @@ class Trace:
     def _name(self):
         return f"save{len(self._steps)}"
 
-    def _save(self, location):
+    def _save(self, location, post=None, what=None):
         step = Step(at=location.name, do="save", as_=self._name(), visit=location._visit)
         self._steps.append(step)
-        saved = SavedValue(location._where())
+        saved = SavedValue(what or location._where())
+        saved._post = post
         self._saves.append((saved, step.as_))
         return saved
 
@@ -466,6 +556,7 @@ class Model:
                 parent, _, leaf = path_.rpartition(".")
                 self._children.setdefault(parent, []).append(leaf)
         self._trace = None
+        self._layouts = {}
         self._root = Module(self, "")
 
     def __getattr__(self, name):
@@ -494,6 +585,27 @@ class Model:
         if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise FragmentsError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         return Trace(self, ids, generate=int(max_new_tokens))
+
+    def _head_layout(self, location):
+        """name -> (start, stop, head_dim) on the last dim of the whole at `location`: q/k/v of a
+        QKVParallelLinear's output, or "all" heads of the o_proj input beside one; {} elsewhere."""
+        if location in self._layouts:
+            return self._layouts[location]
+        path, _, side = location.rpartition(".")
+        layout = {}
+        if side == "output" and self._classes.get(path) == "QKVParallelLinear":
+            a = self._c.int_attributes(path)
+            q, k = a["total_num_heads"] * a["head_size"], a["total_num_kv_heads"] * a["head_size"]
+            v = a["total_num_kv_heads"] * a["v_head_size"]
+            layout = {"q": (0, q, a["head_size"]), "k": (q, q + k, a["head_size"]),
+                      "v": (q + k, q + k + v, a["v_head_size"])}
+        elif side == "input" and self._classes.get(path) == "RowParallelLinear":
+            qkv = path.rpartition(".")[0] + ".qkv_proj"
+            if self._classes.get(qkv) == "QKVParallelLinear":
+                a = self._c.int_attributes(qkv)
+                layout = {"heads": (0, a["total_num_heads"] * a["v_head_size"], a["v_head_size"])}
+        self._layouts[location] = layout
+        return layout
 
     @property
     def python_calls(self):

@@ -108,8 +108,27 @@ class FrontEndTest(unittest.TestCase):
         self.assertEqual(results0["lens"].shape, results0["logits"].shape)
         self.assertLessEqual(relative(results0["after_errors"], results0["logits"]), 0.0,
                              "after the errors a plain trace gives the plain logits")
+        self.check_heads(results0)
         self.check_errors(errors0, world)
         self.check_frag_run(world, export, results0["plan_trace"], hidden)
+
+    def check_heads(self, r):
+        """Head views equal the reshaped whole tensor; head edits land where they say."""
+        (q0, q1, qd), (k0, k1, kd), (v0, v1, vd) = r["h_layout"].view(3, 3).tolist()
+        self.assertEqual((q0, k0, v0), (0, q1, k1))
+        self.assertEqual(v1, r["h_whole"].shape[-1])
+        whole = r["h_whole"]
+        self.assertTrue(torch.equal(r["h_k"], whole[..., k0:k1]))
+        self.assertTrue(torch.equal(r["h_k1"], whole[..., k0:k1].unflatten(-1, (-1, kd))[..., 1, :]))
+        self.assertTrue(torch.equal(r["h_q_last"], whole[..., q0:q1].unflatten(-1, (-1, qd))[..., -1, :]))
+        self.assertTrue(torch.equal(r["h_v0"], whole[..., v0:v1].unflatten(-1, (-1, vd))[..., 0, :]))
+        self.assertTrue(torch.equal(r["h_o3"], r["h_o"].unflatten(-1, (-1, vd))[..., 3, :]))
+        edited = r["h_edited_qkv"]
+        self.assertTrue(torch.equal(edited[..., k0 + kd:k0 + 2 * kd], torch.zeros_like(edited[..., :kd])))
+        self.assertTrue(torch.equal(edited[..., :qd], whole[..., :qd] * 0.5))
+        self.assertTrue(torch.equal(edited[..., qd:k0 + kd], whole[..., qd:k0 + kd]), "other heads untouched")
+        self.assertTrue(torch.equal(edited[..., k0 + 2 * kd:], whole[..., k0 + 2 * kd:]), "other heads untouched")
+        self.assertGreater(relative(r["h_edited"], r["logits"]), 1e-3, "head edits did not change logits")
 
     def check_errors(self, errors, world):
         self.assertIn("did you mean mlp", errors["unknown_attribute"])

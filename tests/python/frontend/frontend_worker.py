@@ -59,7 +59,32 @@ def scenarios(model, ids, other_ids):
     out["python_calls"] = torch.tensor(model.python_calls - before)
     # A logit lens on a tensor outside a trace: an ad-hoc call chain, whole in, whole out.
     out["lens_outside"] = model.lm_head(m.norm(resid.value))
+    out.update(heads(model, ids))
     return out
+
+
+def heads(model, ids):
+    """Head views of layer 0's attention: reads (checked by the test against the reshaped whole) and edits."""
+    attn = model.model.layers[0].self_attn
+    qkv = attn.qkv_proj.output
+    with model.trace(ids):
+        whole = qkv.save()
+        k = qkv.k.save()
+        k1 = qkv.k.heads[1].save()
+        q_last = qkv.q.heads[-1].save()
+        v0 = qkv.v.heads[0].save()
+        o = attn.o_proj.input.save()
+        o3 = attn.o_proj.input.heads[3].save()
+    with model.trace(ids):
+        qkv.k.heads[1] = 0
+        qkv.q.heads[0] *= 0.5
+        attn.o_proj.input.heads[2] += 1.0
+        edited_qkv = qkv.save()
+        edited = model.output.save()
+    layout = model._head_layout(qkv.name)
+    return {"h_whole": whole.value, "h_k": k.value, "h_k1": k1.value, "h_q_last": q_last.value, "h_v0": v0.value,
+            "h_o": o.value, "h_o3": o3.value, "h_edited_qkv": edited_qkv.value, "h_edited": edited.value,
+            "h_layout": torch.tensor([layout[s][i] for s in "qkv" for i in range(3)])}
 
 
 def errors(model, ids):
