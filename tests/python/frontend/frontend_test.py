@@ -102,6 +102,9 @@ class FrontEndTest(unittest.TestCase):
         for name in ("edited", "patched", "applied"):
             self.assertGreater(relative(results0[name], results0["logits"]), 1e-3, f"{name} did not change logits")
         self.assertEqual(results0["python_calls"].item(), 1, "a callable runs once per visit")
+        self.assertEqual(results0["gen_steps"].tolist(), [3, 4, 5, 6], "one save per step, the sequence growing")
+        self.assertEqual(list(results0["gen_tokens"].shape), [2, 7])
+        self.assertTrue(torch.equal(results0["gen_tokens"][:, :4], token_ids(1)[:, :4]))
         self.assertEqual(ref["python_calls"].item(), 1)
         # The lens at the last layer's output is the logits bit for bit? Only the shape is promised here;
         # its values equal tp=1's (above) and a call outside a trace equals the traced call's chain.

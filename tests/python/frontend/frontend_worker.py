@@ -60,6 +60,14 @@ def scenarios(model, ids, other_ids):
     # A logit lens on a tensor outside a trace: an ad-hoc call chain, whole in, whole out.
     out["lens_outside"] = model.lm_head(m.norm(resid.value))
     out.update(heads(model, ids))
+    # Greedy generation with a steering edit at every step; saves are per-step lists.
+    with model.generate(ids[:, :4], max_new_tokens=3):
+        m.layers[0].output[:, -1] += 4 * _vector(hidden, 1)
+        steps = m.layers[1].output.save()
+        tokens = model.output.save()
+    out["gen_tokens"] = tokens.value
+    out["gen_steps"] = torch.tensor([len(steps.value)] + [s.shape[1] for s in steps.value])
+    out["gen_last"] = steps.value[-1]
     return out
 
 
