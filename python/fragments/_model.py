@@ -459,12 +459,11 @@ class Trace:
             do, operand = value.do, value.operand
         else:
             do, operand = "set", value
-        operand = _unwrap(operand)
-        if isinstance(operand, SavedValue):
-            operand = operand.value
         where = location.name + (f"[{index}]" if index else "")
-        if any(operand is s for s, _ in self._saves):
-            raise FragmentsError(f"{where}: a value saved in this trace can be used after the trace ends")
+        if isinstance(operand, SavedValue) and not operand._ready:
+            raise FragmentsError(f"{where}: {operand._what}.save() has no value yet; a value saved in a trace "
+                                 "can be the edit of a later trace (activation patching), not of its own")
+        operand = _unwrap(operand)
         step = Step(at=location.name, do=do, index=index, visit=location._visit)
         if do == "scale":
             if not isinstance(operand, numbers.Real):
@@ -542,8 +541,10 @@ def _token_ids(ids):
 class Model:
     """One rank of a sharded model (see `load`)."""
 
-    def __init__(self, path, device="cpu"):
+    def __init__(self, path, device=None):
         context = rank_context()
+        if device is None:  # NCCL ranks run on their GPU (LOCAL_RANK), Gloo ranks on the CPU
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if context.backend == "nccl" else "cpu"
         self.path = path.format(rank=context.rank) if "{rank}" in path else path
         self._c = _C.ShardedModel(context, self.path, device)
         self.rank, self.world_size = context.rank, context.world_size
@@ -618,6 +619,7 @@ class Model:
         return self._trace
 
 
-def load(path, device="cpu"):
-    """Loads this rank's file (`"dir/rank{rank}.pt"`: the rank from the launch context)."""
+def load(path, device=None):
+    """Loads this rank's file (`"dir/rank{rank}.pt"`: the rank from the launch context) onto `device`
+    (default: the CPU, or under backend "nccl" the GPU of LOCAL_RANK)."""
     return Model(path, device)

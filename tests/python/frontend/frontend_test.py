@@ -143,6 +143,7 @@ class FrontEndTest(unittest.TestCase):
         self.assertRegex(errors["wrong_full_shape"], r"value given in Python has last dim 5, but the selected whole "
                                                      r"has width \d+")
         self.assertIn("read before its trace ran", errors["early_read"])
+        self.assertIn("model.layers.1.output: model.layers.0.output.save() has no value yet", errors["own_trace_value"])
         if world > 1:
             self.assertIn("rank-local", errors["rank_local"])
         else:  # at tp=1 nothing is rank-local: the same edit is fine

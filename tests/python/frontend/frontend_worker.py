@@ -128,6 +128,12 @@ def errors(model, ids):
             h.shape  # noqa: B018 - read before the block ends
     catch("early_read", early_read)
 
+    def own_trace_value():
+        with model.trace(ids):
+            h = m.layers[0].output.save()
+            m.layers[1].output = h
+    catch("own_trace_value", own_trace_value)
+
     def rank_local():
         with model.trace(ids):
             m.layers[0].mlp.act_fn.output[..., 0] = 0
