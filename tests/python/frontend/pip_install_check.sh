@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The user's path, checked apart from CI (it compiles the whole C++ library again: ~20 min at -j1 here):
+# The user's path, checked apart from CI (it compiles the whole C++ library again: ~1 h at -j1 here):
 # `pip install --no-build-isolation .` into a scratch folder with the project's Python, then the installed
 # package (not python/ of the checkout) imports, runs a world-2 trace on an export and its `frag` script
 # inspects it. Prints the install's wall time.
