@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs everything fragments needs on a fresh Debian 12 machine (as root, or with sudo):
 #  - Debian packages: compilers, Bazel, CMake, and the C++ libraries (gloo headers, fmt, json, CLI11, gtest);
+#  - python3-dev: Python.h for the extension fragments._C (python/fragments)
 #  - the project's Python: a venv with the packages pinned in tools/requirements.txt (PyTorch 2.11 and its
 #    LibTorch, which both builds use). The venv lives outside the checkout so clean clones share it:
 #    ${FRAG_VENV:-$HOME/.cache/fragments/venv}; it is rebuilt only when tools/requirements.txt changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
-  bazel-bootstrap cmake ninja-build g++ clang git python3 python3-venv
+  bazel-bootstrap cmake ninja-build g++ clang git python3 python3-venv python3-dev
   libgloo-dev libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev googletest
 )
 missing=()

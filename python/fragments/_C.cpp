@@ -1,0 +1,311 @@
+//===- python/fragments/_C.cpp - The Python extension: ShardedModel and plans --===//
+//
+// The thin layer under `import fragments`: it binds the rank context, the C++
+// API (program::ShardedModel) and typed plan steps. Python builds one plan per
+// trace (a list of typed steps, never JSON) and the forward runs in C++ with
+// the GIL released: no Python runs per layer unless a step is a Python
+// callable (`.apply`). Loading this module registers the frag:: ops (static
+// initializers of the linked libraries), so rewritten files load with plain
+// torch.jit.load afterwards.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/error.h"
+#include "program/sharded_model.h"
+#include "runtime/plan.h"
+#include "runtime/rank_context.h"
+#include "tools/fragment_commands.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>  // RankContext holds a Store: pybind11 instantiates its destructor
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace frag::python {
+namespace {
+
+using program::ShardedModel;
+using runtime::Action;
+using runtime::Plan;
+using runtime::PlanStep;
+using runtime::RankContext;
+
+std::optional<Action> parse_action(const std::string& name) {
+  for (Action action : {Action::kSave, Action::kSet, Action::kAdd, Action::kScale, Action::kZero, Action::kCall})
+    if (name == runtime::action_name(action)) return action;
+  return std::nullopt;
+}
+
+/// One plan step from Python's typed record (python/fragments/_trace.py: Step).
+PlanStep make_step(const py::handle& record) {
+  PlanStep step;
+  step.at = record.attr("at").cast<std::string>();
+  const auto action_text = record.attr("do").cast<std::string>();
+  const auto action = parse_action(action_text);
+  if (!action) fail("{}: unknown action \"{}\"", step.at, action_text);
+  step.action = *action;
+  step.as = record.attr("as_").cast<std::string>();
+  step.by = record.attr("by").cast<double>();
+  py::object index = record.attr("index");
+  if (!index.is_none()) step.index = runtime::WholeIndex::parse(index.cast<std::string>());
+  py::object visit = record.attr("visit");
+  if (!visit.is_none()) step.visit = visit.cast<int64_t>();
+  step.modules = record.attr("modules").cast<std::vector<std::string>>();
+  py::object value = record.attr("value");
+  if (!value.is_none()) {
+    step.value_tensor = value.cast<torch::Tensor>().contiguous();
+    step.value = record.attr("value_name").cast<std::string>();
+  }
+  return step;
+}
+
+Plan make_plan(const py::list& records, const std::string& source) {
+  Plan plan;
+  plan.source = source;
+  for (const auto& record : records) plan.steps.push_back(make_step(record));
+  return plan;
+}
+
+/// A cheap, exact fingerprint of a tensor for the cross-rank check of a Python
+/// callable's result: shape, dtype and an FNV-1a digest of the bytes.
+std::string fingerprint(const torch::Tensor& tensor) {
+  auto bytes = tensor.detach().to(torch::kCPU).contiguous();
+  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0, n = bytes.nbytes(); i < n; ++i) {
+    hash ^= data[i];
+    hash *= 1099511628211ull;
+  }
+  return fmt::format("[{}] {} {:016x}", fmt::join(tensor.sizes(), ", "), c10::toString(tensor.scalar_type()), hash);
+}
+
+/// Python's saved dict: name -> list of tensors in visit order.
+py::dict saved_dict(const program::SavedTensors& saved) {
+  py::dict out;
+  for (const auto& [name, tensors] : saved) {
+    py::list list;
+    for (const auto& t : tensors) list.append(py::cast(t));
+    out[py::str(name)] = list;
+  }
+  return out;
+}
+
+/// One rank of a model, as Python holds it.
+struct PyModel {
+  std::shared_ptr<RankContext> context;
+  std::shared_ptr<ShardedModel> model;
+  std::string path;
+  int64_t python_calls = 0;  ///< Python callables run (benchmarks count them)
+
+  /// Registers a Python callable at a location: it gets the whole tensor once
+  /// per visit and returns a replacement or None. Every rank runs it; the
+  /// ranks then compare (through the store) whether any raised and a
+  /// fingerprint of what each returned, and all refuse alike if they differ.
+  void on(const std::string& location, py::function fn, std::optional<int64_t> visit, const std::string& label) {
+    auto shared_fn = std::make_shared<py::function>(std::move(fn));
+    auto context_ref = context;
+    auto* calls = &python_calls;
+    auto hook = [shared_fn, context_ref, calls, label](torch::Tensor& whole,
+                                                      const runtime::VisitInfo& info) -> std::optional<torch::Tensor> {
+      std::string error;
+      std::optional<torch::Tensor> result;
+      {
+        py::gil_scoped_acquire gil;
+        ++*calls;
+        try {
+          py::object out = (*shared_fn)(whole);
+          if (!out.is_none()) {
+            if (!THPVariable_Check(out.ptr()))
+              error = fmt::format("{}: {} returned {}, not a tensor or None", info.location, label,
+                                  std::string(py::str(out.get_type().attr("__name__"))));
+            else
+              result = out.cast<torch::Tensor>();
+          }
+        } catch (py::error_already_set& e) {
+          error = fmt::format("{}: {} raised {}", info.location, label, e.what());
+        }
+      }
+      if (error.empty() && result && (result->sizes() != whole.sizes() || result->scalar_type() != whole.scalar_type()))
+        error = fmt::format("{}: {} returned a tensor of shape [{}] ({}), expected the whole's shape [{}] ({})",
+                            info.location, label, fmt::join(result->sizes(), ", "),
+                            c10::toString(result->scalar_type()), fmt::join(whole.sizes(), ", "),
+                            c10::toString(whole.scalar_type()));
+      const std::string step = fmt::format("apply:{}:{}", info.location, info.visit);
+      context_ref->agree(step, error);
+      const auto prints = context_ref->exchange(step + ":result", fingerprint(result ? *result : whole));
+      for (size_t r = 1; r < prints.size(); ++r)
+        if (prints[r] != prints[0])
+          throw runtime::RankAgreementError(fmt::format(
+              "{} (visit {}): {} returned different tensors on different ranks (rank 0: {}, rank {}: {}); a "
+              "callable must compute the same whole tensor on every rank",
+              info.location, info.visit, label, prints[0], r, prints[r]));
+      return result;
+    };
+    model->on(location, hook, visit, label, /*edits=*/true);
+  }
+
+  /// Runs one forward with `records` registered (and nothing else); returns
+  /// (logits, saved, unreached visits).
+  py::tuple run(const py::list& records, const std::vector<py::tuple>& callables, const torch::Tensor& ids,
+                int64_t generate) {
+    model->clear();
+    model->clear_saved();
+    try {
+      model->apply(make_plan(records, "model.trace"));
+      for (const auto& c : callables)
+        on(c[0].cast<std::string>(), c[1].cast<py::function>(),
+           c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
+      torch::Tensor out;
+      {
+        py::gil_scoped_release release;
+        out = generate > 0 ? model->generate(ids, generate) : model->forward(ids);
+      }
+      auto unreached = model->unreached_visits();
+      py::dict saved = saved_dict(model->saved());
+      model->clear();
+      model->clear_saved();
+      return py::make_tuple(out, saved, unreached);
+    } catch (...) {
+      model->clear();
+      model->clear_saved();
+      throw;
+    }
+  }
+};
+
+std::shared_ptr<RankContext> connect_from_env(double timeout_s, const std::string& backend) {
+  auto options = runtime::RendezvousOptions::from_env();
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  options.backend = backend;
+  py::gil_scoped_release release;
+  return RankContext::connect(options);
+}
+
+}  // namespace
+}  // namespace frag::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace frag::python;
+  m.doc() = "fragments' C++ runtime (program::ShardedModel) for the Python front end";
+
+  static py::exception<frag::Error> error(m, "FragError", PyExc_RuntimeError);
+  static py::exception<frag::runtime::RankAgreementError> agreement(m, "RankAgreementError", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const frag::runtime::RankAgreementError& e) {
+      PyErr_SetString(agreement.ptr(), e.what());
+    } catch (const frag::Error& e) {
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
+
+  py::class_<RankContext, std::shared_ptr<RankContext>>(m, "RankContext")
+      .def_property_readonly("rank", &RankContext::rank)
+      .def_property_readonly("world_size", &RankContext::world_size)
+      .def_property_readonly("backend", &RankContext::backend);
+  m.def("connect_from_env", &connect_from_env, py::arg("timeout_s"), py::arg("backend"),
+        "Meets the other ranks with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's variables).");
+  m.def("single_rank", &RankContext::single_rank);
+
+  py::class_<PyModel>(m, "ShardedModel")
+      .def(py::init([](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device) {
+             auto model = std::make_shared<ShardedModel>(
+                 ShardedModel::load(context, path, torch::Device(device)));
+             return PyModel{context, model, path};
+           }),
+           py::arg("context"), py::arg("path"), py::arg("device") = "cpu")
+      .def_property_readonly("rank", [](const PyModel& m) { return m.context->rank(); })
+      .def_property_readonly("world_size", [](const PyModel& m) { return m.context->world_size(); })
+      .def_property_readonly("python_calls", [](const PyModel& m) { return m.python_calls; })
+      .def_property_readonly("dtype",
+                             [](PyModel& m) -> py::object {
+                               for (const auto& p : m.model->module().parameters())
+                                 if (p.is_floating_point())
+                                   return py::reinterpret_borrow<py::object>(
+                                       reinterpret_cast<PyObject*>(torch::getTHPDtype(p.scalar_type())));
+                               return py::reinterpret_borrow<py::object>(
+                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(at::kFloat)));
+                             })
+      .def("inspect_json",
+           [](const PyModel& m) { return frag::tools::inspect_json(m.model->table(), {m.path}).dump(); })
+      .def("locations",
+           [](const PyModel& m) {
+             // (name, kind, whole width or None) for every location, in id order.
+             py::list out;
+             const auto& table = m.model->locations();
+             for (size_t id = 0; id < table.size(); ++id) {
+               const auto& entry = table.at(static_cast<int64_t>(id));
+               const char* kind = entry.kind == frag::ir::LocationKind::kFragmented ? "fragmented"
+                                  : entry.kind == frag::ir::LocationKind::kWhole    ? "whole"
+                                                                                    : "rank_local";
+               py::object width = py::none();
+               if (entry.side && entry.side->whole_width) width = py::int_(*entry.side->whole_width);
+               out.append(py::make_tuple(entry.name, kind, width));
+             }
+             return out;
+           })
+      .def("modules",
+           [](PyModel& m) {
+             // (path, class name) of every submodule, the root as "".
+             py::list out;
+             for (const auto& item : m.model->module().named_modules()) {
+               auto type = item.value.type()->name();
+               out.append(py::make_tuple(item.name, type ? type->name() : std::string()));
+             }
+             return out;
+           })
+      .def("int_attributes",
+           [](PyModel& m, const std::string& path) {
+             // The integer attributes of a submodule (a layer's layout config: head_size, total_num_heads…).
+             py::dict out;
+             torch::jit::Module module = m.model->module();
+             if (!path.empty()) {
+               size_t start = 0;
+               while (start <= path.size()) {
+                 const size_t dot = std::min(path.find('.', start), path.size());
+                 const auto name = path.substr(start, dot - start);
+                 if (!module.hasattr(name) || !module.attr(name).isModule()) return out;
+                 module = module.attr(name).toModule();
+                 start = dot + 1;
+               }
+             }
+             for (const auto& attribute : module.named_attributes(/*recurse=*/false))
+               if (attribute.value.isInt()) out[py::str(attribute.name)] = attribute.value.toInt();
+             return out;
+           })
+      .def("callable",
+           [](const PyModel& m, const std::string& path) -> std::string {
+             try {
+               m.model->caller().check_callable(path);
+               return "";
+             } catch (const frag::Error& e) {
+               return e.what();
+             }
+           })
+      .def("run", &PyModel::run, py::arg("records"), py::arg("callables"), py::arg("ids"), py::arg("generate") = 0)
+      .def(
+          "call",
+          [](PyModel& m, const std::vector<std::string>& paths, const torch::Tensor& whole) {
+            py::gil_scoped_release release;
+            return m.model->call(paths, whole);
+          },
+          py::arg("paths"), py::arg("whole"))
+      .def(
+          "call_module",
+          [](PyModel& m, const std::string& path, const std::vector<torch::Tensor>& wholes) {
+            py::gil_scoped_release release;
+            return m.model->call_module(path, wholes);
+          },
+          py::arg("path"), py::arg("wholes"));
+}

@@ -1,0 +1,625 @@
+"""The model object, its module tree, and traces that run as one typed plan in the C++ runtime.
+
+`load(path)` returns a Model whose attributes mirror the module tree of the rank file. Inside
+`with model.trace(ids):` reads (`.save()`), edits (`loc[...] += v`, `loc.output = t`, `*=`), ad-hoc
+calls (`model.lm_head(model.model.norm(loc))`) and Python callables (`loc.apply(fn)`) are only
+recorded; when the block ends they become one plan (steps of runtime/plan.h, made in C++ from typed
+records, never JSON) and one forward runs in C++ with the GIL released.
+"""
+import dataclasses
+import difflib
+import json
+import numbers
+import os
+import warnings
+
+import torch
+
+from . import _C
+from ._launch import rank_context
+
+
+class FragmentsError(_C.FragError):
+    """Misuse of the Python API, said in the user's words (a subclass of the runtime's FragError)."""
+
+
+def _did_you_mean(name, candidates):
+    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+@dataclasses.dataclass
+class Step:
+    """One plan step (runtime::PlanStep), as recorded by a trace."""
+    at: str
+    do: str
+    as_: str = ""
+    by: float = 1.0
+    index: str = None
+    visit: int = None
+    modules: list = dataclasses.field(default_factory=list)
+    value: torch.Tensor = None
+    value_name: str = ""
+
+    def to_json(self, value_ref=None):
+        """The step as a JSON plan entry (`value_ref`: "file.safetensors:name" for set/add)."""
+        out = {"at": self.at, "do": self.do}
+        if self.as_:
+            out["as"] = self.as_
+        if self.do == "scale":
+            out["by"] = self.by
+        if self.index is not None:
+            out["index"] = self.index
+        if self.visit is not None:
+            out["visit"] = self.visit
+        if self.modules:
+            out["modules"] = list(self.modules)
+        if value_ref is not None:
+            out["value"] = value_ref
+        return out
+
+
+def _index_text(index, where):
+    """A basic index (ints, slices, ...) as the plan's text ("...,0:8"); anything else is refused."""
+    items = index if isinstance(index, tuple) else (index,)
+    parts = []
+    for item in items:
+        if item is Ellipsis:
+            parts.append("...")
+        elif isinstance(item, slice):
+            for bound in (item.start, item.stop, item.step):
+                if bound is not None and not isinstance(bound, numbers.Integral):
+                    raise FragmentsError(f"{where}: slice bounds must be integers, got {item}")
+            text = f"{'' if item.start is None else item.start}:{'' if item.stop is None else item.stop}"
+            parts.append(text + (f":{item.step}" if item.step is not None else ""))
+        elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+            parts.append(str(int(item)))
+        else:
+            raise FragmentsError(f"{where}: only basic indices (integers, slices, ...) select part of a whole "
+                                 f"tensor, got {item!r}")
+    return ",".join(parts)
+
+
+class SavedValue:
+    """What `.save()` returns: the whole tensor once its trace has run (a list when several visits)."""
+
+    def __init__(self, what):
+        self._what = what
+        self._ready = False
+        self._value = None
+        self._post = None  # a view of the saved whole (a head), applied when the value arrives
+
+    def _set(self, value):
+        if self._post is not None:
+            value = [self._post(v) for v in value] if isinstance(value, list) else self._post(value)
+        self._value, self._ready = value, True
+
+    @property
+    def value(self):
+        if not self._ready:
+            raise FragmentsError(f"{self._what}.save() was read before its trace ran: a saved value exists "
+                                 "once the `with model.trace(...)` block has ended")
+        return self._value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.value if isinstance(x, SavedValue) else x  # noqa: E731
+        args = [unwrap(a) for a in args]
+        kwargs = {k: unwrap(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.value, name)
+
+    def __getitem__(self, index):
+        return self.value[index]
+
+    def __len__(self):
+        return len(self.value)
+
+    def __repr__(self):
+        return f"SavedValue({self._what}: {self._value!r})" if self._ready else f"SavedValue({self._what}, pending)"
+
+    def __add__(self, other): return self.value + _unwrap(other)
+    def __radd__(self, other): return _unwrap(other) + self.value
+    def __sub__(self, other): return self.value - _unwrap(other)
+    def __rsub__(self, other): return _unwrap(other) - self.value
+    def __mul__(self, other): return self.value * _unwrap(other)
+    def __rmul__(self, other): return _unwrap(other) * self.value
+    def __truediv__(self, other): return self.value / _unwrap(other)
+    def __neg__(self): return -self.value
+
+
+def _unwrap(x):
+    return x.value if isinstance(x, SavedValue) else x
+
+
+class _Pending:
+    """`loc[idx] += v` is `t = loc[idx]; t = t.__iadd__(v); loc[idx] = t`: the middle step makes this."""
+
+    def __init__(self, location, index, do, operand):
+        self.location, self.index, self.do, self.operand = location, index, do, operand
+
+
+class _View:
+    """`loc[idx]`: a selection of the whole tensor at a location, for in-place operators."""
+
+    def __init__(self, location, index):
+        self._location, self._index = location, index
+
+    def __iadd__(self, value):
+        return _Pending(self._location, self._index, "add", value)
+
+    def __isub__(self, value):
+        return _Pending(self._location, self._index, "add", -_as_tensor_or_number(value, self._location))
+
+    def __imul__(self, value):
+        return _Pending(self._location, self._index, "scale", value)
+
+    def __itruediv__(self, value):
+        if not isinstance(value, numbers.Real):
+            raise FragmentsError(f"{self._location.name}: /= takes a number")
+        return _Pending(self._location, self._index, "scale", 1.0 / value)
+
+    def save(self):
+        raise FragmentsError(f"{self._location.name}: save the whole location and index the saved tensor "
+                             "after the trace")
+
+
+def _as_tensor_or_number(value, location):
+    value = _unwrap(value)
+    if isinstance(value, (torch.Tensor, numbers.Real)):
+        return value
+    raise FragmentsError(f"{location.name}: an edit takes a tensor or a number, got {type(value).__name__}")
+
+
+class Location:
+    """A location (`<module>.input`, `<module>.output`; the model's output is its logits)."""
+
+    def __init__(self, model, name, visit=None):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "_visit", visit)
+
+    def _regions(self):
+        return self._model._head_layout(self.name)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        regions = self._regions()
+        if name == "heads" and "heads" in regions:  # o_proj.input: the heads are the whole width
+            start, stop, head_dim = regions["heads"]
+            return _Heads(_Region(self, start, stop, head_dim, self.name))
+        if name in regions:
+            start, stop, head_dim = regions[name]
+            return _Region(self, start, stop, head_dim, f"{self.name}.{name}")
+        if name == "heads":
+            raise AttributeError(f"{self.name} has no heads of its own: take them from a segment "
+                                 f"({', '.join('.' + r for r in regions) or 'none here'})")
+        options = list(regions) + ["save", "apply", "visit", "all"]
+        raise AttributeError(f"location {self.name} has no attribute {name!r}{_did_you_mean(name, options)}")
+
+    def __setattr__(self, name, value):
+        regions = self._regions()
+        if name not in regions:
+            raise AttributeError(f"location {self.name}: only its segments ({', '.join(regions) or 'none'}) "
+                                 f"can be assigned, not {name!r}")
+        start, stop, _ = regions[name]
+        self._model._active_trace(f"{self.name}.{name} = ...")._edit(self, f"...,{start}:{stop}", value)
+
+    def _where(self):
+        return self.name + (f" (visit {self._visit})" if self._visit is not None else "")
+
+    def visit(self, k):
+        """Only the k-th call of the module in a forward (0-based)."""
+        if not isinstance(k, numbers.Integral) or k < 0:
+            raise FragmentsError(f"{self.name}: visit takes a non-negative integer, got {k!r}")
+        return Location(self._model, self.name, int(k))
+
+    def all(self):
+        """Every visit (the default): `.save()` then gives a list when the module runs more than once."""
+        return Location(self._model, self.name, None)
+
+    def save(self):
+        trace = self._model._active_trace(f"{self.name}.save()")
+        return trace._save(self)
+
+    def apply(self, fn):
+        """Runs `fn(whole)` at every visit (or `.visit(k)`'s); it returns the replacement or None."""
+        if not callable(fn):
+            raise FragmentsError(f"{self.name}.apply takes a callable, got {type(fn).__name__}")
+        trace = self._model._active_trace(f"{self.name}.apply()")
+        trace._callables.append((self.name, fn, self._visit, f"apply#{len(trace._callables)}"))
+
+    def __getitem__(self, index):
+        return _View(self, _index_text(index, self.name))
+
+    def __setitem__(self, index, value):
+        self._model._active_trace(f"{self.name}[...] = ...")._edit(self, _index_text(index, self.name), value)
+
+    def __iadd__(self, value):
+        return _Pending(self, None, "add", value)
+
+    def __isub__(self, value):
+        return _Pending(self, None, "add", -_as_tensor_or_number(value, self))
+
+    def __imul__(self, value):
+        return _Pending(self, None, "scale", value)
+
+    def __repr__(self):
+        return f"<location {self._where()}>"
+
+
+class _Region:
+    """A part of a location's last dim in whole coordinates: a q/k/v segment, all heads, or one head
+    (`.heads[i]`). Edits become plan steps with an index; a save is the whole location's, sliced after
+    the trace. Across ranks the runtime takes reads from one copy of a replicated kv head and lands edits
+    on every copy (the split of the segments rule)."""
+
+    def __init__(self, location, start, stop, head_dim, what):
+        self._location, self._start, self._stop, self._head_dim, self._what = location, start, stop, head_dim, what
+
+    @property
+    def index(self):
+        return f"...,{self._start}:{self._stop}"
+
+    @property
+    def heads(self):
+        return _Heads(self)
+
+    def save(self):
+        start, stop = self._start, self._stop
+        trace = self._location._model._active_trace(f"{self._what}.save()")
+        return trace._save(self._location, post=lambda t: t[..., start:stop], what=self._what)
+
+    def __iadd__(self, value):
+        return _Pending(self._location, self.index, "add", value)
+
+    def __isub__(self, value):
+        return _Pending(self._location, self.index, "add", -_as_tensor_or_number(value, self._location))
+
+    def __imul__(self, value):
+        return _Pending(self._location, self.index, "scale", value)
+
+    def __repr__(self):
+        return f"<{self._what}: [..., {self._start}:{self._stop}] of {self._location.name}>"
+
+
+class _Heads:
+    """`region.heads[i]`: head i of a segment (head_dim wide), in whole coordinates."""
+
+    def __init__(self, region):
+        self._region = region
+        self._count = (region._stop - region._start) // region._head_dim
+
+    def __len__(self):
+        return self._count
+
+    def __getitem__(self, i):
+        if not isinstance(i, numbers.Integral) or not -self._count <= i < self._count:
+            raise IndexError(f"{self._region._what}.heads[{i!r}]: it has {self._count} heads (0 to {self._count - 1})")
+        i %= self._count
+        r, d = self._region, self._region._head_dim
+        return _Region(r._location, r._start + i * d, r._start + (i + 1) * d, d, f"{r._what}.heads[{i}]")
+
+    def __setitem__(self, i, value):
+        head = self[i]
+        head._location._model._active_trace(f"{head._what} = ...")._edit(head._location, head.index, value)
+
+
+class _Logits(Location):
+    """`model.output`: the forward's result (logits; tokens under generate). Only `.save()`."""
+
+    def save(self):
+        return self._model._active_trace("model.output.save()")._save_output()
+
+    def __setitem__(self, index, value):
+        raise FragmentsError("model.output (the logits) cannot be edited: edit lm_head's input or output")
+
+
+class _CallChain:
+    """An ad-hoc call recorded at a location: `model.lm_head(model.model.norm(loc))`."""
+
+    def __init__(self, location, modules):
+        self._location, self._modules = location, modules
+
+    def save(self):
+        trace = self._location._model._active_trace(f"{self._modules[-1]}(...).save()")
+        return trace._save_call(self._location, self._modules)
+
+
+class Module:
+    """A module of the rank file: attributes are its submodules, `.input`/`.output` its locations."""
+
+    def __init__(self, model, path):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_path", path)
+
+    def _child(self, name):
+        return f"{self._path}.{name}" if self._path else name
+
+    def _location(self, side):
+        name = self._child(side)
+        if name not in self._model._location_kinds:
+            known = [s for s in ("input", "output") if self._child(s) in self._model._location_kinds]
+            raise AttributeError(f"{self._path or 'the model'} has no location .{side} "
+                                 f"({'it has ' + ', '.join('.' + k for k in known) if known else 'none there'}; "
+                                 "`frag inspect --all` lists every location)")
+        return Location(self._model, name)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        children = self._model._children.get(self._path, [])
+        if name in children:
+            return Module(self._model, self._child(name))
+        if name in ("input", "output"):
+            return self._location(name)
+        options = list(children) + [s for s in ("input", "output") if self._child(s) in self._model._location_kinds]
+        raise AttributeError(f"{self._path or 'the model'} has no attribute {name!r}{_did_you_mean(name, options)}")
+
+    def __setattr__(self, name, value):
+        if name not in ("input", "output"):
+            raise AttributeError(f"{self._path or 'the model'}: only .input and .output can be assigned "
+                                 f"(edits inside a trace), not {name!r}")
+        location = self._location(name)
+        self._model._active_trace(f"{location.name} = ...")._edit(location, None, value)
+
+    def __getitem__(self, i):
+        numbered = [c for c in self._model._children.get(self._path, []) if c.isdigit()]
+        if not numbered:
+            raise TypeError(f"{self._path or 'the model'} is not a ModuleList: it cannot be indexed")
+        if not isinstance(i, numbers.Integral):
+            raise TypeError(f"{self._path}[{i!r}]: index a ModuleList with an integer")
+        n = len(numbered)
+        if not -n <= i < n:
+            raise IndexError(f"{self._path}[{i}]: it has {n} modules (0 to {n - 1})")
+        return Module(self._model, self._child(str(i % n)))
+
+    def __len__(self):
+        return len([c for c in self._model._children.get(self._path, []) if c.isdigit()])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __call__(self, x):
+        """Runs this module ad hoc on a whole tensor (recorded inside a trace when `x` is a location)."""
+        if isinstance(x, (Location, _CallChain)):
+            if isinstance(x, _Logits):
+                raise FragmentsError("model.output (the logits) cannot feed an ad-hoc call")
+            problem = self._model._c.callable(self._path)
+            if problem:
+                raise FragmentsError(problem)
+            if isinstance(x, Location):
+                return _CallChain(x, [self._path])
+            return _CallChain(x._location, x._modules + [self._path])
+        x = _unwrap(x)
+        if not isinstance(x, torch.Tensor):
+            raise FragmentsError(f"{self._path}(...) takes a whole tensor or a location, got {type(x).__name__}")
+        return self._model._c.call([self._path], x)
+
+    def __repr__(self):
+        return f"<module {self._path or '(root)'} ({self._model._classes.get(self._path, '?')})>"
+
+
+class Trace:
+    """The recording of one `with model.trace(ids):` block; runs when the block ends."""
+
+    def __init__(self, model, ids, generate=0):
+        self._model = model
+        self._ids = _token_ids(ids)
+        self._generate = generate
+        self._steps = []
+        self._callables = []
+        self._saves = []   # (SavedValue, name) ; name None for the output
+        self.output = None
+
+    def __enter__(self):
+        if self._model._trace is not None:
+            raise FragmentsError("a trace of this model is already open: traces do not nest")
+        self._model._trace = self
+        return self
+
+    def __exit__(self, kind, value, tb):
+        self._model._trace = None
+        if kind is None:
+            self._run()
+        return False
+
+    def _name(self):
+        return f"save{len(self._steps)}"
+
+    def _save(self, location, post=None, what=None):
+        step = Step(at=location.name, do="save", as_=self._name(), visit=location._visit)
+        self._steps.append(step)
+        saved = SavedValue(what or location._where())
+        saved._post = post
+        self._saves.append((saved, step.as_))
+        return saved
+
+    def _save_output(self):
+        saved = SavedValue("model.output")
+        self._saves.append((saved, None))
+        return saved
+
+    def _save_call(self, location, modules):
+        step = Step(at=location.name, do="call", as_=self._name(), visit=location._visit, modules=list(modules))
+        self._steps.append(step)
+        saved = SavedValue(f"{'('.join(modules[::-1])}({location._where()}{')' * len(modules)}")
+        self._saves.append((saved, step.as_))
+        return saved
+
+    def _edit(self, location, index, value):
+        if isinstance(value, _Pending):
+            if value.location.name != location.name or value.index != index:
+                raise FragmentsError(f"{location.name}: an in-place edit must assign back to where it read")
+            do, operand = value.do, value.operand
+        else:
+            do, operand = "set", value
+        where = location.name + (f"[{index}]" if index else "")
+        if isinstance(operand, SavedValue) and not operand._ready:
+            raise FragmentsError(f"{where}: {operand._what}.save() has no value yet; a value saved in a trace "
+                                 "can be the edit of a later trace (activation patching), not of its own")
+        operand = _unwrap(operand)
+        step = Step(at=location.name, do=do, index=index, visit=location._visit)
+        if do == "scale":
+            if not isinstance(operand, numbers.Real):
+                raise FragmentsError(f"{where} *= ...: multiply by a number (for a tensor use .apply)")
+            step.by = float(operand)
+        elif isinstance(operand, numbers.Real) and not isinstance(operand, bool):
+            if do == "set" and operand == 0:
+                step.do = "zero"
+            else:
+                step.value = torch.tensor(float(operand), dtype=self._model.dtype)
+                step.value_name = f"{operand} given in Python"
+        elif isinstance(operand, torch.Tensor):
+            if operand.dtype != self._model.dtype:
+                raise FragmentsError(f"{where}: the edit's tensor is {operand.dtype}, the model computes in "
+                                     f"{self._model.dtype}")
+            step.value = operand.detach().cpu().contiguous()
+            step.value_name = "given in Python"
+        else:
+            raise FragmentsError(f"{where}: an edit takes a tensor or a number, got {type(operand).__name__}")
+        self._steps.append(step)
+
+    def plan_json(self, folder):
+        """Writes this trace as a JSON plan for `frag run --plan` (values in values.safetensors); returns
+        the plan's path. The same steps, for comparing with the CLI."""
+        from safetensors.torch import save_file
+        os.makedirs(folder, exist_ok=True)
+        values, entries = {}, []
+        for i, step in enumerate(self._steps):
+            ref = None
+            if step.value is not None:
+                values[f"v{i}"] = step.value.reshape(step.value.shape).contiguous()
+                ref = f"values.safetensors:v{i}"
+            entries.append(step.to_json(ref))
+        if values:
+            save_file(values, os.path.join(folder, "values.safetensors"))
+        path = os.path.join(folder, "plan.json")
+        with open(path, "w") as f:
+            json.dump({"interventions": entries}, f, indent=1)
+        return path
+
+    def _run(self):
+        out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate)
+        for line in unreached:
+            warnings.warn(line)
+        self.output = out
+        for value, name in self._saves:
+            if name is None:
+                value._set(out)
+            elif self._generate:
+                value._set([saved[f"step{k}.{name}"][0] if len(saved[f"step{k}.{name}"]) == 1
+                            else saved[f"step{k}.{name}"] for k in range(self._generate)
+                            if f"step{k}.{name}" in saved])
+            else:
+                tensors = saved.get(name, [])
+                value._set(tensors[0] if len(tensors) == 1 else tensors)
+
+
+def _token_ids(ids):
+    if isinstance(ids, torch.Tensor):
+        t = ids
+    else:
+        try:
+            t = torch.tensor(ids, dtype=torch.long)
+        except (TypeError, ValueError) as e:
+            raise FragmentsError(f"token ids must be a LongTensor or lists of ints: {e}") from None
+    if t.dtype != torch.long:
+        raise FragmentsError(f"token ids must be integers (torch.long), got {t.dtype}")
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise FragmentsError(f"token ids must be [batch, tokens] (or [tokens]), got shape {list(t.shape)}")
+    return t.contiguous()
+
+
+class Model:
+    """One rank of a sharded model (see `load`)."""
+
+    def __init__(self, path, device=None):
+        context = rank_context()
+        if device is None:  # NCCL ranks run on their GPU (LOCAL_RANK), Gloo ranks on the CPU
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if context.backend == "nccl" else "cpu"
+        self.path = path.format(rank=context.rank) if "{rank}" in path else path
+        self._c = _C.ShardedModel(context, self.path, device)
+        self.rank, self.world_size = context.rank, context.world_size
+        self.dtype = self._c.dtype
+        self._location_kinds = {name: kind for name, kind, _ in self._c.locations()}
+        self._classes, self._children = {}, {}
+        for path_, cls in self._c.modules():
+            self._classes[path_] = cls
+            if path_:
+                parent, _, leaf = path_.rpartition(".")
+                self._children.setdefault(parent, []).append(leaf)
+        self._trace = None
+        self._layouts = {}
+        self._root = Module(self, "")
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._root, name)
+
+    @property
+    def output(self):
+        return _Logits(self, "output")
+
+    def __call__(self, x):
+        raise FragmentsError("call the model inside `with model.trace(ids):`, or call a submodule ad hoc")
+
+    def locations(self):
+        """What `frag inspect --json` lists for this rank file (format fragments.inspect/1)."""
+        return json.loads(self._c.inspect_json())
+
+    def trace(self, ids):
+        """`with model.trace(ids):` records; the block's end runs one forward with it all."""
+        return Trace(self, ids)
+
+    def generate(self, ids, max_new_tokens):
+        """Like trace, but greedy generation: the edits apply at every step, saves are per-step lists and
+        `model.output.save()` is the tokens."""
+        if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise FragmentsError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        return Trace(self, ids, generate=int(max_new_tokens))
+
+    def _head_layout(self, location):
+        """name -> (start, stop, head_dim) on the last dim of the whole at `location`: q/k/v of a
+        QKVParallelLinear's output, or "all" heads of the o_proj input beside one; {} elsewhere."""
+        if location in self._layouts:
+            return self._layouts[location]
+        path, _, side = location.rpartition(".")
+        layout = {}
+        if side == "output" and self._classes.get(path) == "QKVParallelLinear":
+            a = self._c.int_attributes(path)
+            q, k = a["total_num_heads"] * a["head_size"], a["total_num_kv_heads"] * a["head_size"]
+            v = a["total_num_kv_heads"] * a["v_head_size"]
+            layout = {"q": (0, q, a["head_size"]), "k": (q, q + k, a["head_size"]),
+                      "v": (q + k, q + k + v, a["v_head_size"])}
+        elif side == "input" and self._classes.get(path) == "RowParallelLinear":
+            qkv = path.rpartition(".")[0] + ".qkv_proj"
+            if self._classes.get(qkv) == "QKVParallelLinear":
+                a = self._c.int_attributes(qkv)
+                layout = {"heads": (0, a["total_num_heads"] * a["v_head_size"], a["v_head_size"])}
+        self._layouts[location] = layout
+        return layout
+
+    @property
+    def python_calls(self):
+        """How many times Python callables (`.apply`) have run on this rank."""
+        return self._c.python_calls
+
+    def _active_trace(self, what):
+        if self._trace is None:
+            raise FragmentsError(f"{what} records an intervention: use it inside `with model.trace(ids):`")
+        return self._trace
+
+
+def load(path, device=None):
+    """Loads this rank's file (`"dir/rank{rank}.pt"`: the rank from the launch context) onto `device`
+    (default: the CPU, or under backend "nccl" the GPU of LOCAL_RANK)."""
+    return Model(path, device)

@@ -1,0 +1,205 @@
+"""What each rank runs in tests/python/frontend/frontend_test.py (importable: launch spawns its ranks).
+
+`scenarios` is the same code at tp=1 (in the test's process) and on each rank of a launched world; it
+returns plain tensors and strings, which the test compares across ranks, with tp=1 and with `frag run`.
+"""
+import torch
+
+import fragments
+
+LAYER = 0  # the layer edited and read in the scenarios
+
+
+def _vector(width, seed):
+    return torch.randn(width, generator=torch.Generator().manual_seed(seed))
+
+
+def scenarios(model, ids, other_ids):
+    """Reads, edits, a logit lens, activation patching and a Python callable; returns name -> tensor."""
+    m = model.model
+    out = {}
+    with model.trace(ids):
+        qkv = m.layers[0].self_attn.qkv_proj.output.save()          # fused q|k|v segments
+        down_in = m.layers[0].mlp.down_proj.input.save()            # a shard
+        o_in = m.layers[1].self_attn.o_proj.input.save()
+        resid = m.layers[1].output.save()                            # whole
+        lens = model.lm_head(m.norm(m.layers[0].output)).save()     # logit lens, whole vocabulary
+        logits = model.output.save()
+    out.update(qkv=qkv.value, down_in=down_in.value, o_in=o_in.value, resid=resid.value, lens=lens.value,
+               logits=logits.value)
+    hidden = resid.value.shape[-1]
+    with model.trace(ids):
+        m.layers[0].output[:, -1] += _vector(hidden, 1)
+        m.layers[0].mlp.gate_up_proj.output[..., 5] = 0
+        m.layers[1].self_attn.o_proj.input[:, 1:3, :8] *= 0.5
+        m.layers[1].mlp.down_proj.input[..., -4:] = 1.5
+        edited_resid = m.layers[1].output.save()
+        edited = model.output.save()
+    out.update(edited=edited.value, edited_resid=edited_resid.value)
+    # Activation patching: layer 0's output on `other_ids` replaces it on `ids` (same length).
+    with model.trace(other_ids):
+        source = m.layers[0].output.save()
+    with model.trace(ids):
+        m.layers[0].output = source
+        patched = model.output.save()
+    out.update(patch_source=source.value, patched=patched.value)
+    # A Python callable, once per visit: moves the last position of layer 1's output (a scale would not
+    # show: the final RMSNorm undoes it).
+    before = model.python_calls
+
+    def double_last(whole):
+        whole = whole.clone()
+        whole[:, -1] += _vector(whole.shape[-1], 3)
+        return whole
+
+    with model.trace(ids):
+        m.layers[1].output.apply(double_last)
+        applied = model.output.save()
+    out["applied"] = applied.value
+    out["python_calls"] = torch.tensor(model.python_calls - before)
+    # A logit lens on a tensor outside a trace: an ad-hoc call chain, whole in, whole out.
+    out["lens_outside"] = model.lm_head(m.norm(resid.value))
+    out.update(heads(model, ids))
+    # Greedy generation with a steering edit at every step; saves are per-step lists.
+    with model.generate(ids[:, :4], max_new_tokens=3):
+        m.layers[0].output[:, -1] += 4 * _vector(hidden, 1)
+        steps = m.layers[1].output.save()
+        tokens = model.output.save()
+    out["gen_tokens"] = tokens.value
+    out["gen_steps"] = torch.tensor([len(steps.value)] + [s.shape[1] for s in steps.value])
+    out["gen_last"] = steps.value[-1]
+    return out
+
+
+def heads(model, ids):
+    """Head views of layer 0's attention: reads (checked by the test against the reshaped whole) and edits."""
+    attn = model.model.layers[0].self_attn
+    qkv = attn.qkv_proj.output
+    with model.trace(ids):
+        whole = qkv.save()
+        k = qkv.k.save()
+        k1 = qkv.k.heads[1].save()
+        q_last = qkv.q.heads[-1].save()
+        v0 = qkv.v.heads[0].save()
+        o = attn.o_proj.input.save()
+        o3 = attn.o_proj.input.heads[3].save()
+    with model.trace(ids):
+        qkv.k.heads[1] = 0
+        qkv.q.heads[0] *= 0.5
+        attn.o_proj.input.heads[2] += 1.0
+        edited_qkv = qkv.save()
+        edited = model.output.save()
+    layout = model._head_layout(qkv.name)
+    return {"h_whole": whole.value, "h_k": k.value, "h_k1": k1.value, "h_q_last": q_last.value, "h_v0": v0.value,
+            "h_o": o.value, "h_o3": o3.value, "h_edited_qkv": edited_qkv.value, "h_edited": edited.value,
+            "h_layout": torch.tensor([layout[s][i] for s in "qkv" for i in range(3)])}
+
+
+def errors(model, ids):
+    """Misuse, each caught: name -> message. Every rank must raise alike (the model stays usable)."""
+    m = model.model
+    found = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            # Ranks name their own files: compare the messages without that.
+            found[name] = f"{type(e).__name__}: {e}".replace(f"rank{model.rank}.pt", "rank{rank}.pt")
+        else:
+            found[name] = "no error"
+
+    catch("unknown_attribute", lambda: m.layers[0].mlpp)
+    catch("unknown_layer", lambda: m.layers[7])
+
+    def wrong_shape():
+        with model.trace(ids):
+            m.layers[0].output[:, -1] += torch.ones(7)
+    catch("wrong_shape", wrong_shape)
+
+    def wrong_full_shape():
+        with model.trace(ids):
+            m.layers[0].output = torch.zeros(1, 3, 5)
+    catch("wrong_full_shape", wrong_full_shape)
+
+    def early_read():
+        with model.trace(ids):
+            h = m.layers[0].output.save()
+            h.shape  # noqa: B018 - read before the block ends
+    catch("early_read", early_read)
+
+    def own_trace_value():
+        with model.trace(ids):
+            h = m.layers[0].output.save()
+            m.layers[1].output = h
+    catch("own_trace_value", own_trace_value)
+
+    def rank_local():
+        with model.trace(ids):
+            m.layers[0].mlp.act_fn.output[..., 0] = 0
+    catch("rank_local", rank_local)
+
+    catch("outside_trace", lambda: m.layers[0].output.save())
+
+    def raising():
+        def fn(whole):
+            if model.rank == model.world_size - 1:
+                raise ValueError("callable failed on purpose")
+            return None
+        with model.trace(ids):
+            m.layers[1].output.apply(fn)
+    catch("callable_raises", raising)
+
+    def differing():
+        with model.trace(ids):
+            m.layers[1].output.apply(lambda whole: whole + model.rank)
+    catch("callable_differs", differing)
+
+    with model.trace(ids):
+        after = model.output.save()
+    return found, after.value
+
+
+def rank_main(rank, path, ids, other_ids, hidden):
+    """One rank of a launched world: the scenarios, the errors, and JSON_PLAN as a Python trace."""
+    model = fragments.load(path)
+    assert model.rank == rank
+    results = scenarios(model, ids, other_ids)
+    found, after = errors(model, ids)
+    results["after_errors"] = after
+    results["plan_trace"] = plan_trace(model, ids, hidden)
+    return results, found
+
+
+def fail_on_rank(rank, failing_rank, path):
+    """For launch's failure test: one rank raises before loading; the others wait in the rendezvous."""
+    if rank == failing_rank:
+        raise KeyError("planted failure")
+    fragments.load(path)
+    return rank
+
+
+# The JSON plan that plan_trace writes in Python; the test runs it through `frag run` (values.safetensors
+# holds "v", the vector _vector(hidden, 1)).
+JSON_PLAN = {"interventions": [
+    {"at": "model.layers.0.self_attn.qkv_proj.output", "do": "save", "as": "qkv"},
+    {"at": "model.layers.0.output", "do": "add", "value": "values.safetensors:v", "index": ":,-1"},
+    {"at": "model.layers.0.mlp.gate_up_proj.output", "do": "zero", "index": "...,5"},
+    {"at": "model.layers.1.self_attn.o_proj.input", "do": "scale", "by": 0.5, "index": ":,1:3,:8"},
+    {"at": "model.layers.1.output", "do": "save", "as": "resid"},
+    {"at": "model.layers.0.output", "do": "call", "modules": ["model.norm", "lm_head"], "as": "lens"},
+]}
+
+
+def plan_trace(model, ids, hidden):
+    """JSON_PLAN, written with the Python API."""
+    m = model.model
+    with model.trace(ids):
+        qkv = m.layers[0].self_attn.qkv_proj.output.save()
+        m.layers[0].output[:, -1] += _vector(hidden, 1)
+        m.layers[0].mlp.gate_up_proj.output[..., 5] = 0
+        m.layers[1].self_attn.o_proj.input[:, 1:3, :8] *= 0.5
+        resid = m.layers[1].output.save()
+        lens = model.lm_head(m.norm(m.layers[0].output)).save()
+        logits = model.output.save()
+    return {"qkv": qkv.value, "resid": resid.value, "lens": lens.value, "logits": logits.value}
