@@ -324,10 +324,15 @@ LayerAliases LayerAliases::from_file(const std::string& path) {
   if (!json.is_object() || !json.contains("layers") || !json["layers"].is_object())
     fail("{}: rules file must be an object with \"layers\": {{\"ClassName\": \"KnownKind\", …}}", path);
   LayerAliases aliases;
+  aliases.source = path;
   for (const auto& [name, kind] : json["layers"].items()) {
     if (!kind.is_string() || classifier_for(kind.get<std::string>()) == nullptr)
       fail("{}: class '{}' is declared as unknown kind {}; known kinds: {}", path, name, kind.dump(),
            fmt::join(kKnownKinds, ", "));
+    // A known class read as another kind would get another layout: wrong wholes, silently.
+    if (classifier_for(name) != nullptr && name != kind.get<std::string>())
+      fail("{}: class '{}' is a kind frag knows; a rules file declares new classes only, not '{}' as {}", path,
+           name, name, kind.get<std::string>());
     aliases.kind_of_class[name] = kind.get<std::string>();
   }
   return aliases;
@@ -401,7 +406,11 @@ ir::FragmentTable classify_parallel_layers(const std::vector<ir::ModuleDescripti
            source, module.path, class_name, module.config_origin);
     Classifier classify = classifier_for(kind);
     LayerEntry entry{module.path, class_name, kind, std::nullopt, std::nullopt, {}};
-    LayerConfig config(module, source, class_name);
+    // Errors about a class that a rules file declared name that file too.
+    const std::string shown = kind == class_name ? class_name
+                                                 : fmt::format("{}, declared {} in {}", class_name, kind,
+                                                               aliases.source.empty() ? "the rules" : aliases.source);
+    LayerConfig config(module, source, shown);
     config.set_lm_head_padded_vocab(head_padded);
     classify(config, entry);
     // The model's tensor-parallel size: every sharded layer spans the same

@@ -33,6 +33,7 @@ namespace frag::passes {
 /// Class names a user declares as a kind of a known layer.
 struct LayerAliases {
   std::map<std::string, std::string> kind_of_class;
+  std::string source;  ///< the rules file, named in errors about the classes it declares
 
   /// Reads a rules file; bad JSON or an unknown kind: frag::Error naming the file.
   static LayerAliases from_file(const std::string& path);

@@ -416,6 +416,9 @@ TEST(LayerAliases, BadFilesNameTheFile) {
       {"layers_array.json", R"({"layers": ["MyLinear"]})", "\"layers\""},
       {"top_array.json", R"([{"MyLinear": "RowParallelLinear"}])", "\"layers\""},
       {"no_layers.json", R"({"MyLinear": "RowParallelLinear"})", "\"layers\""},
+      // Merged read as plain column would take [gate_r|up_r] for one shard: refused, not a silent layout.
+      {"redeclared.json", R"({"layers": {"MergedColumnParallelLinear": "ColumnParallelLinear"}})",
+       "class 'MergedColumnParallelLinear' is a kind frag knows; a rules file declares new classes only"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

@@ -646,8 +646,9 @@ TEST(InspectRules, DeclaringAClassWithoutTheConfigAttributesNamesWhatIsMissing) 
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_EQ(result.out, "");
   EXPECT_EQ(lines_of(result.err).size(), 1u) << result.err;
-  for (const std::string& e : std::vector<std::string>{file + ": ", "input_layernorm (RMSNorm)",
-                                                        "missing config attribute 'tp_size'"})
+  for (const std::string& e : std::vector<std::string>{
+           file + ": ", "input_layernorm (RMSNorm, declared ReplicatedLinear in " + folder + "/rules.json)",
+           "missing config attribute 'tp_size'"})
     EXPECT_NE(result.err.find(e), std::string::npos) << e << "\nin: " << result.err;
 }
 
