@@ -3,8 +3,8 @@
 # UndefinedBehaviorSanitizer, LibTorch as shipped: a CMake build in build/sanitize
 # (FRAG_SANITIZE=address,undefined, FRAG_FUZZ=ON, so the libFuzzer targets of tests/fuzz come from it
 # too), and the GoogleTest suites run there.
-#   tools/sanitize.sh                 build everything there; run the suites of the CI tier (below)
-#   tools/sanitize.sh --all           run every C++ test binary (adds the long CLI suites: ~15 min more)
+#   tools/sanitize.sh                 build and run the suites of the CI tier (below), build the fuzz targets
+#   tools/sanitize.sh --all           build every target; run every C++ test binary (adds the long CLI suites)
 #   tools/sanitize.sh --build [T...]  configure and build only (targets T; default all)
 # Prints one line per suite and GoogleTest's summary lines, which tools/summarize_tests.py counts.
 # Environment: FRAG_SANITIZE_BUILD (default build/sanitize), FRAG_SANITIZE_CXX (default clang++).
@@ -38,14 +38,24 @@ esac
 command -v "$cxx" >/dev/null || { echo "sanitize: $cxx not found (tools/install_deps.sh installs clang)"; exit 1; }
 mkdir -p "$build"
 log="$build/build.log"
+# The reference exports the suites read: Bazel's when tools/test_all.sh has built them (the same files,
+# and exporting them again would cost CI minutes), else the CMake build exports its own.
+exports=OFF; [ -f bazel-bin/tests/models/llama_tp2/rank1.pt ] || exports=ON
 if [ ! -f "$build/build.ninja" ]; then
   # -O1 -g1: fast enough to run the suites, line tables for the sanitizers' stack traces; asserts stay on.
   cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" -DFRAG_SANITIZE=address,undefined -DFRAG_FUZZ=ON \
+        -DFRAG_EXPORT_MODELS=$exports \
         -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
         -DPython3_EXECUTABLE="$PY" > "$log" 2>&1 ||
     { echo "sanitize: configuring $build failed (log $log):"; tail -30 "$log"
       echo "[  FAILED  ] 1 test, configuring the sanitized build"; exit 1; }
+fi
+# The CI tier builds what it runs (frag, the example the API test starts, its suites, the fuzz targets);
+# --all builds every target of the CMake build. Bazel compiles every source on each run either way.
+if [ "$mode" = tier ]; then
+  targets=(frag api_example plan_fuzzer rules_fuzzer safetensors_fuzzer token_ids_fuzzer archive_fuzzer)
+  for suite in "${tier[@]}"; do targets+=("$(basename "$suite")"); done
 fi
 target_args=(); for t in "${targets[@]}"; do target_args+=(--target "$t"); done
 if ! cmake --build "$build" -j"${FRAG_BUILD_JOBS:-2}" "${target_args[@]}" >> "$log" 2>&1; then
@@ -53,6 +63,13 @@ if ! cmake --build "$build" -j"${FRAG_BUILD_JOBS:-2}" "${target_args[@]}" >> "$l
   echo "[  FAILED  ] 1 test, building the sanitized build"; exit 1
 fi
 [ "$mode" = build ] && exit 0
+if [ "$(sed -n 's/^FRAG_EXPORT_MODELS:BOOL=//p' "$build/CMakeCache.txt")" = OFF ]; then
+  [ -f bazel-bin/tests/models/llama_tp2/rank1.pt ] ||
+    { echo "sanitize: $build reads Bazel's exports, and bazel-bin/tests/models has none (bazel build //tests/models:all)"
+      echo "[  FAILED  ] 1 test, no reference exports"; exit 1; }
+  rm -rf "$build/tests/models"; mkdir -p "$build/tests"
+  ln -s "$PWD/bazel-bin/tests/models" "$build/tests/models"
+fi
 
 suites=("${tier[@]}"); [ "$mode" = all ] && suites+=("${more[@]}")
 # Leaks: LibTorch keeps process-lifetime caches, so leak checking would report LibTorch. Every other

@@ -467,7 +467,10 @@ TEST(Safety, StepsAtWholeLocationsAreCheckedBeforeTheForwardRuns) {
       {{{"at", "model.layers.0.output"}, {"do", "call"}, {"as", "x"}, {"modules", {"model.layers.1.mlp.down_proj"}}},
        "model.layers.1.mlp.down_proj takes a whole input of width 128, but model.layers.0.output is 64 wide"},
   };
-  for (const auto& [bad_step, message] : cases) {
+  for (const auto& bad_case : cases) {
+    // Named references, not structured bindings: C++17 lambdas cannot capture bindings (clang refuses).
+    const auto& bad_step = bad_case.first;
+    const auto& message = bad_case.second;
     SCOPED_TRACE(bad_step.dump());
     auto errors = on_ranks("llama_tp2", [&](int, ShardedModel& model) {
       model.apply(Plan::from_json(nlohmann::json::array({first_save, bad_step}), "plan.json", folder));
