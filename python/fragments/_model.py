@@ -143,20 +143,34 @@ class _Pending:
         self.location, self.index, self.do, self.operand = location, index, do, operand
 
 
-class _View:
+class _InPlaceEdits:
+    """`+=`, `-=`, `*=` on a location or a selection of its whole tensor: each makes a _Pending edit of
+    `_target()`, (the location, the index text or None for all of it)."""
+
+    def _target(self):
+        raise NotImplementedError
+
+    def __iadd__(self, value):
+        location, index = self._target()
+        return _Pending(location, index, "add", value)
+
+    def __isub__(self, value):
+        location, index = self._target()
+        return _Pending(location, index, "add", -_as_tensor_or_number(value, location))
+
+    def __imul__(self, value):
+        location, index = self._target()
+        return _Pending(location, index, "scale", value)
+
+
+class _View(_InPlaceEdits):
     """`loc[idx]`: a selection of the whole tensor at a location, for in-place operators."""
 
     def __init__(self, location, index):
         self._location, self._index = location, index
 
-    def __iadd__(self, value):
-        return _Pending(self._location, self._index, "add", value)
-
-    def __isub__(self, value):
-        return _Pending(self._location, self._index, "add", -_as_tensor_or_number(value, self._location))
-
-    def __imul__(self, value):
-        return _Pending(self._location, self._index, "scale", value)
+    def _target(self):
+        return self._location, self._index
 
     def __itruediv__(self, value):
         if not isinstance(value, numbers.Real):
@@ -175,7 +189,7 @@ def _as_tensor_or_number(value, location):
     raise FragmentsError(f"{location.name}: an edit takes a tensor or a number, got {type(value).__name__}")
 
 
-class Location:
+class Location(_InPlaceEdits):
     """A location (`<module>.input`, `<module>.output`; the model's output is its logits)."""
 
     def __init__(self, model, name, visit=None):
@@ -240,20 +254,14 @@ class Location:
     def __setitem__(self, index, value):
         self._model._active_trace(f"{self.name}[...] = ...")._edit(self, _index_text(index, self.name), value)
 
-    def __iadd__(self, value):
-        return _Pending(self, None, "add", value)
-
-    def __isub__(self, value):
-        return _Pending(self, None, "add", -_as_tensor_or_number(value, self))
-
-    def __imul__(self, value):
-        return _Pending(self, None, "scale", value)
+    def _target(self):
+        return self, None
 
     def __repr__(self):
         return f"<location {self._where()}>"
 
 
-class _Region:
+class _Region(_InPlaceEdits):
     """A part of a location's last dim in whole coordinates: a q/k/v segment, all heads, or one head
     (`.heads[i]`). Edits become plan steps with an index; a save is the whole location's, sliced after
     the trace. Across ranks the runtime takes reads from one copy of a replicated kv head and lands edits
@@ -275,14 +283,8 @@ class _Region:
         trace = self._location._model._active_trace(f"{self._what}.save()")
         return trace._save(self._location, post=lambda t: t[..., start:stop], what=self._what)
 
-    def __iadd__(self, value):
-        return _Pending(self._location, self.index, "add", value)
-
-    def __isub__(self, value):
-        return _Pending(self._location, self.index, "add", -_as_tensor_or_number(value, self._location))
-
-    def __imul__(self, value):
-        return _Pending(self._location, self.index, "scale", value)
+    def _target(self):
+        return self._location, self.index
 
     def __repr__(self):
         return f"<{self._what}: [..., {self._start}:{self._stop}] of {self._location.name}>"
