@@ -25,7 +25,7 @@ CollectiveWatchdog::~CollectiveWatchdog() {
 
 void CollectiveWatchdog::watch(Marker marker, const char* what) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (error_) fail("{}", *error_);
+  if (error_) throw_after_abort(lock);
   const auto now = std::chrono::steady_clock::now();
   const bool was_idle = pending_.empty();
   if (was_idle) last_progress_ = now;  // idle time is no stall
@@ -37,8 +37,13 @@ void CollectiveWatchdog::watch(Marker marker, const char* what) {
 }
 
 void CollectiveWatchdog::check() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (error_) fail("{}", *error_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (error_) throw_after_abort(lock);
+}
+
+void CollectiveWatchdog::throw_after_abort(std::unique_lock<std::mutex>& lock) {
+  abort_returned_.wait(lock, [&] { return abort_done_; });
+  fail("{}", *error_);
 }
 
 std::optional<std::string> CollectiveWatchdog::error() const {
@@ -59,8 +64,8 @@ std::vector<CollectiveWatchdog::Marker> CollectiveWatchdog::take_finished() {
 void CollectiveWatchdog::wait_all() {
   Marker last = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (error_) fail("{}", *error_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (error_) throw_after_abort(lock);
     if (pending_.empty()) return;
     last = pending_.back().marker;
   }
@@ -70,8 +75,8 @@ void CollectiveWatchdog::wait_all() {
   for (int polls = 0;; ++polls) {
     if (backend_.finished(last)) break;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (error_) fail("{}", *error_);
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (error_) throw_after_abort(lock);
     }
     if (polls < 20000) std::this_thread::yield();
     else std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -92,6 +97,8 @@ void CollectiveWatchdog::fail_locked(std::unique_lock<std::mutex>& lock, std::st
     backend_.abort();
   }
   lock.lock();
+  abort_done_ = true;
+  abort_returned_.notify_all();
 }
 
 void CollectiveWatchdog::run() {

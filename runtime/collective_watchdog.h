@@ -57,7 +57,9 @@ class CollectiveWatchdog {
   std::mutex& backend_mutex() { return backend_mutex_; }
 
   /// Starts watching `marker` behind collective `what` (e.g. "all_reduce").
-  /// Throws the error when the watchdog has already failed.
+  /// Throws the error when the watchdog has already failed. Like check() and
+  /// wait_all(), it throws only once the backend's abort has returned, so a
+  /// caller that sees the error never races the abort.
   void watch(Marker marker, const char* what);
   /// Throws frag::Error with the one-line error once the watchdog failed.
   void check();
@@ -81,6 +83,8 @@ class CollectiveWatchdog {
   };
   void run();
   void fail_locked(std::unique_lock<std::mutex>& lock, std::string message);  // with mutex_ held
+  /// Throws the error once the abort has returned; with mutex_ held.
+  [[noreturn]] void throw_after_abort(std::unique_lock<std::mutex>& lock);
 
   Backend backend_;
   std::chrono::milliseconds timeout_;
@@ -94,7 +98,9 @@ class CollectiveWatchdog {
   std::vector<Marker> finished_;
   std::chrono::steady_clock::time_point last_progress_;
   std::optional<std::string> error_;
-  bool aborted_ = false;
+  bool aborted_ = false;      // the abort has begun (at most one)
+  bool abort_done_ = false;   // ... and returned
+  std::condition_variable abort_returned_;
   bool stop_ = false;
   int64_t sequence_ = 0;
   std::thread thread_;

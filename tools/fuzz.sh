@@ -23,34 +23,62 @@ bash tools/sanitize.sh --build "${targets[@]/%/_fuzzer}" || { echo "fuzz: buildi
 [ "$mode" = build ] && { echo "fuzz: ${#targets[@]} targets built in $bin"; exit 0; }
 status=0
 # LibTorch's unpickler allocates what sizes inside a file say before reading on (a memo id can ask for
-# 20 GB): libFuzzer would report that as out-of-memory, where frag, under any memory limit, reports the
-# std::bad_alloc as a clear error (tests/tools/frag_faults_test: AFileWhoseSizes...). So the archive target
-# runs in fork mode with such out-of-memory inputs set aside; crashes, hangs and escaping exceptions still fail.
-declare -A run_flags=([archive]="-fork=1 -ignore_ooms=1 -ignore_timeouts=0 -ignore_crashes=0")
+# 20 GB). frag gets std::bad_alloc and reports a clear error (tests/tools/frag_faults_test:
+# AFileWhoseSizesAskForTooMuchMemoryIsAClearError), but under ASan operator new cannot throw: ASan reports
+# "out-of-memory" and the process dies like a crash. So the archive target runs in fork mode and keeps
+# going past crashes; afterwards each saved input is replayed alone and set aside only if ASan calls it
+# out-of-memory or allocation-size-too-big. Any other crash, a hang (timeout-*) or a leak fails the target.
+declare -A run_flags=([archive]="-fork=1 -ignore_ooms=1 -ignore_timeouts=0 -ignore_crashes=1")
+declare -A replay_crashes=([archive]=1)
 
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1  # LibTorch keeps process-lifetime caches
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 passed=0
 for t in "${targets[@]}"; do
-  work="$out/corpus/$t"; mkdir -p "$work" "$out/crashes/$t"
+  work="$out/corpus/$t"; crashes="$out/crashes/$t"; mkdir -p "$work"
+  rm -rf "$crashes"; mkdir -p "$crashes"  # this run's findings only
   limit=(-max_total_time="$seconds"); [ "$mode" = runs ] && limit=(-runs="$runs")
   log="$out/$t.log"
   # -timeout: an input that takes longer than 10 s is a hang, reported like a crash.
   # A fixed seed (FRAG_FUZZ_SEED, default 1) makes CI's short runs repeatable; FRAG_FUZZ_SEED=0 draws a random one.
   # shellcheck disable=SC2086
-  if "$bin/${t}_fuzzer" "$work" "tests/fuzz/corpus/$t" "${limit[@]}" -seed="${FRAG_FUZZ_SEED:-1}" -timeout=10 \
-       -rss_limit_mb=4096 -max_len=65536 -artifact_prefix="$out/crashes/$t/" -print_final_stats=1 \
-       ${run_flags[$t]:-} > "$log" 2>&1; then
+  "$bin/${t}_fuzzer" "$work" "tests/fuzz/corpus/$t" "${limit[@]}" -seed="${FRAG_FUZZ_SEED:-1}" -timeout=10 \
+       -rss_limit_mb=4096 -max_len=65536 -artifact_prefix="$crashes/" -print_final_stats=1 \
+       ${run_flags[$t]:-} > "$log" 2>&1
+  rc=$?
+  failure=""; set_aside=0
+  if [ -n "${replay_crashes[$t]:-}" ]; then
+    # Fork mode exits with its last job's code; the verdict is what the saved inputs are.
+    grep -q "^INFO: exiting: " "$log" || failure="the fuzzer did not finish (exit $rc)"
+    for f in "$crashes"/*; do
+      [ -e "$f" ] || continue
+      case "$(basename "$f")" in
+        crash-*)
+          "$bin/${t}_fuzzer" "$f" -rss_limit_mb=4096 > "$f.replay.log" 2>&1
+          if grep -qE "^SUMMARY: AddressSanitizer: (out-of-memory|allocation-size-too-big)" "$f.replay.log"; then
+            set_aside=$((set_aside + 1))
+          else failure="crash on $f"; log="$f.replay.log"; fi ;;
+        oom-*) set_aside=$((set_aside + 1)) ;;  # over -rss_limit_mb: the same class, seen by libFuzzer
+        *.replay.log) ;;
+        *) failure="$(basename "$f" | cut -d- -f1) on $f" ;;
+      esac
+    done
+  elif [ $rc -ne 0 ]; then failure="exit $rc"
+  fi
+  if [ -z "$failure" ]; then
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     secs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
     if [ -z "$execs" ]; then  # fork mode prints "#N: cov: ... exec/s R ..." per job instead
       execs=$(sed -n 's/^#\([0-9]*\): cov:.*/\1/p' "$log" | tail -1)
       secs=$(sed -n 's/^#[0-9]*: cov:.* exec\/s \([0-9]*\).*/\1/p' "$log" | tail -1)
     fi
-    echo "fuzz: $t clean: ${execs:-?} executions (${secs:-?}/s), corpus $(ls "$work" | wc -l) inputs"
+    aside=""; [ $set_aside -gt 0 ] && aside=", $set_aside inputs set aside as out-of-memory (frag reports such files clearly: frag_faults_test)"
+    echo "fuzz: $t clean: ${execs:-?} executions (${secs:-?}/s), corpus $(ls "$work" | wc -l) inputs$aside"
     passed=$((passed + 1))
   else
-    echo "fuzz: $t FAILED (log $log, inputs in $out/crashes/$t):"; grep -E "ERROR|SUMMARY|terminate|what\(\)" "$log" | head -5
+    # The details carry the "fuzz: " prefix so that tools/test_all.sh's summary shows them.
+    echo "fuzz: $t FAILED: $failure (log $log, inputs in $crashes):"
+    grep -v NEW_FUNC "$log" | grep -E "ERROR|SUMMARY|terminate|what\(\)|^ *#[0-9]+ 0x" | head -12 | sed 's/^/fuzz:   /'
     status=1
   fi
 done

@@ -90,7 +90,8 @@ for suite in "${suites[@]}"; do
     echo "sanitize: $suite clean ($((SECONDS - start)) s): $summary"
   else
     echo "sanitize: $suite FAILED (exit $rc, log $out):"
-    grep -E 'ERROR: AddressSanitizer|runtime error:|SUMMARY|\[  FAILED  \]' "$out" | head -8
+    # With the "sanitize: " prefix, so that tools/test_all.sh's summary (and CI's log) shows them.
+    grep -E -A4 ': Failure$|ERROR: AddressSanitizer|runtime error:|^SUMMARY' "$out" | head -24 | sed 's/^/sanitize:   /'
     # A suite that died before GoogleTest's summary counts as one failed test.
     grep -qE '^\[  FAILED  \]' "$out" || echo "[  FAILED  ] 1 test, $suite ended before its summary"
     status=1
