@@ -4,7 +4,7 @@
 #  - python3-dev: Python.h for the extension fragments._C (python/fragments)
 #  - the project's Python: a venv with the packages pinned in tools/requirements.txt (PyTorch 2.11 and its
 #    LibTorch, which both builds use). The venv lives outside the checkout so clean clones share it:
-#    ${FRAG_VENV:-$HOME/.cache/fragments/venv}; it is rebuilt only when tools/requirements.txt changes.
+#    ${FRAG_VENV:-$HOME/.cache/fragments/venv}; a change of tools/requirements.txt updates it in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
@@ -30,11 +30,17 @@ venv=$(bash tools/python_env.sh --venv)
 stamp="$venv/.fragments-requirements.sha256"
 want=$(sha256sum tools/requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "install_deps: building the Python venv $venv (PyTorch is a few GB; this takes minutes once)"
-  rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
-  /usr/bin/python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
+  # A venv that imports its torch is brought to the new pins in place (pip changes only what differs);
+  # otherwise it is built from scratch.
+  if "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    echo "install_deps: updating the Python venv $venv to tools/requirements.txt"
+  else
+    echo "install_deps: building the Python venv $venv (PyTorch is a few GB; this takes minutes once)"
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+  fi
   "$venv/bin/pip" install -q --progress-bar off -r tools/requirements.txt
   nodeps=$(sed -n 's/^# nodeps: *//p' tools/requirements.txt)
   [ -z "$nodeps" ] || "$venv/bin/pip" install -q --no-deps $nodeps
