@@ -11,9 +11,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <set>
 #include <thread>
 
 namespace frag::tools {
@@ -94,11 +97,17 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
   }
   int first_failure = 0;
   size_t running = children.size();
+  std::set<pid_t> stopped;  // ranks paused by a signal (SIGSTOP, SIGTSTP): they cannot fail on their own
   auto deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
     int status = 0;
-    pid_t pid = waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
+    pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
+    if (pid > 0 && WIFSTOPPED(status)) {
+      stopped.insert(pid);
+    } else if (pid > 0 && WIFCONTINUED(status)) {
+      stopped.erase(pid);
+    } else if (pid > 0) {
+      stopped.erase(pid);
       for (auto& slot : rank_pids)
         if (slot.load() == pid) slot.store(0);
       --running;
@@ -107,6 +116,22 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
         first_failure = code;
         // The others will fail through their collective timeout; give them that long.
         deadline = std::chrono::steady_clock::now() + timeout + std::chrono::seconds(10);
+      }
+    }
+    if (pid > 0) {
+      // A rank failed and every rank still there is paused: none of them can end by itself, and
+      // waiting out the deadline would only delay the error the user already has. SIGTERM, then
+      // SIGCONT: the rank removes its temporaries and dies (the deadline's SIGKILL stays the fallback).
+      // Not when the launcher itself got a signal: that one is already forwarded and waits for them.
+      if (first_failure != 0 && received_signal.load() == 0 && running > 0 && stopped.size() == running) {
+        for (pid_t child : stopped) {
+          const int rank = static_cast<int>(std::find(children.begin(), children.end(), child) - children.begin());
+          std::fprintf(stderr, "frag: rank %d is paused (stopped by a signal) after another rank failed; ending it\n",
+                       rank);
+          kill(child, SIGTERM);
+          kill(child, SIGCONT);
+        }
+        stopped.clear();  // said once; their deaths arrive as exits
       }
       continue;
     }

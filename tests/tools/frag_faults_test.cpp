@@ -413,9 +413,10 @@ TEST_P(ASignalMidWrite, ToTheLauncherDuringRunOutRemovesTheTemporary) {
   auto folder = temporary_folder();
   const auto files = model_files("llama_tp2");
   const std::string out = folder + "/out.safetensors";
+  const std::string log = temporary_folder() + "/log.txt";
   Process launcher({frag_binary(), "run", "--world", "2", files[0], files[1], "--input",
                     ids_file(temporary_folder(), "ids.txt", "1 2 3 4\n"), "--out", out, "--timeout", "60"},
-                   {{"FRAG_FAULT_STOP_AFTER_WRITE", "1"}}, temporary_folder() + "/log.txt");
+                   {{"FRAG_FAULT_STOP_AFTER_WRITE", "1"}}, log);
   std::string temporary;
   ASSERT_TRUE(eventually(
       [&] {
@@ -432,7 +433,10 @@ TEST_P(ASignalMidWrite, ToTheLauncherDuringRunOutRemovesTheTemporary) {
   const int status = launcher.wait(std::chrono::seconds(30));
   ASSERT_TRUE(WIFSIGNALED(status)) << status;
   EXPECT_EQ(WTERMSIG(status), signal_number);
-  EXPECT_TRUE(listing(folder).empty()) << "neither the output nor the temporary may be left";
+  std::string left;
+  for (const auto& name : listing(folder)) left += " " + name;
+  EXPECT_TRUE(left.empty()) << "neither the output nor the temporary may be left; left:" << left
+                            << "\nthe launcher's log:\n" << read_text(log);
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, ASignalMidWrite, ::testing::Values(SIGINT, SIGTERM),
