@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
-  bazel-bootstrap cmake ninja-build g++ clang git python3 python3-venv python3-dev
+  bazel-bootstrap cmake ninja-build ccache g++ clang git python3 python3-venv python3-dev
   libgloo-dev libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev googletest
 )
 missing=()

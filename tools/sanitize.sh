@@ -44,11 +44,19 @@ log="$build/build.log"
 # The reference exports the suites read: Bazel's when tools/test_all.sh has built them (the same files,
 # and exporting them again would cost CI minutes), else the CMake build exports its own.
 exports=OFF; [ -f bazel-bin/tests/models/llama_tp2/rank1.pt ] || exports=ON
+# ccache (tools/install_deps.sh) keeps compiled objects across clean clones, like Bazel's disk cache:
+# paths under the checkout are hashed relative to it, so a clone elsewhere hits the same entries.
+launcher=()
+if command -v ccache > /dev/null; then
+  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/fragments/ccache} CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
+  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
 if [ ! -f "$build/build.ninja" ]; then
   # -O1 -g1: fast enough to run the suites, line tables for the sanitizers' stack traces; asserts stay on.
   cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" -DFRAG_SANITIZE=address,undefined -DFRAG_FUZZ=ON \
-        -DFRAG_EXPORT_MODELS=$exports \
+        -DFRAG_EXPORT_MODELS=$exports "${launcher[@]}" \
         -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
         -DPython3_EXECUTABLE="$PY" > "$log" 2>&1 ||
     { echo "sanitize: configuring $build failed (log $log):"; tail -30 "$log"

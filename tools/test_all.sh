@@ -9,6 +9,12 @@ status=0
 rm -f build/sanitize.log build/fuzz.log  # counted at the end: only this run's
 # Each stage's heading says when it started (minutes into this script), so a slow CI run shows where.
 stage() { echo "== $1 [at $((SECONDS / 60)) min $((SECONDS % 60)) s]"; }
+# Bazel's disk cache (.bazelrc) has no size limit of its own: past FRAG_BAZEL_CACHE_GB (default 20),
+# entries unused for a day go.
+cache=$HOME/.cache/fragments/bazel-disk
+if [ -d "$cache" ] && [ "$(du -s --block-size=1G "$cache" | cut -f1)" -gt "${FRAG_BAZEL_CACHE_GB:-20}" ]; then
+  find "$cache" -type f -atime +0 -delete
+fi
 stage "bazel build //..."
 bazel build //... 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)' || status=1
 
