@@ -11,6 +11,15 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 that is free now (for a gloo rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def frag_binary():
     """$FRAG_BIN, else tools/frag under $FRAG_TEST_DATA (CMake's build folder) or the current folder
     (Bazel's runfiles, where //tools:frag is a data dependency); None when there is none."""

