@@ -20,4 +20,15 @@ torch::jit::Module module_at(const torch::jit::Module& root, const std::string& 
   return module;
 }
 
+std::map<std::string, int64_t> int_attributes_at(const torch::jit::Module& root, const std::string& path) {
+  std::map<std::string, int64_t> out;
+  try {
+    for (const auto& attribute : module_at(root, path).named_attributes(/*recurse=*/false))
+      if (attribute.value.isInt()) out[attribute.name] = attribute.value.toInt();
+  } catch (const Error&) {
+    out.clear();  // no submodule there: no config
+  }
+  return out;
+}
+
 }  // namespace frag::ir

@@ -2,6 +2,7 @@
 #include "program/sharded_model.h"
 
 #include "ir/error.h"
+#include "ir/module_path.h"
 #include "program/width_probe.h"
 
 #include <fmt/ranges.h>
@@ -75,6 +76,12 @@ ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std:
 
 LocationKind ShardedModel::kind_of(const std::string& location) const { return locations().kind_of(location); }
 
+ir::HeadLayout ShardedModel::head_layout(const std::string& location) const {
+  // The layer's config lives in its module's integer attributes (head_size, total_num_heads, ...).
+  return ir::head_layout(table(), location,
+                         [this](const std::string& path) { return ir::int_attributes_at(prepared_.rank.module, path); });
+}
+
 ir::LocationId ShardedModel::checked_location(const std::string& location, const std::string& what) const {
   const ir::LocationId id = locations().id_of(location, what);
   const auto& entry = locations().at(id);
@@ -137,12 +144,14 @@ void ShardedModel::apply(const Plan& plan) {
   const auto dtype = model_dtype(module());
   std::vector<WidthCheck> later;
   std::vector<ir::LocationId> ids;
-  for (size_t i = 0; i < plan.steps.size(); ++i) {
-    const auto& step = plan.steps[i];
+  std::vector<PlanStep> steps = plan.steps;  // resolved against this model: "segment"/"heads" become indices
+  for (size_t i = 0; i < steps.size(); ++i) {
+    auto& step = steps[i];
     const std::string where =
         fmt::format("{}: intervention {} ({} at {})", plan.source, i, runtime::action_name(step.action), step.at);
     const ir::LocationId id = checked_location(step.at, where);
     ids.push_back(id);
+    runtime::resolve_heads(step, head_layout(step.at), fmt::format("{}: intervention {}: ", plan.source, i));
     if (step.action == Action::kCall) {
       if (step.modules.empty()) fail("{}: \"modules\" is empty", where);
       auto calls = caller();
@@ -163,7 +172,7 @@ void ShardedModel::apply(const Plan& plan) {
     if (auto width = whole_width_at(id)) check_against_width(step, *width, where);
     else later.push_back({step, id, where});  // a whole location not yet seen: checked before the next forward
   }
-  for (size_t i = 0; i < plan.steps.size(); ++i) register_step(plan.steps[i], ids[i]);
+  for (size_t i = 0; i < steps.size(); ++i) register_step(steps[i], ids[i]);
   width_checks_.insert(width_checks_.end(), later.begin(), later.end());
 }
 
@@ -189,7 +198,19 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
 void ShardedModel::register_step(const PlanStep& step, ir::LocationId location) {
   switch (step.action) {
     case Action::kSave:
-      save(step.at, step.as, step.visit);
+      if (!step.index) {
+        save(step.at, step.as, step.visit);
+        return;
+      }
+      add_hook(
+          location,
+          [this, step](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+            // A segment or heads: a copy of the slice alone, not a view that keeps the whole alive.
+            saved_[save_prefix_ + step.as].push_back(
+                step.index->select(whole.detach(), info.location).clone(at::MemoryFormat::Contiguous));
+            return std::nullopt;
+          },
+          step.visit, fmt::format("save:{}[{}]", step.as, step.index->text), /*edits=*/false);
       return;
     case Action::kCall:
       add_hook(

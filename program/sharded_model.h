@@ -18,6 +18,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "ir/head_layout.h"
 #include "ir/location_table.h"
 #include "program/forward_cache.h"
 #include "program/prepared_rank.h"
@@ -64,6 +65,8 @@ class ShardedModel {
 
   /// Classifies a location name.
   LocationKind kind_of(const std::string& location) const;
+  /// The attention heads on a location's last dim (ir/head_layout.h); empty where it has none.
+  ir::HeadLayout head_layout(const std::string& location) const;
 
   /// Registers a callback. `label` describes it in the cross-rank check
   /// (ranks must register the same labels at the same locations).
@@ -72,7 +75,7 @@ class ShardedModel {
   /// Saves the whole value at `location` under `name` on every visit (or one).
   void save(const std::string& location, const std::string& name, std::optional<int64_t> visit = std::nullopt);
   /// Registers every step of a plan, after checking it all (locations, indices,
-  /// values' dtypes and widths). Whole locations have no width in the rule
+  /// values' dtypes and widths); "segment"/"heads" become indices here. Whole locations have no width in the rule
   /// table: steps there are checked at the next forward, before it runs,
   /// against widths learned from one single-token forward with read-only
   /// hooks (every rank alike).

@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -147,6 +148,50 @@ void WholeIndex::check_last_dim(int64_t width, const std::string& location) cons
         fail("{}: index '{}' is out of range on the last dim, whose whole width is {}", location, text, width);
 }
 
+void resolve_heads(PlanStep& step, const ir::HeadLayout& layout, const std::string& where) {
+  if (step.segment.empty() && step.heads.empty()) return;
+  if (layout.empty())
+    fail("{}{} has no attention heads: \"segment\" and \"heads\" apply at a QKVParallelLinear's output (q, k, "
+         "v) and at the input of the o_proj beside it",
+         where, step.at);
+  // A qkv output has named segments; an o_proj input is one region, "heads", with no segment to name.
+  const bool segmented = layout.size() > 1 || layout.front().name != "heads";
+  const ir::HeadRegion* region = &layout.front();
+  std::vector<std::string> names;
+  for (const auto& r : layout) names.push_back(r.name);
+  if (!segmented && !step.segment.empty())
+    fail("{}{} has no segments: its heads span the whole width; use \"heads\" alone", where, step.at);
+  if (segmented) {
+    if (step.segment.empty())
+      fail("{}{}: \"heads\" needs a \"segment\" ({}) to count heads in", where, step.at, fmt::join(names, ", "));
+    region = nullptr;
+    for (const auto& r : layout)
+      if (r.name == step.segment) region = &r;
+    if (!region) {
+      // "K", "key", "values": the segment their first letter names.
+      std::string suggestion;
+      const char first = static_cast<char>(std::tolower(static_cast<unsigned char>(step.segment.front())));
+      for (const auto& r : layout)
+        if (r.name.front() == first) suggestion = fmt::format(" (did you mean \"{}\"?)", r.name);
+      fail("{}{}: unknown segment \"{}\"; it has {}{}", where, step.at, step.segment, fmt::join(names, ", "),
+           suggestion);
+    }
+  }
+  int64_t start = region->start, stop = region->stop;
+  if (!step.heads.empty()) {
+    const int64_t count = region->heads(), last = step.heads.back();
+    if (last >= count)
+      fail("{}{}{} has {} heads (0 to {}), got head {}", where, step.at,
+           segmented ? fmt::format(": segment {}", region->name) : std::string(), count, count - 1, last);
+    start = region->start + step.heads.front() * region->head_dim;
+    stop = region->start + (last + 1) * region->head_dim;
+  }
+  const std::string slice = fmt::format("{}:{}", start, stop);
+  step.index = WholeIndex::parse(step.index ? step.index->text + "," + slice : "...," + slice);
+  step.segment.clear();
+  step.heads.clear();
+}
+
 const char* action_name(Action action) {
   for (const auto& [name, known] : kActions)
     if (known == action) return name;
@@ -188,6 +233,8 @@ std::string wrong_type(const nlohmann::json& step) {
       if (!value.is_string()) expected = "a string";
     } else if (key == "by") {
       if (!value.is_number()) expected = "a number";
+    } else if (key == "segment") {
+      if (!value.is_string()) expected = "a string (q, k or v)";
     } else if (key == "modules") {
       if (!value.is_array() || !std::all_of(value.begin(), value.end(), [](const auto& m) { return m.is_string(); }))
         expected = "a list of module paths (strings)";
@@ -232,7 +279,8 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
         fail("{}: unknown action \"{}\"; expected one of save, set, add, scale, zero, call", where, action_text);
       step.action = *action;
       for (const auto& [key, _] : j.items())
-        if (!std::set<std::string>{"at", "do", "as", "value", "by", "index", "visit", "modules"}.count(key))
+        if (!std::set<std::string>{"at", "do", "as", "value", "by", "index", "segment", "heads", "visit",
+                                        "modules"}.count(key))
           fail("{}: unknown field \"{}\"", where, key);
       const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
       if (names_output) {
@@ -255,6 +303,35 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
       if (j.contains("index")) {
         if (names_output) fail("{}: \"index\" applies to edits only", where);
         step.index = WholeIndex::parse(j.at("index").get<std::string>());
+      }
+      if (j.contains("segment") || j.contains("heads")) {
+        if (step.action == Action::kCall) fail("{}: \"segment\" and \"heads\" apply to edits and saves only", where);
+        if (j.contains("segment")) {
+          step.segment = j.at("segment").get<std::string>();
+          if (step.segment.empty()) fail("{}: \"segment\" is empty; expected q, k or v", where);
+        }
+        if (j.contains("heads")) {
+          const auto& heads = j.at("heads");
+          if (!heads.is_array() || heads.empty() ||
+              !std::all_of(heads.begin(), heads.end(), [](const auto& h) { return h.is_number_integer(); }))
+            fail("{}: \"heads\" must be a non-empty list of head numbers, e.g. [2], got {}", where, heads.dump());
+          for (const auto& h : heads) {
+            if (h.is_number_unsigned() && h.get<uint64_t>() > INT64_MAX)
+              fail("{}: \"heads\": {} is not a head number", where, h.dump());
+            step.heads.push_back(h.get<int64_t>());
+          }
+          // One slice of the last dim stands for them: only a run of consecutive heads is one slice.
+          for (size_t h = 0; h < step.heads.size(); ++h)
+            if (step.heads[h] < 0 || (h > 0 && step.heads[h] != step.heads[h - 1] + 1))
+              fail("{}: \"heads\" must be consecutive head numbers from 0 up, in ascending order (e.g. [2, 3]), "
+                   "got {}; write one step per run of heads",
+                   where, heads.dump());
+        }
+        // The segment's slice becomes the last component: an index beside it may only address leading dims.
+        if (step.index && step.index->items.back().kind != IndexItem::Kind::kEllipsis)
+          fail("{}: \"index\" '{}' may address the last dim, which \"segment\"/\"heads\" select; end it with "
+               "'...' to index the leading dims only (e.g. \"0,...\")",
+               where, step.index->text);
       }
       if (j.contains("visit")) {
         const auto& visit = j.at("visit");

@@ -12,8 +12,19 @@
 // "..."; "visit" restricts a step to the k-th call of that module in a
 // forward. A bare JSON list of steps is accepted too.
 //
+// Where the value is laid out in attention heads (ir/head_layout.h), an edit
+// or save may name a part of the last dim instead of an index:
+//   {"at": "model.layers.0.self_attn.qkv_proj.output", "do": "zero", "segment": "k", "heads": [1]}
+//   {"at": "model.layers.0.self_attn.o_proj.input", "do": "save", "as": "h23", "heads": [2, 3]}
+// "segment" is q, k or v (qkv_proj's output); "heads" lists consecutive heads
+// in ascending order, counted within the segment (or within o_proj's input).
+// At load (ShardedModel::apply) they become the equivalent index on the last
+// dim; an "index" beside them must end in "..." (it indexes the leading dims).
+//
 //===----------------------------------------------------------------------===//
 #pragma once
+
+#include "ir/head_layout.h"
 
 #include <torch/torch.h>
 
@@ -64,6 +75,9 @@ struct PlanStep {
   std::string value;   ///< "file.safetensors:tensor" (set, add), for messages
   double by = 1.0;     ///< factor (scale)
   std::optional<WholeIndex> index;
+  /// "segment" and "heads" as written (empty: not given); resolve_heads turns them into `index`.
+  std::string segment;
+  std::vector<int64_t> heads;  ///< consecutive, ascending
   std::optional<int64_t> visit;
   std::vector<std::string> modules;  ///< modules to run ad hoc (call)
   torch::Tensor value_tensor;        ///< loaded from `value`
@@ -71,6 +85,12 @@ struct PlanStep {
   /// what ranks compare to agree that they run the same plan.
   std::string describe() const;
 };
+
+/// Replaces a step's "segment"/"heads" by the equivalent index on the last dim,
+/// given its location's head layout (ir::head_layout). Errors start with `where`
+/// and name the location: an unknown segment, a head out of range, a location
+/// without heads. A step without them is left as it is.
+void resolve_heads(PlanStep& step, const ir::HeadLayout& layout, const std::string& where);
 
 /// A whole plan.
 struct Plan {

@@ -11,6 +11,7 @@
 #include "tools/fragment_commands.h"
 
 #include "ir/error.h"
+#include "ir/module_path.h"
 #include "passes/insert_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/exported_program.h"
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -77,7 +79,29 @@ void check_rank_files(const std::vector<std::string>& files) {
 struct Analysis {
   std::vector<ir::FragmentTable> tables;
   bool graph_analysed = true;
+  HeadLayouts heads;  ///< of the first file (all agree: the configs are in the tables' rules)
 };
+
+/// The head layout of every layer side that has one, its config read by `attributes`.
+HeadLayouts head_layouts(const ir::FragmentTable& table,
+                         const std::function<ir::IntAttributes(const std::string&)>& attributes) {
+  HeadLayouts layouts;
+  for (const auto& layer : table.layers)
+    for (const auto& location : {ir::input_location(layer.path), ir::output_location(layer.path)})
+      if (auto layout = ir::head_layout(table, location, attributes); !layout.empty())
+        layouts.emplace(location, std::move(layout));
+  return layouts;
+}
+
+/// The integer config values of a .pt2 archive's module (the kit records them beside the graph).
+ir::IntAttributes recorded_integers(const std::vector<ir::ModuleDescription>& modules, const std::string& path) {
+  ir::IntAttributes out;
+  for (const auto& module : modules)
+    if (module.path == path)
+      for (const auto& [name, value] : module.attributes)
+        if (value.isInt()) out[name] = value.toInt();
+  return out;
+}
 
 Analysis analyze_files(const std::vector<std::string>& files, const passes::LayerAliases& aliases) {
   check_rank_files(files);
@@ -95,6 +119,10 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
       export_ids.push_back(program.info.export_id);
       analysis.tables.push_back(passes::classify_parallel_layers(program.modules, aliases, file));
       analysis.graph_analysed = false;
+      if (analysis.tables.size() == 1)
+        analysis.heads = head_layouts(analysis.tables[0], [&](const std::string& path) {
+          return recorded_integers(program.modules, path);
+        });
       continue;
     }
     auto rank = runtime::load_rank_module(file);
@@ -102,6 +130,10 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
     if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
       fail("{}: already rewritten by frag rewrite; inspect reads the original export", file);
     analysis.tables.push_back(passes::analyze_fragments(rank.module, aliases, file));
+    if (analysis.tables.size() == 1)
+      analysis.heads = head_layouts(analysis.tables[0], [&](const std::string& path) {
+        return ir::int_attributes_at(rank.module, path);
+      });
   }
   // Layouts first: they name what differs; then the export ids.
   passes::check_tables_agree(files, analysis.tables);
@@ -112,7 +144,7 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
 }  // namespace
 
 std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                         bool all, bool graph_analysed) {
+                         bool all, bool graph_analysed, const HeadLayouts& heads) {
   std::string out = fmt::format("{}: tp_size {}, {} parallel layers\n", fmt::join(files, ", "),
                                 table.tp_size, table.layers.size());
   auto rows = fragmented_rows(table);
@@ -130,6 +162,18 @@ std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::
   for (const auto& r : rows)
     out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:<{}}  {}\n", r.location, w_loc, r.class_name,
                        w_class, r.layout, w_layout, r.whole, w_whole, r.group);
+  if (!heads.empty()) {
+    out += fmt::format("\nattention heads ({}): the last dim in heads, whole coordinates; plans name them by "
+                       "\"segment\" and \"heads\"\n", heads.size());
+    size_t width = 0;
+    for (const auto& [location, _] : heads) width = std::max(width, location.size());
+    for (const auto& [location, layout] : heads) {
+      std::vector<std::string> regions;
+      for (const auto& r : layout)
+        regions.push_back(fmt::format("{} {}:{} ({} heads, head_dim {})", r.name, r.start, r.stop, r.heads(), r.head_dim));
+      out += fmt::format("  {:<{}}  {}\n", location, width, fmt::join(regions, ", "));
+    }
+  }
   if (!graph_analysed) {
     out += "\nrank-local and whole locations: not analysed for torch.export archives yet (layers only)\n";
     return out;
@@ -146,7 +190,7 @@ std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::
 }
 
 nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                            bool graph_analysed) {
+                            bool graph_analysed, const HeadLayouts& heads) {
   nlohmann::json fragmented = nlohmann::json::array();
   for (const auto& r : fragmented_rows(table)) {
     fragmented.push_back({{"location", r.location},
@@ -167,6 +211,11 @@ nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<st
   for (const auto& layer : table.layers)
     layers.push_back({{"path", layer.path}, {"class", layer.class_name}, {"kind", layer.kind},
                       {"notes", layer.notes}});
+  nlohmann::json head_regions = nlohmann::json::object();
+  for (const auto& [location, layout] : heads)
+    for (const auto& r : layout)
+      head_regions[location][r.name] = {
+          {"start", r.start}, {"stop", r.stop}, {"heads", r.heads()}, {"head_dim", r.head_dim}};
   // null, not empty, where the graph was not analysed: "none" would be a claim.
   return {{"format", "fragments.inspect/1"},
           {"files", files},
@@ -174,16 +223,17 @@ nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<st
           {"fragmented", fragmented},
           {"rank_local", graph_analysed ? rank_local : nlohmann::json(nullptr)},
           {"whole", graph_analysed ? nlohmann::json(table.whole) : nlohmann::json(nullptr)},
-          {"layers", layers}};
+          {"layers", layers},
+          {"heads", head_regions}};
 }
 
 int inspect_command(const InspectArguments& args) {
   auto analysis = analyze_files(args.files, load_aliases(args.rules_file));
   const auto& table = analysis.tables[0];
   if (args.json)
-    std::cout << inspect_json(table, args.files, analysis.graph_analysed).dump(2) << "\n";
+    std::cout << inspect_json(table, args.files, analysis.graph_analysed, analysis.heads).dump(2) << "\n";
   else
-    std::cout << inspect_text(table, args.files, args.all, analysis.graph_analysed);
+    std::cout << inspect_text(table, args.files, args.all, analysis.graph_analysed, analysis.heads);
   return 0;
 }
 

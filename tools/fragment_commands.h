@@ -2,9 +2,11 @@
 #pragma once
 
 #include "ir/fragment_table.h"
+#include "ir/head_layout.h"
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -24,14 +26,18 @@ struct RewriteArguments {
   bool force = false;  ///< write through a symbolic link, into a device, or over an input
 };
 
+/// Head layouts by location (ir::head_layout), for the locations that have one.
+using HeadLayouts = std::map<std::string, ir::HeadLayout>;
+
 /// The inspect report of one export (all rank files agree; the first is shown).
 /// `graph_analysed` false (a .pt2 archive): the whole and rank-local lists are not known and not shown.
+/// `heads`: the attention heads of its locations (a section of their own).
 std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files, bool all,
-                         bool graph_analysed = true);
+                         bool graph_analysed = true, const HeadLayouts& heads = {});
 /// The same as a stable JSON document (format "fragments.inspect/1"; README documents it); "whole" and
-/// "rank_local" are null where the graph was not analysed.
+/// "rank_local" are null where the graph was not analysed; "heads" maps locations to their regions.
 nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                            bool graph_analysed = true);
+                            bool graph_analysed = true, const HeadLayouts& heads = {});
 
 /// `frag inspect`: prints the report; returns the exit code.
 int inspect_command(const InspectArguments& args);

@@ -18,6 +18,7 @@ namespace frag::runtime {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 Plan parse(const nlohmann::json& steps, const std::string& base = "") {
   return Plan::from_json(steps, "plan.json", base);
@@ -85,6 +86,110 @@ TEST(Plan, ControlCharactersNeitherTruncateMessagesNorBecomeNames) {
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", std::string("x\0y", 3)}}}),
               HasSubstr("\"as\": \"x\\x00y\" holds a control character; a saved name must be printable"));
   EXPECT_EQ(std::string(Error(std::string("before\0after\x01", 13)).what()), "before\\x00after\\x01");
+}
+
+// q 4 heads of 16, k and v 2 heads of 16 and 8: ir::qkv_output_heads of such a layer.
+const ir::HeadLayout kQkv = {{"q", 0, 64, 16}, {"k", 64, 96, 16}, {"v", 96, 112, 8}};
+const ir::HeadLayout kOProj = {{"heads", 0, 32, 8}};
+constexpr const char* kQkvAt = "model.layers.0.self_attn.qkv_proj.output";
+
+/// The one step of `step`, parsed and resolved against `layout`.
+PlanStep resolved(const nlohmann::json& step, const ir::HeadLayout& layout) {
+  auto plan = parse(nlohmann::json::array({step}));
+  resolve_heads(plan.steps.at(0), layout, "plan.json: intervention 0: ");
+  return plan.steps.at(0);
+}
+
+std::string resolve_error(const nlohmann::json& step, const ir::HeadLayout& layout) {
+  try {
+    resolved(step, layout);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+std::string index_of(const PlanStep& step) { return step.index ? step.index->text : "(none)"; }
+
+TEST(Plan, SegmentsAndHeadsBecomeAnIndexOnTheLastDim) {
+  EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}}, kQkv)), "...,64:96");
+  EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1}}}, kQkv)),
+            "...,80:96");
+  EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", "v"}, {"heads", {1}}}, kQkv)),
+            "...,104:112");
+  EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "scale"}, {"by", 2}, {"segment", "q"}, {"heads", {1, 2}}},
+                              kQkv)),
+            "...,16:48");
+  EXPECT_EQ(index_of(resolved({{"at", "o.input"}, {"do", "save"}, {"as", "h"}, {"heads", {3}}}, kOProj)),
+            "...,24:32");
+  // An index of the leading dims goes first.
+  EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"index", "0,..."}, {"segment", "k"}}, kQkv)),
+            "0,...,64:96");
+  // The resolved step is an ordinary indexed step: what ranks compare says where it lands.
+  const auto step = resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {0}}}, kQkv);
+  EXPECT_TRUE(step.segment.empty());
+  EXPECT_TRUE(step.heads.empty());
+  EXPECT_THAT(step.describe(), HasSubstr("...,64:80"));
+  // Without segment or heads, a step is left alone.
+  EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"index", "...,1:2"}}, {})), "...,1:2");
+}
+
+TEST(Plan, SegmentAndHeadsAreValidatedAtParse) {
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", 1}}}),
+              HasSubstr("intervention 0: \"segment\" must be a string (q, k or v), got 1"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", ""}}}), HasSubstr("\"segment\" is empty"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", 1}}}),
+              HasSubstr("\"heads\" must be a non-empty list of head numbers, e.g. [2], got 1"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {0.5}}}}),
+              HasSubstr("\"heads\" must be a non-empty list of head numbers, e.g. [2], got [0.5]"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", nlohmann::json::array()}}}),
+              HasSubstr("\"heads\" must be a non-empty list of head numbers, e.g. [2], got []"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {0, 2}}}}),
+              HasSubstr("\"heads\" must be consecutive head numbers from 0 up, in ascending order (e.g. [2, 3]), "
+                        "got [0,2]; write one step per run of heads"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1, 0}}}}),
+              HasSubstr("must be consecutive"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {-1}}}}),
+              HasSubstr("must be consecutive head numbers from 0 up"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {18446744073709551615ull}}}}),
+              HasSubstr("is not a head number"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "call"}, {"as", "y"}, {"modules", {"m"}}, {"segment", "k"}}}),
+              HasSubstr("\"segment\" and \"heads\" apply to edits and saves only"));
+  for (const char* index : {"...,0:2", "0:2", "0,1"})
+    EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"index", index}, {"segment", "k"}}}),
+                HasSubstr(fmt::format("\"index\" '{}' may address the last dim, which \"segment\"/\"heads\" select; "
+                                      "end it with '...' to index the leading dims only",
+                                      index)))
+        << index;
+  // A save still takes no explicit index, only a segment or heads.
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "save"}, {"as", "x"}, {"index", "0,..."}, {"segment", "k"}}}),
+              HasSubstr("\"index\" applies to edits only"));
+}
+
+TEST(Plan, SegmentAndHeadsAreCheckedAgainstTheLayoutInTheUsersWords) {
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {5}}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1), "
+            "got head 5");
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1, 2}}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1), "
+            "got head 2");
+  EXPECT_EQ(resolve_error({{"at", "o.input"}, {"do", "zero"}, {"heads", {4}}}, kOProj),
+            "plan.json: intervention 0: o.input has 4 heads (0 to 3), got head 4");
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "key"}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: unknown segment \"key\"; it has "
+            "q, k, v (did you mean \"k\"?)");
+  EXPECT_THAT(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "x"}}, kQkv),
+              HasSubstr("unknown segment \"x\"; it has q, k, v"));
+  EXPECT_THAT(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "x"}}, kQkv), Not(HasSubstr("did you mean")));
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"heads", {0}}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: \"heads\" needs a \"segment\" "
+            "(q, k, v) to count heads in");
+  EXPECT_EQ(resolve_error({{"at", "o.input"}, {"do", "zero"}, {"segment", "q"}}, kOProj),
+            "plan.json: intervention 0: o.input has no segments: its heads span the whole width; use \"heads\" "
+            "alone");
+  EXPECT_EQ(resolve_error({{"at", "m.output"}, {"do", "zero"}, {"segment", "k"}}, {}),
+            "plan.json: intervention 0: m.output has no attention heads: \"segment\" and \"heads\" apply at a "
+            "QKVParallelLinear's output (q, k, v) and at the input of the o_proj beside it");
 }
 
 TEST(Plan, RanksCompareValuesByTheirBytesNotTheirPaths) {

@@ -10,6 +10,7 @@
 // zip) and mixed formats end with one "frag: error:" line naming the file.
 //
 //===----------------------------------------------------------------------===//
+#include "tests/support/inspect_json.h"
 #include "tests/support/test_support.h"
 
 #include <caffe2/serialize/inline_container.h>
@@ -26,6 +27,7 @@ namespace frag {
 namespace {
 
 using testing::frag;
+using testing::inspect_json;
 using testing::lines_of;
 using testing::model_files;
 using testing::temporary_folder;
@@ -46,20 +48,6 @@ std::vector<std::string> pt2_files(const std::string& export_name) {
   }
   if (files.empty()) throw std::runtime_error("no .pt2 rank files for export " + export_name);
   return files;
-}
-
-nlohmann::json inspect_json(std::vector<std::string> args) {
-  args.insert(args.begin(), "inspect");
-  args.push_back("--json");
-  auto result = frag(args);
-  EXPECT_EQ(result.exit_code, 0) << result.err;
-  EXPECT_EQ(result.err, "");
-  try {
-    return nlohmann::json::parse(result.out);
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "inspect --json printed no JSON document: " << e.what() << "\n" << result.out;
-    return nlohmann::json::object();
-  }
 }
 
 /// The one error line of a refused run; empty (with a failure) otherwise.
@@ -94,6 +82,9 @@ TEST_P(InspectPt2, SameLocationsAndLayoutsAsTheTorchScriptExport) {
   for (size_t i = 0; i < expected["fragmented"].size(); ++i)
     EXPECT_EQ(report["fragmented"][i], expected["fragmented"][i]) << "row " << i;
   EXPECT_EQ(report["layers"], expected["layers"]);
+  // Heads come from the configs the kit records beside the graph: the same regions.
+  EXPECT_FALSE(expected["heads"].empty());
+  EXPECT_EQ(report["heads"], expected["heads"]);
   // Not analysed for .pt2 yet: null, not an empty list that would claim "none".
   EXPECT_TRUE(report["whole"].is_null());
   EXPECT_TRUE(report["rank_local"].is_null());

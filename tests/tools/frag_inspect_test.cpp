@@ -11,12 +11,14 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/fragment_rule.h"
+#include "tests/support/inspect_json.h"
 #include "tests/support/test_support.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/script.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <regex>
@@ -26,6 +28,7 @@ namespace frag {
 namespace {
 
 using testing::frag;
+using testing::inspect_json;
 using testing::lines_of;
 using testing::model_files;
 using testing::read_text;
@@ -63,6 +66,8 @@ struct TextReport {
   std::vector<std::string> fragmented_order;
   std::map<std::string, std::string> rank_local;  ///< location -> derived from
   std::vector<std::string> whole;                 ///< only with --all
+  std::map<std::string, std::string> heads;       ///< location -> its regions, as printed
+  int64_t heads_count = -1;
 };
 
 TextReport parse_text(const std::string& text) {
@@ -80,8 +85,8 @@ TextReport parse_text(const std::string& text) {
   } else {
     ADD_FAILURE() << "unexpected header line: " << report.header;
   }
-  enum { kNone, kFragmented, kRankLocal, kWhole } section = kNone;
-  const std::regex title(R"(^(fragmented locations|rank-local values|whole locations) \((\d+)\): )");
+  enum { kNone, kFragmented, kHeads, kRankLocal, kWhole } section = kNone;
+  const std::regex title(R"(^(fragmented locations|attention heads|rank-local values|whole locations) \((\d+)\): )");
   const std::regex columns(R"(\s{2,})");
   for (size_t i = 1; i < lines.size(); ++i) {
     const std::string& line = lines[i];
@@ -91,6 +96,7 @@ TextReport parse_text(const std::string& text) {
       if (m[1] == "fragmented locations") section = kFragmented, report.fragmented_count = count;
       if (m[1] == "rank-local values") section = kRankLocal, report.rank_local_count = count;
       if (m[1] == "whole locations") section = kWhole, report.whole_count = count;
+      if (m[1] == "attention heads") section = kHeads, report.heads_count = count;
       continue;
     }
     if (line.rfind("  ", 0) != 0) {
@@ -110,6 +116,12 @@ TextReport parse_text(const std::string& text) {
       EXPECT_EQ(report.fragmented.count(cells[0]), 0u) << "listed twice: " << cells[0];
       report.fragmented[cells[0]] = TextRow{cells[1], cells[2], cells[3], cells[4]};
       report.fragmented_order.push_back(cells[0]);
+    } else if (section == kHeads) {
+      if (!std::regex_match(body, m, std::regex(R"(^(\S+)  +(\S.*)$)"))) {
+        ADD_FAILURE() << "unexpected heads line: " << line;
+        continue;
+      }
+      report.heads[m[1]] = m[2];
     } else if (section == kRankLocal) {
       if (!std::regex_match(body, m, std::regex(R"(^(\S+)  \(from (\S+)\)$)"))) {
         ADD_FAILURE() << "unexpected rank-local line: " << line;
@@ -230,18 +242,6 @@ const Case kCases[] = {
     // Expert parallel: the layer's tp_size is 1 and ep_size 2; the partial sum spans tp×ep = 2.
     {"moe_ep_tp2", "moe_tp1", 2, 17, [] { return moe_expected(2); }},
 };
-
-nlohmann::json inspect_json(const std::vector<std::string>& files) {
-  auto result = frag(with({"inspect"}, with(files, {"--json"})));
-  EXPECT_EQ(result.exit_code, 0) << result.err;
-  EXPECT_EQ(result.err, "");
-  try {
-    return nlohmann::json::parse(result.out);
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "inspect --json printed no JSON document: " << e.what() << "\n" << result.out;
-    return nlohmann::json::object();
-  }
-}
 
 TextReport inspect_text(const std::vector<std::string>& files, bool all = true) {
   auto args = with({"inspect"}, files);
@@ -384,7 +384,67 @@ TEST_P(InspectReference, JsonAgreesWithTheText) {
 
   EXPECT_EQ(text.whole, json["whole"].get<std::vector<std::string>>());
   EXPECT_EQ(text.whole_count, static_cast<int64_t>(json["whole"].size()));
+
+  // Regions in last-dim order (JSON objects sort their keys).
+  std::map<std::string, std::string> heads;
+  for (const auto& [location, regions] : json["heads"].items()) {
+    std::vector<std::pair<int64_t, std::string>> ordered;
+    for (const auto& [name, r] : regions.items())
+      ordered.emplace_back(r["start"].get<int64_t>(),
+                           name + " " + std::to_string(r["start"].get<int64_t>()) + ":" +
+                               std::to_string(r["stop"].get<int64_t>()) + " (" +
+                               std::to_string(r["heads"].get<int64_t>()) + " heads, head_dim " +
+                               std::to_string(r["head_dim"].get<int64_t>()) + ")");
+    std::sort(ordered.begin(), ordered.end());
+    std::string line;
+    for (const auto& [_, region] : ordered) line += (line.empty() ? "" : ", ") + region;
+    heads[location] = line;
+  }
+  EXPECT_EQ(text.heads, heads);
+  EXPECT_EQ(text.heads_count, static_cast<int64_t>(json["heads"].size()));
 }
+
+// ---------------------------------------------------------------------------
+// Attention heads: q/k/v of qkv_proj's output and o_proj's input, at every tp size
+
+struct HeadsCase {
+  const char* name;
+  int64_t kv_heads;  ///< llama: 8 q heads of 8; kv heads as exported
+};
+
+class InspectHeads : public ::testing::TestWithParam<HeadsCase> {};
+
+nlohmann::json region(int64_t start, int64_t stop, int64_t heads, int64_t head_dim) {
+  return {{"start", start}, {"stop", stop}, {"heads", heads}, {"head_dim", head_dim}};
+}
+
+TEST_P(InspectHeads, QkvOutputsAndOProjInputsListTheirHeads) {
+  const auto& c = GetParam();
+  auto json = inspect_json({model_files(c.name)[0]});
+  ASSERT_TRUE(json["heads"].is_object()) << json.dump(1);
+  const int64_t k_stop = 64 + 8 * c.kv_heads;
+  nlohmann::json expected = nlohmann::json::object();
+  for (std::string l : {"model.layers.0", "model.layers.1"}) {
+    expected[l + ".self_attn.qkv_proj.output"] = {{"q", region(0, 64, 8, 8)},
+                                                  {"k", region(64, k_stop, c.kv_heads, 8)},
+                                                  {"v", region(k_stop, k_stop + 8 * c.kv_heads, c.kv_heads, 8)}};
+    expected[l + ".self_attn.o_proj.input"] = {{"heads", region(0, 64, 8, 8)}};
+  }
+  EXPECT_EQ(json["heads"], expected) << json["heads"].dump(1);
+  auto text = inspect_text({model_files(c.name)[0]}, false);
+  EXPECT_EQ(text.heads_count, 4);
+  EXPECT_EQ(text.heads["model.layers.1.self_attn.qkv_proj.output"],
+            "q 0:64 (8 heads, head_dim 8), k 64:" + std::to_string(k_stop) + " (" + std::to_string(c.kv_heads) +
+                " heads, head_dim 8), v " + std::to_string(k_stop) + ":" + std::to_string(k_stop + 8 * c.kv_heads) +
+                " (" + std::to_string(c.kv_heads) + " heads, head_dim 8)");
+  EXPECT_EQ(text.heads["model.layers.0.self_attn.o_proj.input"], "heads 0:64 (8 heads, head_dim 8)");
+}
+
+// At tp 1 qkv_proj's output is whole, not fragmented: its heads are listed all the same.
+INSTANTIATE_TEST_SUITE_P(ReferenceModels, InspectHeads,
+                         ::testing::Values(HeadsCase{"llama_tp1", 4}, HeadsCase{"llama_tp2", 4},
+                                           HeadsCase{"llama_kv2_tp1", 2}, HeadsCase{"llama_kv2_tp4", 2}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST_P(InspectReference, EveryLocationIsFragmentedRankLocalOrWholeExactlyOnce) {
   // The tp=1 export of the same model has the same locations; at tp > 1 they

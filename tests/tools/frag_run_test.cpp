@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 namespace frag {
 namespace {
@@ -144,6 +145,85 @@ TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
   EXPECT_NE(first, std::string::npos) << result.output;
   EXPECT_EQ(result.output.find(warning, first + 1), std::string::npos) << "printed more than once: " << result.output;
   EXPECT_EQ(runtime::read_safetensors(folder + "/out.safetensors").count("late"), 0u);
+}
+
+/// Runs `plan` (JSON text) with frag run and returns what --out holds (logits and saves).
+std::map<std::string, torch::Tensor> run_plan(const std::vector<std::string>& files, const std::string& folder,
+                                              const std::string& name, const std::string& plan) {
+  const std::string plan_file = folder + "/" + name + ".json", out = folder + "/" + name + ".safetensors";
+  write_text(plan_file, plan);
+  std::vector<std::string> argv{frag_binary(), "run", "--world", std::to_string(files.size())};
+  argv.insert(argv.end(), files.begin(), files.end());
+  argv.insert(argv.end(), {"--input", ids_file(folder), "--plan", plan_file, "--out", out, "--timeout", "60"});
+  auto result = run_command(argv);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  return result.exit_code == 0 ? runtime::read_safetensors(out) : std::map<std::string, torch::Tensor>{};
+}
+
+/// An edit of kv head 1 and saves of head regions, by "segment"/"heads" or by the index they stand for.
+std::string head_plan(const std::string& edit_target, const std::string& save_k1, const std::string& save_o1) {
+  const std::string qkv = "model.layers.0.self_attn.qkv_proj.output", o = "model.layers.0.self_attn.o_proj.input";
+  return R"({"interventions": [
+    {"at": ")" + qkv + R"(", "do": "scale", "by": 3.0, )" + edit_target + R"(},
+    {"at": ")" + qkv + R"(", "do": "save", "as": "qkv"},
+    {"at": ")" + qkv + R"(", "do": "save", "as": "k1", )" + save_k1 + R"(},
+    {"at": ")" + o + R"(", "do": "save", "as": "o"},
+    {"at": ")" + o + R"(", "do": "save", "as": "o1", )" + save_o1 + R"(}]})";
+}
+
+// llama: q 8 heads of 8 (0:64), k 4 (64:96), v 4; llama_kv2: k 2 heads (64:80), each on two of four ranks.
+// Either way kv head 1 is 72:80 of qkv_proj's output, and head 1 of o_proj's input is 8:16.
+class RunHeads : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(RunHeads, SegmentAndHeadsActAsTheIndexTheyStandFor) {
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  const auto files = model_files(GetParam());
+  auto by_heads = run_plan(files, folder, "by_heads",
+                           head_plan(R"("segment": "k", "heads": [1])", R"("segment": "k", "heads": [1])",
+                                     R"("heads": [1])"));
+  // The save of a segment's heads holds only them: an explicit index on a save is refused, so take it whole.
+  auto by_index = run_plan(files, folder, "by_index", head_plan(R"("index": "...,72:80")", R"("segment": "k")",
+                                                                R"("heads": [0, 1])"));
+  auto untouched = run_plan(files, folder, "untouched",
+                            head_plan(R"("index": "...,72:80", "visit": 9)", R"("segment": "k")", R"("heads": [0])"));
+  ASSERT_EQ(by_heads.count("logits"), 1u);
+  ASSERT_EQ(by_index.count("logits"), 1u);
+  ASSERT_EQ(untouched.count("logits"), 1u);
+  EXPECT_TRUE(torch::equal(by_heads.at("logits"), by_index.at("logits")));
+  EXPECT_TRUE(torch::equal(by_heads.at("qkv"), by_index.at("qkv")));
+  EXPECT_FALSE(torch::allclose(by_heads.at("logits"), untouched.at("logits"))) << "the edit changed nothing";
+
+  const auto qkv = by_heads.at("qkv"), before = untouched.at("qkv");
+  ASSERT_EQ(qkv.size(-1), before.size(-1));
+  using torch::indexing::Ellipsis;
+  using torch::indexing::Slice;
+  // Only kv head 1 was scaled: 72:80 and nothing else.
+  EXPECT_TRUE(torch::allclose(qkv.index({Ellipsis, Slice(72, 80)}), 3.0 * before.index({Ellipsis, Slice(72, 80)})));
+  EXPECT_TRUE(torch::equal(qkv.index({Ellipsis, Slice(0, 72)}), before.index({Ellipsis, Slice(0, 72)})));
+  EXPECT_TRUE(torch::equal(qkv.index({Ellipsis, Slice(80)}), before.index({Ellipsis, Slice(80)})));
+  // Saves of a head or segment are the slices of the whole.
+  EXPECT_TRUE(torch::equal(by_heads.at("k1"), qkv.index({Ellipsis, Slice(72, 80)})));
+  EXPECT_TRUE(torch::equal(by_index.at("k1"), by_index.at("qkv").index({Ellipsis, Slice(64, 64 + (qkv.size(-1) - 64) / 2)})));
+  EXPECT_TRUE(torch::equal(by_heads.at("o1"), by_heads.at("o").index({Ellipsis, Slice(8, 16)})));
+  EXPECT_TRUE(torch::equal(by_index.at("o1"), by_index.at("o").index({Ellipsis, Slice(0, 16)})));
+  EXPECT_TRUE(torch::equal(untouched.at("o1"), untouched.at("o").index({Ellipsis, Slice(0, 8)})));
+}
+
+INSTANTIATE_TEST_SUITE_P(ReferenceModels, RunHeads, ::testing::Values("llama_tp1", "llama_tp2", "llama_kv2_tp4"));
+
+TEST(RunHeads, ShardedEditsOfAKvHeadGiveTheTp1Result) {
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  const auto plan = head_plan(R"("segment": "k", "heads": [1])", R"("segment": "k", "heads": [1])", R"("heads": [1])");
+  // kv head 1 lives on ranks 2 and 3 of llama_kv2_tp4: the edit must land on both copies.
+  auto whole = run_plan(model_files("llama_kv2_tp1"), folder, "tp1", plan);
+  auto sharded = run_plan(model_files("llama_kv2_tp4"), folder, "tp4", plan);
+  for (const char* name : {"logits", "qkv", "k1", "o1"}) {
+    ASSERT_EQ(whole.count(name), 1u) << name;
+    ASSERT_EQ(sharded.count(name), 1u) << name;
+    EXPECT_LT((whole.at(name) - sharded.at(name)).abs().max().item<double>(), kLogitTolerance) << name;
+  }
 }
 
 TEST(RunBadInput, MalformedTokenIds) {
