@@ -41,7 +41,7 @@ def colour(p):
 
 def fit(draw, text, font, width):
     """The text, cut with an ellipsis to fit `width` pixels."""
-    text = text.replace("\n", "\\n")
+    text = repr(text) if not text.strip() else text.replace("\n", "\\n")  # a blank token shows as ' '
     if draw.textlength(text, font=font) <= width:
         return text
     while text and draw.textlength(text + "…", font=font) > width:
