@@ -12,6 +12,7 @@ tolerance, and the run times. Exits 1 if any comparison is out of tolerance. tes
 runs the same checks in the suite.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,9 @@ PROMPTS = [
 TOKENS = 8
 GENERATE = 20
 STEER_LAYER = 10
+# Activation patching through the Python front end: one layer's output at the one differing position.
+PATCH_PROMPTS = ("The capital of France is", "The capital of Italy is")  # clean, corrupted
+PATCH_LAYER = 6
 # float32 tolerances, relative to the reference's largest magnitude.
 TOLERANCE = {"logits": 1e-4, "activations": 1e-4, "lens": 1e-4}
 
@@ -262,6 +266,49 @@ class RealModelCheck:
         self.record("last layer's lens tp=%d vs its logits" % self.tp, last, "lens")
         return {"lens": worst, "last_vs_logits": last}
 
+    def patch_ids(self):
+        clean, corrupt = (self.tokenizer(p, return_tensors="pt").input_ids for p in PATCH_PROMPTS)
+        assert clean.shape == corrupt.shape, "the patching prompts must have as many tokens"
+        differ = (clean != corrupt).nonzero()[:, 1].tolist()
+        assert len(differ) == 1, "the patching prompts must differ in one token, not at %s" % differ
+        return clean, corrupt, differ[0]
+
+    def check_patching_frontend(self) -> Dict[str, float]:
+        """Activation patching with the Python API (fragments.launch, world tp, Gloo) against nnsight on the
+        transformers model: layer PATCH_LAYER's output at the differing position, clean into corrupted."""
+        from safetensors.torch import load_file
+
+        clean, corrupt, position = self.patch_ids()
+        out = os.path.join(self.work, "patched_python_tp%d.safetensors" % self.tp)
+        # Its own process: fragments cannot be imported beside fragkit (both register the frag:: ops).
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_model_patching.py"),
+               self.dirs[self.tp], "--world", str(self.tp), "--clean", *map(str, clean[0].tolist()),
+               "--corrupt", *map(str, corrupt[0].tolist()), "--layer", str(PATCH_LAYER),
+               "--position", str(position), "--out", out]
+        done = self._timed("fragments (Python, launch): patching tp=%d" % self.tp,
+                           lambda: subprocess.run(cmd, capture_output=True, text=True))
+        if done.returncode != 0:
+            raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
+        ours = load_file(out)["logits"]
+
+        def trace():
+            with torch.no_grad():
+                with self.lm.trace(clean):
+                    h = self.lm.model.layers[PATCH_LAYER].output.save()
+                with self.lm.trace(corrupt):
+                    self.lm.model.layers[PATCH_LAYER].output[:, position] = h[:, position]
+                    logits = self.lm.lm_head.output.save()
+                return logits
+        theirs = self._timed("nnsight: patching", trace)
+        with torch.no_grad():
+            corrupted, clean_logits = self.hf(corrupt).logits, self.hf(clean).logits
+        diff = self.record("patched logits (layer %d, position %d) tp=%d via Python vs nnsight"
+                           % (PATCH_LAYER, position, self.tp), relative(ours, theirs), "logits")
+        top = lambda logits: int(logits[0, -1].argmax())  # noqa: E731  (the next token after the prompt)
+        return {"difference": diff, "moved": relative(theirs, corrupted), "ours_moved": relative(ours, corrupted),
+                "top": {"clean": top(clean_logits), "corrupted": top(corrupted), "fragments": top(ours),
+                        "nnsight": top(theirs)}}
+
     def table(self) -> str:
         lines = ["| check | worst relative difference | tolerance | |", "| --- | --- | --- | --- |"]
         for row in self.rows:
@@ -285,6 +332,10 @@ def main(argv=None) -> int:
     check.check_nnsight_reads()
     steer = check.check_steering()
     check.check_logit_lens()
+    if importlib.util.find_spec("fragments") is not None:
+        check.check_patching_frontend()
+    else:
+        print("(patching through the Python API not checked: the package fragments is not importable)")
     text = check.check_prompt()
     print("SmolLM2-135M-Instruct (%s), %d prompts x %d tokens, float32\n" % (smollm2_gguf_path(), len(PROMPTS), TOKENS))
     print(check.table())

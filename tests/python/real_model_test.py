@@ -58,6 +58,22 @@ class RealModelTest(unittest.TestCase):
         self.assertLessEqual(result["lens"], self.m.TOLERANCE["lens"])
         self.assertEqual(result["last_vs_logits"], 0.0, "the last layer's lens is the logits, bit for bit")
 
+    def test_patching_through_python_at_tp3_equals_nnsight(self):
+        # The Python front end is built under Bazel (FRAG_REQUIRE_FRONTEND=1 there); elsewhere (CMake without
+        # FRAG_BUILD_PYTHON) this one check skips loudly.
+        if importlib.util.find_spec("fragments") is None and os.environ.get("FRAG_REQUIRE_FRONTEND") != "1":
+            self.skipTest("SKIPPED LOUDLY: the Python package fragments is not importable")
+        result = self.check.check_patching_frontend()
+        # Both sides must move the corrupted logits (else equal logits would prove nothing): patching the
+        # subject's position at an early layer brings the clean answer back (" Rome" becomes " Paris").
+        self.assertGreater(result["moved"], 0.1, "nnsight's patch must change the corrupted run's logits")
+        self.assertGreater(result["ours_moved"], 0.1, "fragments' patch must change the corrupted run's logits")
+        top = result["top"]
+        self.assertNotEqual(top["clean"], top["corrupted"], "the two prompts must have different answers")
+        self.assertEqual(top["nnsight"], top["clean"])
+        self.assertEqual(top["fragments"], top["clean"])
+        self.assertLessEqual(result["difference"], self.m.TOLERANCE["logits"])
+
 
 if __name__ == "__main__":
     unittest.main()
