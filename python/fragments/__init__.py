@@ -10,12 +10,21 @@
 Importing the package loads the C++ runtime (fragments._C), which registers the frag:: ops: rewritten
 rank files then load with plain torch.jit.load.
 """
+import sys
+
 import torch  # noqa: F401  (libtorch before the extension that links it)
 
-from . import _C
-from ._C import FragError, RankAgreementError
-from ._launch import RankFailed, launch, rank_context
-from ._model import FragmentsError, Location, Model, Module, SavedValue, Trace, load
+# fragkit defines the frag:: ops from Python when nothing registered them yet; the C++ registration in _C
+# would then clash with them, which LibTorch answers by aborting the process. Refuse with one line instead.
+if getattr(sys.modules.get("fragkit.ops"), "DEFINED_HERE", False):
+    raise ImportError("fragments: fragkit was imported first and defined the frag:: ops in Python; loading "
+                      "fragments' C++ ops now would clash with them. Import fragments before fragkit (fragkit "
+                      "then uses fragments' ops), or run them in separate processes.")
+
+from . import _C  # noqa: E402
+from ._C import FragError, RankAgreementError  # noqa: E402
+from ._launch import RankFailed, launch, rank_context  # noqa: E402
+from ._model import FragmentsError, Location, Model, Module, SavedValue, Trace, load  # noqa: E402
 
 __all__ = ["FragError", "FragmentsError", "Location", "Model", "Module", "RankAgreementError", "RankFailed",
            "SavedValue", "Trace", "launch", "load", "rank_context"]

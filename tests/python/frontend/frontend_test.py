@@ -249,6 +249,20 @@ class FrontEndTest(unittest.TestCase):
                 a, b = module(ids), original(ids)
             self.assertTrue(torch.equal(a, b))
 
+    def test_fragkit_imported_first_is_one_clear_error_not_an_abort(self):
+        # fragkit defines the frag:: ops from Python when none exist; fragments' C++ ops registered after
+        # them would clash (LibTorch aborts the process), so `import fragments` refuses with one line.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.path.join(ROOT, "tools")]))
+        clash = subprocess.run([sys.executable, "-c", "import fragkit, fragments"], capture_output=True, text=True,
+                               env=env)
+        self.assertEqual(clash.returncode, 1, clash.stderr)  # an ImportError, not a signal
+        self.assertIn("ImportError: fragments: fragkit was imported first", clash.stderr)
+        self.assertIn("Import fragments before fragkit", clash.stderr)
+        # The other order works: fragkit finds the C++ ops and defines none of its own.
+        fine = subprocess.run([sys.executable, "-c", "import fragments, fragkit.ops as o; assert not o.DEFINED_HERE"],
+                              capture_output=True, text=True, env=env)
+        self.assertEqual(fine.returncode, 0, fine.stderr)
+
     def test_module_tree_and_locations(self):
         model, _ = Reference.of("llama_tp1")
         self.assertEqual(len(model.model.layers), 2)
