@@ -85,12 +85,7 @@ struct Analysis {
 /// The head layout of every layer side that has one, its config read by `attributes`.
 HeadLayouts head_layouts(const ir::FragmentTable& table,
                          const std::function<ir::IntAttributes(const std::string&)>& attributes) {
-  HeadLayouts layouts;
-  for (const auto& layer : table.layers)
-    for (const auto& location : {ir::input_location(layer.path), ir::output_location(layer.path)})
-      if (auto layout = ir::head_layout(table, location, attributes); !layout.empty())
-        layouts.emplace(location, std::move(layout));
-  return layouts;
+  return head_layouts_of(table, [&](const std::string& location) { return ir::head_layout(table, location, attributes); });
 }
 
 /// The integer config values of a .pt2 archive's module (the kit records them beside the graph).
@@ -187,6 +182,15 @@ std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::
   if (all)
     for (const auto& location : table.whole) out += fmt::format("  {}\n", location);
   return out;
+}
+
+HeadLayouts head_layouts_of(const ir::FragmentTable& table,
+                            const std::function<ir::HeadLayout(const std::string& location)>& layout_of) {
+  HeadLayouts layouts;
+  for (const auto& layer : table.layers)
+    for (const auto& location : {ir::input_location(layer.path), ir::output_location(layer.path)})
+      if (auto layout = layout_of(location); !layout.empty()) layouts.emplace(location, std::move(layout));
+  return layouts;
 }
 
 nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,6 +29,11 @@ struct RewriteArguments {
 
 /// Head layouts by location (ir::head_layout), for the locations that have one.
 using HeadLayouts = std::map<std::string, ir::HeadLayout>;
+
+/// The head layout of every layer side of `table` that has one; `layout_of(location)` computes it
+/// (ir::head_layout with the model's configs; ShardedModel::head_layout for a loaded model).
+HeadLayouts head_layouts_of(const ir::FragmentTable& table,
+                            const std::function<ir::HeadLayout(const std::string& location)>& layout_of);
 
 /// The inspect report of one export (all rank files agree; the first is shown).
 /// `graph_analysed` false (a .pt2 archive): the whole and rank-local lists are not known and not shown.

@@ -238,7 +238,11 @@ PYBIND11_MODULE(_C, m) {
                                    reinterpret_cast<PyObject*>(torch::getTHPDtype(at::kFloat)));
                              })
       .def("inspect_json",
-           [](const PyModel& m) { return frag::tools::inspect_json(m.model->table(), {m.path}).dump(); })
+           [](const PyModel& m) {
+             const auto heads = frag::tools::head_layouts_of(
+                 m.model->table(), [&](const std::string& location) { return m.model->head_layout(location); });
+             return frag::tools::inspect_json(m.model->table(), {m.path}, true, heads).dump();
+           })
       .def("locations",
            [](const PyModel& m) {
              // (name, kind, whole width or None) for every location, in id order.

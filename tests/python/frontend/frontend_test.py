@@ -273,7 +273,8 @@ class FrontEndTest(unittest.TestCase):
                              capture_output=True, text=True)
         self.assertEqual(cli.returncode, 0, cli.stderr)
         from_cli = json.loads(cli.stdout)
-        for key in ("fragmented", "rank_local", "whole", "layers", "tp_size"):
+        self.assertIn("model.layers.0.self_attn.qkv_proj.output", from_cli["heads"])  # there is something to compare
+        for key in ("fragmented", "rank_local", "whole", "layers", "tp_size", "heads"):
             self.assertEqual(listed[key], from_cli[key], key)
         with self.assertRaises(AttributeError) as caught:
             model.model.norm.input2  # noqa: B018
