@@ -18,6 +18,14 @@
 namespace frag::testing {
 namespace {
 
+// LibTorch's c10d FlightRecorder inserts into a std::map before taking its lock (record() in
+// torch/csrc/distributed/c10d/FlightRecorderDetail.hpp, all_pg_status_): a race when one process holds
+// several process groups, as the in-process thread ranks of run_ranks do (ASan caught it in
+// communicator_test and ad_hoc_call_test). frag's ranks are processes with one group each. A buffer size of
+// 0 turns recording off, which skips that path; set before any process group exists (a static initializer),
+// unless the environment already chose a size.
+[[maybe_unused]] const bool kFlightRecorderOff = [] { return setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0; }();
+
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
   for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
