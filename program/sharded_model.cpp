@@ -109,14 +109,22 @@ void ShardedModel::on(const std::string& location, Hook hook, std::optional<int6
 }
 
 void ShardedModel::save(const std::string& location, const std::string& name, std::optional<int64_t> visit) {
-  on(
+  add_save(checked_location(location, "save:" + name), name, visit, std::nullopt);
+}
+
+void ShardedModel::add_save(ir::LocationId location, const std::string& name, std::optional<int64_t> visit,
+                            const std::optional<runtime::WholeIndex>& index) {
+  add_hook(
       location,
-      [this, name](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
-        // A gathered whole that nothing edits after this save is kept as is: no copy.
-        saved_[save_prefix_ + name].push_back(info.may_keep ? whole.detach() : whole.detach().clone());
+      [this, name, index](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+        auto& values = saved_[save_prefix_ + name];
+        if (index)  // a copy of the slice alone, not a view that keeps the whole alive
+          values.push_back(index->select(whole.detach(), info.location).clone(at::MemoryFormat::Contiguous));
+        else  // a gathered whole that nothing edits after this save is kept as is: no copy
+          values.push_back(info.may_keep ? whole.detach() : whole.detach().clone());
         return std::nullopt;
       },
-      visit, "save:" + name, /*edits=*/false);
+      visit, index ? fmt::format("save:{}[{}]", name, index->text) : "save:" + name, /*edits=*/false);
 }
 
 void ShardedModel::check_against_width(const PlanStep& step, int64_t width, const std::string& where) const {
@@ -198,19 +206,7 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
 void ShardedModel::register_step(const PlanStep& step, ir::LocationId location) {
   switch (step.action) {
     case Action::kSave:
-      if (!step.index) {
-        save(step.at, step.as, step.visit);
-        return;
-      }
-      add_hook(
-          location,
-          [this, step](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
-            // A segment or heads: a copy of the slice alone, not a view that keeps the whole alive.
-            saved_[save_prefix_ + step.as].push_back(
-                step.index->select(whole.detach(), info.location).clone(at::MemoryFormat::Contiguous));
-            return std::nullopt;
-          },
-          step.visit, fmt::format("save:{}[{}]", step.as, step.index->text), /*edits=*/false);
+      add_save(location, step.as, step.visit, step.index);
       return;
     case Action::kCall:
       add_hook(

@@ -130,6 +130,9 @@ class ShardedModel {
                 bool edits);
   void agree_on_interventions();
   void register_step(const PlanStep& step, ir::LocationId location);
+  /// Saves the whole at `location` under `name`, or only `index` of it (a plan's segment or heads).
+  void add_save(ir::LocationId location, const std::string& name, std::optional<int64_t> visit,
+                const std::optional<runtime::WholeIndex>& index);
   /// A step's index, value and call input against the whole's last-dim width.
   void check_against_width(const PlanStep& step, int64_t width, const std::string& where) const;
   /// The last-dim width of the whole at a location: from the rule table, or
