@@ -21,6 +21,7 @@
 #include <c10/util/Logging.h>
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -211,6 +212,9 @@ std::string rank_prefix() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A rank of `--world N` writes into its launcher's line relay (a pipe): line-buffered, so that what
+  // rank 0 prints (generated text, say) shows as it comes rather than at exit.
+  if (std::getenv("FRAG_LAUNCHED") != nullptr) std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   // LibTorch's own log lines (c10d's connection retries with a backtrace each, warnings) would come
   // before frag's one-line error and bury it. TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings them back.
   if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr) FLAGS_caffe2_log_level = c10::GLOG_FATAL;

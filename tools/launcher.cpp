@@ -4,7 +4,9 @@
 #include "ir/error.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <set>
+#include <string>
 #include <thread>
 
 namespace frag::tools {
@@ -40,6 +43,87 @@ void forward_signals_to_ranks() {
   action.sa_handler = forward_to_ranks;
   sigemptyset(&action.sa_mask);
   for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) sigaction(signal_number, &action, nullptr);
+}
+
+/// One rank's stdout or stderr, passed on a whole line at a time. Ranks share the launcher's terminal;
+/// a line one rank writes in pieces (several `<<`, or more than a pipe carries at once) would otherwise
+/// be cut by another rank's. The launcher is the only writer of its streams, so whole lines stay whole.
+class LineRelay {
+ public:
+  LineRelay(int read_fd, int target_fd) : fd_(read_fd), target_(target_fd) {}
+  int fd() const { return fd_; }
+  bool open() const { return fd_ >= 0; }
+
+  /// Reads what the rank wrote; passes on every complete line. At end of file, the rest as a line.
+  void pump() {
+    char chunk[65536];
+    while (open()) {
+      const ssize_t n = read(fd_, chunk, sizeof(chunk));
+      if (n > 0) {
+        pending_.append(chunk, static_cast<size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      close();  // end of file (the rank and its children are gone) or an error
+      break;
+    }
+    const size_t end = open() ? pending_.rfind('\n') : pending_.size();
+    if (end == std::string::npos || pending_.empty()) return;
+    if (!open() && pending_.back() != '\n') pending_ += '\n';
+    const size_t upto = open() ? end + 1 : pending_.size();
+    write_all(pending_.data(), upto);
+    pending_.erase(0, upto);
+  }
+
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  void write_all(const char* data, size_t size) const {
+    while (size > 0) {
+      const ssize_t n = write(target_, data, size);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return;  // the launcher's own output is gone: nothing to tell
+      data += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+
+  int fd_;
+  int target_;
+  std::string pending_;
+};
+
+/// A pipe whose ends close on exec (a rank inherits only its own, as fds 1 and 2); the launcher reads
+/// its end without blocking.
+void make_pipe(int ends[2]) {
+  if (pipe2(ends, O_CLOEXEC) != 0) fail("cannot create a pipe for a rank's output: {}", std::strerror(errno));
+  fcntl(ends[0], F_SETFL, fcntl(ends[0], F_GETFL) | O_NONBLOCK);
+}
+
+/// Waits up to `wait` for output from any rank, then passes on what came.
+void relay_output(std::vector<LineRelay>& relays, std::chrono::milliseconds wait) {
+  std::vector<pollfd> fds;
+  std::vector<LineRelay*> owners;
+  for (auto& relay : relays)
+    if (relay.open()) {
+      fds.push_back({relay.fd(), POLLIN, 0});
+      owners.push_back(&relay);
+    }
+  if (fds.empty()) {
+    std::this_thread::sleep_for(wait);
+    return;
+  }
+  if (poll(fds.data(), fds.size(), static_cast<int>(wait.count())) <= 0) return;
+  for (size_t i = 0; i < fds.size(); ++i)
+    if (fds[i].revents != 0) owners[i]->pump();
+}
+
+bool any_open(const std::vector<LineRelay>& relays) {
+  return std::any_of(relays.begin(), relays.end(), [](const LineRelay& r) { return r.open(); });
 }
 
 }  // namespace
@@ -68,7 +152,12 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
   const pid_t launcher = getpid();
   forward_signals_to_ranks();
   std::vector<pid_t> children;
+  std::vector<LineRelay> relays;
+  relays.reserve(2 * static_cast<size_t>(world));
   for (int rank = 0; rank < world; ++rank) {
+    int out[2], err[2];
+    make_pipe(out);
+    make_pipe(err);
     pid_t pid = fork();
     if (pid < 0) fail("cannot start rank {}: {}", rank, std::strerror(errno));
     if (pid == 0) {
@@ -76,6 +165,11 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
       for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) signal(signal_number, SIG_DFL);
       prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (getppid() != launcher) _exit(128 + SIGTERM);  // the launcher died before prctl
+      // Its output goes through the launcher's relay. A write after the launcher died then fails
+      // (EPIPE) instead of killing the rank before it removed its temporaries.
+      dup2(out[1], STDOUT_FILENO);
+      dup2(err[1], STDERR_FILENO);
+      signal(SIGPIPE, SIG_IGN);
       setenv("RANK", std::to_string(rank).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
@@ -94,6 +188,10 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
     }
     children.push_back(pid);
     rank_pids[rank].store(pid);
+    ::close(out[1]);
+    ::close(err[1]);
+    relays.emplace_back(out[0], STDOUT_FILENO);
+    relays.emplace_back(err[0], STDERR_FILENO);
   }
   int first_failure = 0;
   size_t running = children.size();
@@ -102,6 +200,7 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
   while (running > 0) {
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
+    relay_output(relays, std::chrono::milliseconds(0));
     if (pid > 0 && WIFSTOPPED(status)) {
       stopped.insert(pid);
     } else if (pid > 0 && WIFCONTINUED(status)) {
@@ -140,7 +239,15 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
       for (pid_t child : children) kill(child, SIGKILL);
       deadline = std::chrono::steady_clock::time_point::max();
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    relay_output(relays, std::chrono::milliseconds(5));
+  }
+  // The ranks are gone: pass on what they wrote last (bounded, in case a child of theirs holds a pipe).
+  const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (any_open(relays) && std::chrono::steady_clock::now() < drain_until)
+    relay_output(relays, std::chrono::milliseconds(20));
+  for (auto& relay : relays) {
+    relay.pump();
+    relay.close();
   }
   if (int signal_number = received_signal.load(); signal_number != 0) {
     signal(signal_number, SIG_DFL);

@@ -3,7 +3,9 @@
 // `frag run --world N` starts N copies of itself with torchrun's variables
 // (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) and waits
 // for them. If a rank fails, the others get a bounded time to fail too (they
-// will, through the collective timeout) and are then killed.
+// will, through the collective timeout) and are then killed. The ranks' stdout and
+// stderr come through the launcher a whole line at a time, so that lines of
+// different ranks never cut into each other.
 //
 //===----------------------------------------------------------------------===//
 #pragma once
