@@ -3,7 +3,8 @@
 # UndefinedBehaviorSanitizer, LibTorch as shipped: a CMake build in build/sanitize
 # (FRAG_SANITIZE=address,undefined, FRAG_FUZZ=ON, so the libFuzzer targets of tests/fuzz come from it
 # too), and the GoogleTest suites run there.
-#   tools/sanitize.sh                 build and run the suites of the CI tier (below), build the fuzz targets
+#   tools/sanitize.sh                 build and run the suites of the CI tier (below), build the fuzz targets,
+#                                     install the build and build + run tests/cmake_consumer against it
 #   tools/sanitize.sh --all           build every target; run every C++ test binary (adds the long CLI suites)
 #   tools/sanitize.sh --build [T...]  configure and build only (targets T; default all)
 # Prints one line per suite and GoogleTest's summary lines, which tools/summarize_tests.py counts.
@@ -22,7 +23,7 @@ tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_lay
       tests/runtime/plan_test tests/runtime/intervention_runtime_test tests/runtime/ad_hoc_call_test
       tests/runtime/communicator_test tests/runtime/collective_watchdog_test tests/runtime/whole_value_test
       tests/program/cuda_test tests/tools/api_example_test
-      tests/tools/torch2_fixture_test tests/tools/frag_faults_test)
+      tests/tools/torch2_fixture_test tests/tools/frag_faults_test tests/tools/launcher_test)
 # Suites with in-process thread ranks (communicator_test, ad_hoc_call_test) once crashed here inside
 # LibTorch's c10d FlightRecorder, which inserts into a map before taking its lock; tests/support turns its
 # recording off (TORCH_FR_BUFFER_SIZE=0), so they run in the tier. frag's ranks are processes: no race there.
@@ -107,4 +108,22 @@ for suite in "${suites[@]}"; do
   # GoogleTest's own summary lines, for tools/summarize_tests.py.
   grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$out"
 done
+# find_package(fragments) from another project: install this build, then build and run
+# tests/cmake_consumer against the installed copy only (its config finds LibTorch where fragments was built).
+start=$SECONDS; out="$build/logs/cmake_consumer.log"; prefix="$PWD/$build/install"
+rm -rf "$prefix" "$build/consumer"
+if { cmake --install "$build" --prefix "$prefix" &&
+     cmake -S tests/cmake_consumer -B "$build/consumer" -G Ninja -DCMAKE_CXX_COMPILER="$cxx" \
+           -DCMAKE_PREFIX_PATH="$prefix" "${launcher[@]}" &&
+     cmake --build "$build/consumer" &&
+     "$build/consumer/consumer" "$build/tests/models/llama_tp1/rank0.pt"; } > "$out" 2>&1 &&
+   ! grep -qE 'ERROR: AddressSanitizer|runtime error:' "$out"; then
+  echo "sanitize: tests/cmake_consumer clean ($((SECONDS - start)) s): $(grep '^consumer: ' "$out")"
+  echo "[  PASSED  ] 1 test."
+else
+  echo "sanitize: tests/cmake_consumer FAILED (log $out):"
+  tail -15 "$out" | sed 's/^/sanitize:   /'
+  echo "[  FAILED  ] 1 test, tests/cmake_consumer (cmake --install, find_package(fragments))"
+  status=1
+fi
 exit $status
