@@ -54,7 +54,11 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
   result.path = path;
   torch::jit::ExtraFilesMap extra{{kExportInfoFile, ""}, {kRuleTableFile, ""}};
   try {
-    result.module = torch::jit::load(path, device, extra);
+    // Without the debug records (code/*.debug_pkl: where each node came from in the original Python):
+    // LibTorch 2.11 indexes their tables unchecked, and damaged ones crashed it (SIGSEGV in
+    // SourceRangeDeserializer, found by tests/fuzz/archive_fuzzer). Errors raised inside TorchScript
+    // code still name the line of the archive's own code/.
+    result.module = torch::jit::load(path, device, extra, /*load_debug_files=*/false);
   } catch (const c10::Error& e) {
     fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what_without_backtrace()));
   } catch (const std::bad_alloc&) {
