@@ -179,12 +179,24 @@ void resolve_heads(PlanStep& step, const ir::HeadLayout& layout, const std::stri
   }
   int64_t start = region->start, stop = region->stop;
   if (!step.heads.empty()) {
-    const int64_t count = region->heads(), last = step.heads.back();
-    if (last >= count)
-      fail("{}{}{} has {} heads (0 to {}), got head {}", where, step.at,
-           segmented ? fmt::format(": segment {}", region->name) : std::string(), count, count - 1, last);
-    start = region->start + step.heads.front() * region->head_dim;
-    stop = region->start + (last + 1) * region->head_dim;
+    // Negative head numbers count from the end of the segment, as in Python: -1 is its last head.
+    const int64_t count = region->heads();
+    const std::string segment = segmented ? fmt::format(": segment {}", region->name) : std::string();
+    std::vector<int64_t> heads;
+    for (const int64_t head : step.heads) {
+      if (head < -count || head >= count)
+        fail("{}{}{} has {} heads (0 to {}, or {} to -1), got head {}", where, step.at, segment, count, count - 1,
+             -count, head);
+      heads.push_back(head < 0 ? head + count : head);
+    }
+    // Parse checked runs of one sign; a mixed run ([6, -1]) is only known to be consecutive now.
+    for (size_t h = 1; h < heads.size(); ++h)
+      if (heads[h] != heads[h - 1] + 1)
+        fail("{}{}{}: \"heads\" [{}] are heads [{}] of {}, not consecutive heads in ascending order; write "
+             "one step per run of heads",
+             where, step.at, segment, fmt::join(step.heads, ", "), fmt::join(heads, ", "), count);
+    start = region->start + heads.front() * region->head_dim;
+    stop = region->start + (heads.back() + 1) * region->head_dim;
   }
   const std::string slice = fmt::format("{}:{}", start, stop);
   step.index = WholeIndex::parse(step.index ? step.index->text + "," + slice : "...," + slice);
@@ -320,11 +332,13 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
               fail("{}: \"heads\": {} is not a head number", where, h.dump());
             step.heads.push_back(h.get<int64_t>());
           }
-          // One slice of the last dim stands for them: only a run of consecutive heads is one slice.
-          for (size_t h = 0; h < step.heads.size(); ++h)
-            if (step.heads[h] < 0 || (h > 0 && step.heads[h] != step.heads[h - 1] + 1))
-              fail("{}: \"heads\" must be consecutive head numbers from 0 up, in ascending order (e.g. [2, 3]), "
-                   "got {}; write one step per run of heads",
+          // One slice of the last dim stands for them: only a run of consecutive heads is one slice. Negative
+          // numbers count from the end (-1: the last head); a run of one sign is checked here, one mixing
+          // signs when resolve_heads knows the segment's head count.
+          for (size_t h = 1; h < step.heads.size(); ++h)
+            if ((step.heads[h] < 0) == (step.heads[h - 1] < 0) && step.heads[h] != step.heads[h - 1] + 1)
+              fail("{}: \"heads\" must be consecutive head numbers in ascending order (e.g. [2, 3], or [-2, -1] "
+                   "counted from the end), got {}; write one step per run of heads",
                    where, heads.dump());
         }
         // The segment's slice becomes the last component: an index beside it may only address leading dims.

@@ -17,7 +17,8 @@
 //   {"at": "model.layers.0.self_attn.qkv_proj.output", "do": "zero", "segment": "k", "heads": [1]}
 //   {"at": "model.layers.0.self_attn.o_proj.input", "do": "save", "as": "h23", "heads": [2, 3]}
 // "segment" is q, k or v (qkv_proj's output); "heads" lists consecutive heads
-// in ascending order, counted within the segment (or within o_proj's input).
+// in ascending order, counted within the segment (or within o_proj's input);
+// negative numbers count from its end as in Python (-1: the last head).
 // At load (ShardedModel::apply) they become the equivalent index on the last
 // dim; an "index" beside them must end in "..." (it indexes the leading dims).
 //
@@ -77,7 +78,7 @@ struct PlanStep {
   std::optional<WholeIndex> index;
   /// "segment" and "heads" as written (empty: not given); resolve_heads turns them into `index`.
   std::string segment;
-  std::vector<int64_t> heads;  ///< consecutive, ascending
+  std::vector<int64_t> heads;  ///< consecutive, ascending; negative: from the end (resolve_heads normalises)
   std::optional<int64_t> visit;
   std::vector<std::string> modules;  ///< modules to run ad hoc (call)
   torch::Tensor value_tensor;        ///< loaded from `value`
@@ -89,7 +90,9 @@ struct PlanStep {
 /// Replaces a step's "segment"/"heads" by the equivalent index on the last dim,
 /// given its location's head layout (ir::head_layout). Errors start with `where`
 /// and name the location: an unknown segment, a head out of range, a location
-/// without heads. A step without them is left as it is.
+/// without heads. Negative heads count from the segment's end (-1: its last);
+/// after that the heads must be consecutive and ascending. A step without them
+/// is left as it is.
 void resolve_heads(PlanStep& step, const ir::HeadLayout& layout, const std::string& where);
 
 /// A whole plan.

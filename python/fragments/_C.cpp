@@ -269,23 +269,14 @@ PYBIND11_MODULE(_C, m) {
              }
              return out;
            })
-      .def("int_attributes",
-           [](PyModel& m, const std::string& path) {
-             // The integer attributes of a submodule (a layer's layout config: head_size, total_num_heads…).
+      .def("head_layout",
+           [](const PyModel& m, const std::string& location) {
+             // name -> (start, stop, head_dim) of the heads on the location's last dim, in whole coordinates
+             // and last-dim order: ShardedModel::head_layout (ir::head_layout), the regions JSON plans'
+             // "segment"/"heads" and frag inspect use. Empty where the location has no heads.
              py::dict out;
-             torch::jit::Module module = m.model->module();
-             if (!path.empty()) {
-               size_t start = 0;
-               while (start <= path.size()) {
-                 const size_t dot = std::min(path.find('.', start), path.size());
-                 const auto name = path.substr(start, dot - start);
-                 if (!module.hasattr(name) || !module.attr(name).isModule()) return out;
-                 module = module.attr(name).toModule();
-                 start = dot + 1;
-               }
-             }
-             for (const auto& attribute : module.named_attributes(/*recurse=*/false))
-               if (attribute.value.isInt()) out[py::str(attribute.name)] = attribute.value.toInt();
+             for (const auto& region : m.model->head_layout(location))
+               out[py::str(region.name)] = py::make_tuple(region.start, region.stop, region.head_dim);
              return out;
            })
       .def("callable",

@@ -591,24 +591,11 @@ class Model:
 
     def _head_layout(self, location):
         """name -> (start, stop, head_dim) on the last dim of the whole at `location`: q/k/v of a
-        QKVParallelLinear's output, or "all" heads of the o_proj input beside one; {} elsewhere."""
-        if location in self._layouts:
-            return self._layouts[location]
-        path, _, side = location.rpartition(".")
-        layout = {}
-        if side == "output" and self._classes.get(path) == "QKVParallelLinear":
-            a = self._c.int_attributes(path)
-            q, k = a["total_num_heads"] * a["head_size"], a["total_num_kv_heads"] * a["head_size"]
-            v = a["total_num_kv_heads"] * a["v_head_size"]
-            layout = {"q": (0, q, a["head_size"]), "k": (q, q + k, a["head_size"]),
-                      "v": (q + k, q + k + v, a["v_head_size"])}
-        elif side == "input" and self._classes.get(path) == "RowParallelLinear":
-            qkv = path.rpartition(".")[0] + ".qkv_proj"
-            if self._classes.get(qkv) == "QKVParallelLinear":
-                a = self._c.int_attributes(qkv)
-                layout = {"heads": (0, a["total_num_heads"] * a["v_head_size"], a["v_head_size"])}
-        self._layouts[location] = layout
-        return layout
+        QKVParallelLinear's output, or "heads" of the o_proj input beside one; {} elsewhere. The C++
+        ir::head_layout computes them, as for JSON plans' "segment"/"heads" and `frag inspect`."""
+        if location not in self._layouts:
+            self._layouts[location] = self._c.head_layout(location)
+        return self._layouts[location]
 
     @property
     def python_calls(self):

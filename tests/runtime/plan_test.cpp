@@ -134,6 +134,45 @@ TEST(Plan, SegmentsAndHeadsBecomeAnIndexOnTheLastDim) {
   EXPECT_EQ(index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"index", "...,1:2"}}, {})), "...,1:2");
 }
 
+TEST(Plan, NegativeHeadsCountFromTheEndOfTheSegment) {
+  const auto at = [](const nlohmann::json& heads, const char* segment = "q") {
+    return index_of(resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", segment}, {"heads", heads}}, kQkv));
+  };
+  // -1 is the last head, as in Python, and the same step as its positive number.
+  EXPECT_EQ(at({-1}), "...,48:64");
+  EXPECT_EQ(at({-1}), at({3}));
+  EXPECT_EQ(at({-4}), at({0}));
+  EXPECT_EQ(at({-1}, "k"), at({1}, "k"));
+  EXPECT_EQ(at({-1}, "v"), "...,104:112");
+  EXPECT_EQ(at({-2, -1}), at({2, 3}));
+  EXPECT_EQ(at({2, -1}), at({2, 3})) << "a mixed run is consecutive once normalised";
+  EXPECT_EQ(index_of(resolved({{"at", "o.input"}, {"do", "save"}, {"as", "h"}, {"heads", {-1}}}, kOProj)),
+            "...,24:32");
+  // What ranks compare is the normalised index: -1 and 3 are one step.
+  const auto negative = resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", "q"}, {"heads", {-1}}}, kQkv);
+  const auto positive = resolved({{"at", kQkvAt}, {"do", "zero"}, {"segment", "q"}, {"heads", {3}}}, kQkv);
+  EXPECT_EQ(negative.describe(), positive.describe());
+}
+
+TEST(Plan, OutOfRangeNegativeHeadsAreRefusedInTheUsersWords) {
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "q"}, {"heads", {-5}}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment q has 4 heads (0 to 3, or "
+            "-4 to -1), got head -5");
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {-3, -2}}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1, or "
+            "-2 to -1), got head -3");
+  EXPECT_EQ(resolve_error({{"at", "o.input"}, {"do", "zero"}, {"heads", {-9}}}, kOProj),
+            "plan.json: intervention 0: o.input has 4 heads (0 to 3, or -4 to -1), got head -9");
+  // Duplicates and gaps show only once normalised.
+  EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1, -1}}}, kQkv),
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k: \"heads\" [1, -1] are "
+            "heads [1, 1] of 2, not consecutive heads in ascending order; write one step per run of heads");
+  EXPECT_THAT(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "q"}, {"heads", {1, -1}}}, kQkv),
+              HasSubstr("\"heads\" [1, -1] are heads [1, 3] of 4, not consecutive"));
+  EXPECT_THAT(resolve_error({{"at", "o.input"}, {"do", "zero"}, {"heads", {3, -4}}}, kOProj),
+              HasSubstr("o.input: \"heads\" [3, -4] are heads [3, 0] of 4, not consecutive"));
+}
+
 TEST(Plan, SegmentAndHeadsAreValidatedAtParse) {
   EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", 1}}}),
               HasSubstr("intervention 0: \"segment\" must be a string (q, k or v), got 1"));
@@ -145,12 +184,17 @@ TEST(Plan, SegmentAndHeadsAreValidatedAtParse) {
   EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", nlohmann::json::array()}}}),
               HasSubstr("\"heads\" must be a non-empty list of head numbers, e.g. [2], got []"));
   EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {0, 2}}}}),
-              HasSubstr("\"heads\" must be consecutive head numbers from 0 up, in ascending order (e.g. [2, 3]), "
-                        "got [0,2]; write one step per run of heads"));
+              HasSubstr("\"heads\" must be consecutive head numbers in ascending order (e.g. [2, 3], or [-2, -1] "
+                        "counted from the end), got [0,2]; write one step per run of heads"));
   EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1, 0}}}}),
               HasSubstr("must be consecutive"));
-  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {-1}}}}),
-              HasSubstr("must be consecutive head numbers from 0 up"));
+  // Negative heads count from the end: a run of one sign is checked at parse, whatever the layout.
+  EXPECT_EQ(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {-2, -1}}}}), "(accepted)");
+  EXPECT_EQ(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1, -1}}}}), "(accepted)");
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {-1, -2}}}}),
+              HasSubstr("must be consecutive"));
+  EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {-1, -1}}}}),
+              HasSubstr("must be consecutive"));
   EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {18446744073709551615ull}}}}),
               HasSubstr("is not a head number"));
   EXPECT_THAT(parse_error({{{"at", kQkvAt}, {"do", "call"}, {"as", "y"}, {"modules", {"m"}}, {"segment", "k"}}}),
@@ -168,13 +212,13 @@ TEST(Plan, SegmentAndHeadsAreValidatedAtParse) {
 
 TEST(Plan, SegmentAndHeadsAreCheckedAgainstTheLayoutInTheUsersWords) {
   EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {5}}}, kQkv),
-            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1), "
-            "got head 5");
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1, or "
+            "-2 to -1), got head 5");
   EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "k"}, {"heads", {1, 2}}}, kQkv),
-            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1), "
-            "got head 2");
+            "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1, or "
+            "-2 to -1), got head 2");
   EXPECT_EQ(resolve_error({{"at", "o.input"}, {"do", "zero"}, {"heads", {4}}}, kOProj),
-            "plan.json: intervention 0: o.input has 4 heads (0 to 3), got head 4");
+            "plan.json: intervention 0: o.input has 4 heads (0 to 3, or -4 to -1), got head 4");
   EXPECT_EQ(resolve_error({{"at", kQkvAt}, {"do", "zero"}, {"segment", "key"}}, kQkv),
             "plan.json: intervention 0: model.layers.0.self_attn.qkv_proj.output: unknown segment \"key\"; it has "
             "q, k, v (did you mean \"k\"?)");

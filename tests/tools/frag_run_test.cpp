@@ -226,6 +226,33 @@ TEST(RunHeads, ShardedEditsOfAKvHeadGiveTheTp1Result) {
   }
 }
 
+TEST(RunHeads, NegativeHeadsAreTheHeadsCountedFromTheEnd) {
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  // llama_kv2: 2 kv heads, so k head -1 is head 1 (on ranks 2 and 3 of tp 4); o_proj's input has 8: -7 is 1.
+  const auto files = model_files("llama_kv2_tp4");
+  auto positive = run_plan(files, folder, "positive",
+                           head_plan(R"("segment": "k", "heads": [1])", R"("segment": "k", "heads": [1])",
+                                     R"("heads": [1])"));
+  auto negative = run_plan(files, folder, "negative",
+                           head_plan(R"("segment": "k", "heads": [-1])", R"("segment": "k", "heads": [-1])",
+                                     R"("heads": [-7])"));
+  for (const char* name : {"logits", "qkv", "k1", "o1"}) {
+    ASSERT_EQ(positive.count(name), 1u) << name;
+    ASSERT_EQ(negative.count(name), 1u) << name;
+    EXPECT_TRUE(torch::equal(positive.at(name), negative.at(name))) << name;
+  }
+  // Out of range counted from the end: refused before anything runs, naming both ranges.
+  write_text(folder + "/far.json", head_plan(R"("segment": "k", "heads": [-3])", R"("segment": "k")", R"("heads": [0])"));
+  auto result = run_command({frag_binary(), "run", model_files("llama_kv2_tp1")[0], "--input", ids_file(folder),
+                             "--plan", folder + "/far.json"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.output.find("model.layers.0.self_attn.qkv_proj.output: segment k has 2 heads (0 to 1, or -2 to -1), "
+                               "got head -3"),
+            std::string::npos)
+      << result.output;
+}
+
 TEST(RunBadInput, MalformedTokenIds) {
   auto folder = temporary_folder();
   write_text(folder + "/ids.txt", "1 2 3\n4 five 6\n");

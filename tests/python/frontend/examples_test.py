@@ -155,6 +155,24 @@ class ExamplesTest(unittest.TestCase):
         self.assertEqual(result["steered"], steered.value[0, 4:].tolist())
         self.assertEqual(len(result["steered"]), 6)
 
+    def test_steering_by_default_is_relative_to_the_hidden_state(self):
+        # Without --scale the direction's norm is --strength (0.5) times the prompt's mean hidden-state norm.
+        path = os.path.join(self.work, "steering_strength.json")
+        run_example("steering", "--json", path, "--layer", "1", "--tokens", "3")
+        with open(path) as f:
+            result = json.load(f)
+        at = self.model.model.layers[1]
+        with self.model.trace([[7]]):
+            plus = at.output.save()
+        with self.model.trace([[8]]):
+            minus = at.output.save()
+        with self.model.trace([[11, 22, 33, 44]]):
+            hidden = at.output.save()
+        difference = plus.value[0, -1] - minus.value[0, -1]
+        expected = 0.5 * float(hidden.value[0].norm(dim=-1).mean()) / float(difference.norm())
+        self.assertAlmostEqual(result["scale"], expected, delta=1e-5 * expected)
+        self.assertEqual(len(result["steered"]), 3)
+
 
 if __name__ == "__main__":
     unittest.main()
