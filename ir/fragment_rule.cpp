@@ -428,6 +428,7 @@ class Qkv final : public FixedWidthLayout {
     const int64_t rep = rule.kv_replicas();
     const int64_t p = rule.group_size;
     std::vector<at::Tensor> parts;
+    parts.reserve(pieces.size() + 2 * static_cast<size_t>((p + rep - 1) / rep));
     for (const at::Tensor& piece : pieces) parts.push_back(piece.narrow(d, 0, q_w));
     for (int64_t r = 0; r < p; r += rep) parts.push_back(pieces[r].narrow(d, q_w, k_w));
     for (int64_t r = 0; r < p; r += rep) parts.push_back(pieces[r].narrow(d, q_w + k_w, v_w));

@@ -80,6 +80,7 @@ const LayerEntry* LocationTable::layer(std::string_view path) const {
 std::vector<std::string> closest_names(const std::string& name, const std::vector<std::string>& candidates,
                                        size_t count) {
   std::vector<std::pair<size_t, const std::string*>> scored;
+  scored.reserve(candidates.size());
   for (const auto& candidate : candidates) scored.emplace_back(edit_distance(name, candidate), &candidate);
   std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   // Only plausible typos: at most a third of the name changed.

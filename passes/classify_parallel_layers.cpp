@@ -298,7 +298,8 @@ void walk_modules(const torch::jit::Module& module, const std::string& path, con
   for (size_t i = 0; i < type->numAttributes(); ++i) {
     if (!type->getAttribute(i)->is_module()) continue;
     const std::string& name = type->getAttributeName(i);
-    walk_modules(torch::jit::Module(object->getSlot(i).toObject()), path.empty() ? name : path + "." + name, visit);
+    walk_modules(torch::jit::Module(object->getSlot(i).toObject()), path.empty() ? name : fmt::format("{}.{}", path, name),
+                 visit);
   }
 }
 

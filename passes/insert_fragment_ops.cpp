@@ -324,8 +324,12 @@ class FragmentOpInserter {
       const c10::IValue& y = *b[i];
       if (x.tagKind() != y.tagKind()) return false;
       if (x.isDouble()) {
+        // Bit patterns, not values: NaN equals itself and 0.0 differs from -0.0 (a config is data).
         const double dx = x.toDouble(), dy = y.toDouble();
-        if (std::memcmp(&dx, &dy, sizeof dx) != 0) return false;
+        uint64_t bx = 0, by = 0;
+        std::memcpy(&bx, &dx, sizeof dx);
+        std::memcpy(&by, &dy, sizeof dy);
+        if (bx != by) return false;
       } else if (x.isString()) {
         if (x.toStringRef() != y.toStringRef()) return false;
       } else if (x.isInt()) {

@@ -14,12 +14,13 @@
 namespace frag::runtime {
 namespace {
 
-at::Tensor all_reduce(const at::Tensor& x, std::string group) {
-  return current_rank_context().group(group).all_reduce(x);
+// Op kernels: the dispatcher hands "str" arguments over as string views (no copy per call).
+at::Tensor all_reduce(const at::Tensor& x, c10::string_view group) {
+  return current_rank_context().group(std::string(group)).all_reduce(x);
 }
 
-at::Tensor all_gather(const at::Tensor& x, int64_t dim, std::string group) {
-  auto pieces = current_rank_context().group(group).all_gather(x);
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group) {
+  auto pieces = current_rank_context().group(std::string(group)).all_gather(x);
   return torch::cat(pieces, dim);
 }
 

@@ -47,7 +47,7 @@ int env_int(const char* name, int fallback, long low, long high) {
 std::string master_addr_from_env(const std::string& fallback) {
   const char* text = std::getenv("MASTER_ADDR");
   if (text == nullptr || *text == '\0') return fallback;
-  const std::string addr = text;
+  std::string addr = text;
   const bool valid = addr.size() <= 253 && addr.find_first_not_of("abcdefghijklmnopqrstuvwxyz"
                                                                   "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%") ==
                                                std::string::npos;
@@ -186,6 +186,7 @@ std::vector<std::string> RankContext::exchange(const std::string& step, const st
   const std::string prefix = fmt::format("exchange/{}/{}/", exchanges_++, step);
   store_->set(prefix + std::to_string(rank_), to_bytes(value));
   std::vector<std::string> keys;
+  keys.reserve(static_cast<size_t>(world_size_));
   for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + std::to_string(r));
   try {
     store_->wait(keys, timeout_);
@@ -194,6 +195,7 @@ std::vector<std::string> RankContext::exchange(const std::string& step, const st
          rank_, world_size_, step, timeout_.count());
   }
   std::vector<std::string> values;
+  values.reserve(keys.size());
   for (const auto& key : keys) values.push_back(to_string(store_->get(key)));
   return values;
 }

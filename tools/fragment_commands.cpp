@@ -103,6 +103,7 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
   Analysis analysis;
   std::vector<std::string> export_ids;
   std::vector<bool> exported;
+  exported.reserve(files.size());
   for (const auto& file : files) exported.push_back(runtime::is_exported_program(file));
   for (size_t r = 1; r < files.size(); ++r)
     if (exported[r] != exported[0])
