@@ -24,6 +24,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <algorithm>
+#include <chrono>
 #include <optional>
 
 namespace {
@@ -43,6 +45,7 @@ struct RunArguments {
   std::string plan;
   std::string rules_file;
   int generate = 0;
+  int repeat = 0;
   bool force = false;
 };
 
@@ -93,6 +96,30 @@ std::pair<std::string, int64_t> vocabulary_of(frag::program::ShardedModel& model
   return {"", 0};
 }
 
+/// --repeat N (benchmarks): N forwards, each as a trace in the Python API runs one: clear, apply the plan
+/// (with the ranks' agreement), forward. Rank 0 prints the median per forward; the run then goes on as usual.
+void time_forwards(frag::program::ShardedModel& model, const RunArguments& args, const torch::Tensor& ids) {
+  std::optional<frag::runtime::Plan> plan;
+  if (!args.plan.empty()) plan = frag::runtime::Plan::from_file(args.plan);
+  std::vector<double> ms;
+  ms.reserve(static_cast<size_t>(args.repeat));
+  for (int i = 0; i < args.repeat; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    model.clear();
+    if (plan) model.apply(*plan);
+    model.forward(ids);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    model.clear_saved();
+  }
+  std::sort(ms.begin(), ms.end());
+  if (model.context().rank() == 0)
+    std::cerr << fmt::format("frag run: --repeat {}: median {:.3f} ms per forward (clear, apply the plan, forward); "
+                             "min {:.3f}, max {:.3f}\n",
+                             args.repeat, ms[ms.size() / 2], ms.front(), ms.back());
+  model.clear();
+  if (plan) model.apply(*plan);
+}
+
 int run_rank(const RunArguments& args) {
   frag::tools::remove_temporaries_on_signals();
   auto options = frag::runtime::RendezvousOptions::from_env();
@@ -139,6 +166,8 @@ int run_rank(const RunArguments& args) {
   }
   context->agree("plan", plan_error);  // a bad plan stops every rank before any forward
 
+  if (args.repeat > 0) time_forwards(model, args, ids);
+
   frag::runtime::TensorMap outputs;
   if (args.generate > 0) {
     outputs["tokens"] = model.generate(ids, args.generate);
@@ -171,6 +200,7 @@ int run_rank(const RunArguments& args) {
 int run_command(const RunArguments& args) {
   if (args.device != "cpu" && args.device != "cuda")
     fail("--device must be cpu or cuda, got '{}'", args.device);
+  if (args.repeat > 0 && args.generate > 0) fail("--repeat times forwards; it does not go with --generate");
   if (args.world > 0 && std::getenv("FRAG_LAUNCHED") == nullptr) {
     // Local launch: this process only starts and watches the ranks. What every rank would check alike is
     // checked here once first (files, ids, prompts, --out), so that a problem is reported once.
@@ -192,6 +222,7 @@ int run_command(const RunArguments& args) {
     if (!args.plan.empty()) child.insert(child.end(), {"--plan", args.plan});
     if (!args.rules_file.empty()) child.insert(child.end(), {"--rules", args.rules_file});
     if (args.generate > 0) child.insert(child.end(), {"--generate", std::to_string(args.generate)});
+    if (args.repeat > 0) child.insert(child.end(), {"--repeat", std::to_string(args.repeat)});
     if (args.force) child.push_back("--force");
     setenv("FRAG_LAUNCHED", "1", 1);
     return frag::tools::launch_local_ranks(
@@ -249,6 +280,10 @@ int main(int argc, char** argv) {
                       "Seconds any rank waits for the rendezvous or a collective before failing")
       ->check(CLI::PositiveNumber);
   run_cmd->add_option("--device", run.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank)");
+  run_cmd->add_option("--repeat", run.repeat,
+                      "Benchmarks: first run N timed forwards (clear, apply the plan, forward each) and print "
+                      "the median per forward on rank 0")
+      ->check(CLI::Range(1, 100000));
   run_cmd->add_option("--plan", run.plan, "Interventions to apply (JSON; see README)")->check(CLI::ExistingFile);
   run_cmd->add_option("--rules", run.rules_file, "JSON file declaring more classes as known layers");
   run_cmd->add_option("--generate", run.generate,

@@ -147,6 +147,39 @@ TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
   EXPECT_EQ(runtime::read_safetensors(folder + "/out.safetensors").count("late"), 0u);
 }
 
+TEST(RunPlans, RepeatTimesForwardsAndLeavesTheResultAsOneRun) {
+  // --repeat (benchmarks) runs N forwards first, each clearing and applying the plan again: the result must
+  // be one run's (saves not accumulated as x.0, x.1, ...; the edit applied once), and rank 0 prints a median.
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  write_text(folder + "/plan.json", R"({"interventions": [
+    {"at": "model.layers.0.mlp.down_proj.input", "do": "save", "as": "down_in"},
+    {"at": "model.layers.0.output", "do": "scale", "by": 1.5, "index": ":,-1"}]})");
+  auto files = model_files("llama_tp2");
+  std::map<std::string, torch::Tensor> outs[2];
+  for (int repeat : {0, 3}) {
+    std::vector<std::string> argv{frag_binary(), "run", "--world", "2", files[0], files[1], "--input",
+                                  ids_file(folder), "--plan", folder + "/plan.json", "--out",
+                                  folder + "/out" + std::to_string(repeat) + ".safetensors", "--timeout", "60"};
+    if (repeat > 0) argv.insert(argv.end(), {"--repeat", std::to_string(repeat)});
+    auto result = run_command(argv);
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    const std::string line = "frag run: --repeat 3: median ";
+    const auto median = result.output.find(line);
+    if (repeat > 0) {
+      EXPECT_NE(median, std::string::npos) << result.output;
+      EXPECT_EQ(result.output.find(line, median + line.size()), std::string::npos) << "printed by more than rank 0";
+    } else {
+      EXPECT_EQ(median, std::string::npos) << result.output;
+    }
+    outs[repeat > 0] = runtime::read_safetensors(folder + "/out" + std::to_string(repeat) + ".safetensors");
+  }
+  ASSERT_EQ(outs[1].size(), outs[0].size());
+  EXPECT_EQ(outs[1].count("down_in"), 1u);
+  EXPECT_TRUE(torch::equal(outs[1].at("logits"), outs[0].at("logits")));
+  EXPECT_TRUE(torch::equal(outs[1].at("down_in"), outs[0].at("down_in")));
+}
+
 /// Runs `plan` (JSON text) with frag run and returns what --out holds (logits and saves).
 std::map<std::string, torch::Tensor> run_plan(const std::vector<std::string>& files, const std::string& folder,
                                               const std::string& name, const std::string& plan) {

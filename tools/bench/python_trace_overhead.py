@@ -1,13 +1,23 @@
-"""Python front end overhead per forward: a trace (recording + typed plan + the C++ run) against the same
-typed steps handed to the C++ runtime directly (fragments._C: clear, apply, cross-rank agreement, forward).
+"""Python front end overhead per forward, side by side in one run:
+  - a trace (recording + typed plan + the C++ run) in fragments' Python API,
+  - the same typed steps handed to the C++ runtime directly (fragments._C: clear, apply, agreement, forward),
+  - the same plan as JSON through the C++ CLI itself: `frag run --world N --plan P --repeat R`, which
+    clears, applies and runs the forward R times and prints its median per forward (run before and after
+    the Python runs; their mean is the reference).
 
     PYTHONPATH=bazel-bin/python:python:tools $(bash tools/python_env.sh) tools/bench/python_trace_overhead.py \\
-        'bazel-bin/tests/models/llama_tp2/rank{rank}.pt' [--world 2] [--tokens 128] [--repeats 30]
+        'bazel-bin/tests/models/llama_tp2/rank{rank}.pt' [--world 2] [--tokens 128] [--repeats 30] \\
+        [--frag bazel-bin/tools/frag]
 
-Prints, on rank 0, the median time per forward of each and the difference.
+Prints, on rank 0, the median time per forward of each and the ratios (goal, issue 15: trace <= 1.05 x CLI).
 """
 import argparse
+import json
+import os
+import re
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -46,14 +56,49 @@ def work(rank, path, tokens, repeats):
     return statistics.median(python), statistics.median(direct)
 
 
+def plan_for_cli(folder, tokens, v):
+    """The trace's body as a JSON plan and an ids file, for `frag run`."""
+    from safetensors.torch import save_file
+    save_file({"v": v.contiguous()}, os.path.join(folder, "v.safetensors"))
+    plan = {"interventions": [
+        {"at": "model.layers.0.mlp.down_proj.input", "do": "save", "as": "down_in"},
+        {"at": "model.layers.1.self_attn.qkv_proj.output", "do": "save", "as": "qkv"},
+        {"at": "model.layers.0.output", "do": "add", "value": "v.safetensors:v", "index": ":,-1"}]}
+    with open(os.path.join(folder, "plan.json"), "w") as f:
+        json.dump(plan, f)
+    ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with open(os.path.join(folder, "ids.txt"), "w") as f:
+        f.write(" ".join(str(int(i)) for i in ids[0]) + "\n")
+    return os.path.join(folder, "plan.json"), os.path.join(folder, "ids.txt")
+
+
+def cli_median(frag, path, world, plan, ids, repeats):
+    """frag run's own median per forward (clear, apply the plan, forward), from its --repeat line."""
+    out = subprocess.run([frag, "run", path, "--world", str(world), "--input", ids, "--plan", plan,
+                          "--repeat", str(repeats)], capture_output=True, text=True, timeout=600)
+    found = re.search(r"median ([0-9.]+) ms per forward", out.stderr)
+    if out.returncode != 0 or not found:
+        raise SystemExit(f"frag run failed (exit {out.returncode}):\n{out.stderr}")
+    return float(found.group(1)) / 1e3
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("path")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--frag", default="bazel-bin/tools/frag", help="the frag CLI")
     a = p.parse_args()
-    python, direct = fragments.launch(work, world=a.world, args=(a.path, a.tokens, a.repeats))[0]
-    print(f"world {a.world}, {a.tokens} tokens, median of {a.repeats}: trace {python * 1e3:.2f} ms, "
-          f"C++ steps {direct * 1e3:.2f} ms, Python's part {(python - direct) * 1e3:.2f} ms "
-          f"({(python / direct - 1) * 100:+.1f} %)")
+    with tempfile.TemporaryDirectory() as folder:
+        v = torch.randn(64, generator=torch.Generator().manual_seed(1))
+        plan, ids = plan_for_cli(folder, a.tokens, v)
+        cli_before = cli_median(a.frag, a.path, a.world, plan, ids, a.repeats)
+        python, direct = fragments.launch(work, world=a.world, args=(a.path, a.tokens, a.repeats))[0]
+        cli_after = cli_median(a.frag, a.path, a.world, plan, ids, a.repeats)
+    cli = (cli_before + cli_after) / 2
+    print(f"world {a.world}, {a.tokens} tokens, median of {a.repeats} forwards each:")
+    print(f"  frag run --plan (CLI)   {cli * 1e3:8.2f} ms  (before {cli_before * 1e3:.2f}, after {cli_after * 1e3:.2f})")
+    print(f"  C++ steps from Python   {direct * 1e3:8.2f} ms  {direct / cli:.3f} x CLI")
+    print(f"  trace (Python API)      {python * 1e3:8.2f} ms  {python / cli:.3f} x CLI "
+          f"({(python / cli - 1) * 100:+.1f} %; goal <= +5 %), {(python / direct - 1) * 100:+.1f} % vs C++ steps")

@@ -2,7 +2,7 @@
 //
 // For llama exports of growing depth (40, 80 and 160 decoder layers at tp 2 by
 // default) measures, in one process and side by side:
-//   - load:    torch::jit::load of the rank file;
+//   - load:    torch::jit::load of the rank file, without debug records (as frag loads it);
 //   - rewrite: passes::rewrite_for_fragments on a fresh load (median and min);
 //              also split into its two steps, classify_parallel_layers and
 //              insert_fragment_ops, to show where the time goes;
@@ -107,8 +107,10 @@ size_t forward_nodes(const torch::jit::Module& module) {
   return count_nodes(function.graph()->block());
 }
 
+/// As frag loads a rank file (runtime/rank_module.cpp): without its debug records.
 torch::jit::Module load(const std::string& path) {
-  auto module = torch::jit::load(path, torch::kCPU);
+  torch::jit::ExtraFilesMap extra;
+  auto module = torch::jit::load(path, torch::kCPU, extra, /*load_debug_files=*/false);
   module.eval();
   return module;
 }
@@ -152,9 +154,8 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
   frag::ir::FragmentTable table;
   for (int i = 0; i < reps; ++i) {
     auto start = Clock::now();
-    auto module = torch::jit::load(path, torch::kCPU);
+    auto module = load(path);
     r.load.add(ms_since(start));
-    module.eval();
 
     // The headline number: the whole pipeline on a fresh load.
     start = Clock::now();
