@@ -55,9 +55,9 @@ std::string file_for_rank(const RunArguments& args, int rank, int world) {
     if (world == 1) return file;
   }
   if (static_cast<int>(args.files.size()) == world) return args.files[rank];
-  fail("got {} rank file(s) for a world of {} ranks: give one file per rank in rank order, "
+  fail("got {} rank file(s) for a world of {} rank{}: give one file per rank in rank order, "
        "or one path containing {{rank}}",
-       args.files.size(), world);
+       args.files.size(), world, world == 1 ? "" : "s");
 }
 
 /// Where the ids came from, for messages.

@@ -127,6 +127,8 @@ TEST(RunBadInput, AWorldSizeThatDoesNotMatchTpSize) {
 TEST(RunBadInput, WrongNumberOfRankFiles) {
   auto files = model_files("llama_tp2");
   expect_failure({"--world", "3", files[0], files[1]}, "got 2 rank file(s) for a world of 3 ranks");
+  // Issue 16: "a world of 1 ranks".
+  expect_failure({files[0], files[1]}, "got 2 rank file(s) for a world of 1 rank: give one file per rank");
 }
 
 TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
