@@ -274,7 +274,23 @@ TEST(Safetensors, HostileShapesAreErrorsNotAllocations) {
               HasSubstr("tensor 'v' has a negative dimension -4"));
   EXPECT_THAT(read_error(safetensors_with_header(
                   R"({"v":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,0]}})")),
-              HasSubstr("tensor 'v' has a shape whose size overflows"));
+              HasSubstr("x.safetensors: tensor 'v' has shape [4611686018427387904, 8] of F32, whose size in bytes "
+                        "overflows"));
+  // Issue 16: LibTorch's "Stride calculation overflowed" named neither the file nor the tensor.
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"U8","shape":[0,4611686018427387904,4],"data_offsets":[0,0]}})")),
+              HasSubstr("x.safetensors: tensor 'v' has shape [0, 4611686018427387904, 4], whose element count "
+                        "overflows int64"));
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"U8","shape":[3037000500,3037000500],"data_offsets":[0,0]}})")),
+              HasSubstr("x.safetensors: tensor 'v' has shape [3037000500, 3037000500], whose element count "
+                        "overflows int64"));
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,0]}})")),
+              HasSubstr("x.safetensors: tensor 'v' has shape [18446744073709551615]: 18446744073709551615 is not a "
+                        "size (a whole number below 2^63)"));
+  EXPECT_THAT(read_error(safetensors_with_header(R"({"v":{"dtype":"F32","shape":[1e30],"data_offsets":[0,0]}})")),
+              HasSubstr("tensor 'v' has shape [1e+30]: 1e+30 is not a size"));
   EXPECT_THAT(read_error(safetensors_with_header(R"({"v":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,16]}})", 16)),
               HasSubstr("data offsets that do not fit"));
   // An empty tensor is fine.
