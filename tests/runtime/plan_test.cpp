@@ -59,7 +59,8 @@ TEST(Plan, NamesAndVisitsAreValidatedAtParse) {
               HasSubstr("intervention 1: \"as\": \"x\" is already saved by an earlier step"));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}}}),
               HasSubstr("intervention 0: \"save\" needs \"as\""));
-  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", ""}}}), HasSubstr("\"as\" is empty"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", ""}}}),
+              HasSubstr("intervention 0: \"as\" is empty: expected the name to save under"));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", 1.5}}}),
               HasSubstr("\"visit\" must be a whole number of calls (0 for the first), got 1.5"));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", -2}}}),
@@ -79,6 +80,32 @@ TEST(Plan, MissingAndMistypedFieldsAreNamedInTheUsersWords) {
               HasSubstr("\"by\" must be a number, got \"2\""));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", "m"}}}),
               HasSubstr("\"modules\" must be a list of module paths (strings), got \"m\""));
+}
+
+TEST(Plan, EmptyValuesNameTheirFieldAndStep) {
+  // Issue 16: "at": "" was reported as "unknown location ''" without the field, "value": "" ran the forward
+  // without a value (a LibTorch error), "index": "" gave "index '': empty component" without the file or step.
+  const nlohmann::json save = {{"at", "a.output"}, {"do", "save"}, {"as", "x"}};
+  EXPECT_EQ(parse_error({save, {{"at", ""}, {"do", "zero"}}}),
+            "plan.json: intervention 1: \"at\" is empty: expected a location such as \"model.layers.0.mlp.output\" "
+            "(frag inspect --all lists them)");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", ""}}}),
+            "plan.json: intervention 0: \"do\" is empty: expected one of save, set, add, scale, zero, call");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "add"}, {"value", ""}}}),
+            "plan.json: intervention 0: \"value\" is empty: expected \"file.safetensors:tensor\"");
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "add"}, {"value", "v.safetensors:"}}}),
+              HasSubstr("intervention 0: \"value\" must be \"file.safetensors:tensor\", got \"v.safetensors:\" (no "
+                        "tensor name after ':')"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "add"}, {"value", ":v"}}}), HasSubstr("(no file before ':')"));
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"index", ""}}}),
+            "plan.json: intervention 0: \"index\" is empty: expected a numpy-style index of the whole tensor such as "
+            "\"...,0:8\"");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"index", "0:x"}}}),
+            "plan.json: intervention 0: \"index\": index '0:x': 'x' is not an integer");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", nlohmann::json::array({"model.norm", ""})}}}),
+            "plan.json: intervention 0: \"modules\": entry 1 is empty: expected a module path such as \"model.norm\"");
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", nlohmann::json::array()}}}),
+              HasSubstr("intervention 0: \"modules\" is empty: expected the module paths to call"));
 }
 
 TEST(Plan, ControlCharactersNeitherTruncateMessagesNorBecomeNames) {

@@ -131,6 +131,37 @@ TEST(RunBadInput, WrongNumberOfRankFiles) {
   expect_failure({files[0], files[1]}, "got 2 rank file(s) for a world of 1 rank: give one file per rank");
 }
 
+TEST(RunBadInput, EmptyOptionValuesNameTheOption) {
+  // Issue 16: `--rules ""` and `--out ""` were taken for "none" silently, `-o ""` failed with ": cannot move the
+  // temporary .tmp.<pid> into place", an empty rank file with ": cannot open the model file".
+  auto folder = temporary_folder();
+  const auto model = model_files("llama_tp1")[0];
+  const std::string ids = ids_file(folder);
+  struct Case {
+    std::vector<std::string> arguments;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"run", model, "--input", ids, "--rules", ""}, "--rules: is empty: expected a rules file (JSON)"},
+      {{"run", model, "--input", ids, "--plan", ""}, "--plan: is empty: expected a plan file (JSON)"},
+      {{"run", model, "--input", ids, "--out", ""}, "--out: is empty: expected the safetensors file to write"},
+      {{"run", model, "--input", ""}, "--input: is empty: expected a file of token ids"},
+      {{"run", "", "--input", ids}, "is empty: expected a rank file"},
+      {{"inspect", model, "--rules", ""}, "--rules: is empty: expected a rules file (JSON)"},
+      {{"rewrite", model, "-o", ""}, "is empty: expected the file or folder to write"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.expected);
+    auto result = testing::frag(c.arguments);
+    EXPECT_NE(result.exit_code, 0) << result.err;
+    EXPECT_NE(result.exit_code, -1) << "frag hung and was killed: " << result.err;
+    EXPECT_NE(result.err.find(c.expected), std::string::npos) << result.err;
+    EXPECT_TRUE(result.out.empty()) << "nothing may run: " << result.out;
+  }
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(folder), std::filesystem::directory_iterator()), 1)
+      << "only ids.txt: no output, no temporary";
+}
+
 TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
   FRAG_REQUIRE_GLOO();
   auto folder = temporary_folder();
