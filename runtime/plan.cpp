@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 #include "ir/json_file.h"
+#include "ir/location_table.h"
 #include "runtime/safetensors.h"
 
 #include <fmt/ranges.h>
@@ -241,6 +242,12 @@ std::vector<std::string> field_names(const nlohmann::json& step) {
 const std::vector<std::string> kStepFields = {"at", "do", "as", "value", "by", "index", "segment", "heads", "visit",
                                               "modules"};
 
+/// Words a user may write for a field (and their typos, by edit distance): "action" is "do".
+constexpr std::pair<const char*, const char*> kFieldSynonyms[] = {
+    {"action", "do"},   {"op", "do"},         {"location", "at"}, {"loc", "at"},       {"where", "at"},
+    {"name", "as"},     {"save_as", "as"},    {"visits", "visit"}, {"module", "modules"}, {"head", "heads"},
+    {"tensor", "value"}, {"factor", "by"},    {"slice", "index"}};
+
 /// What an empty string in each string field should have been, for messages (nullptr: not a string field).
 const char* expected_in(const std::string& key) {
   if (key == "at") return "a location such as \"model.layers.0.mlp.output\" (frag inspect --all lists them)";
@@ -250,6 +257,18 @@ const char* expected_in(const std::string& key) {
   if (key == "index") return "a numpy-style index of the whole tensor such as \"...,0:8\"";
   if (key == "segment") return "q, k or v";
   return nullptr;
+}
+
+/// " (did you mean \"do\"?)" for an unknown field `key`, or "".
+std::string field_suggestion(const std::string& key) {
+  std::vector<std::string> candidates = kStepFields;
+  for (const auto& [synonym, _] : kFieldSynonyms) candidates.emplace_back(synonym);
+  const auto close = ir::closest_names(key, candidates, 1);
+  if (close.empty()) return "";
+  std::string field = close.front();
+  for (const auto& [synonym, meant] : kFieldSynonyms)
+    if (field == synonym) field = meant;
+  return fmt::format(" (did you mean \"{}\"?)", field);
 }
 
 /// Names the first field of `step` whose JSON type is not the one its key needs.
@@ -280,7 +299,13 @@ Plan Plan::from_file(const std::string& path) {
 Plan Plan::from_json(const nlohmann::json& json, const std::string& source, const std::string& base) {
   const nlohmann::json* list = &json;
   if (json.is_object()) {
-    if (!json.contains("interventions")) fail("{}: a plan needs \"interventions\": [...]", source);
+    if (!json.contains("interventions")) {
+      std::vector<std::string> keys;
+      for (const auto& [key, _] : json.items()) keys.push_back(key);
+      const auto close = ir::closest_names("interventions", keys, 1);
+      fail("{}: a plan needs \"interventions\": [...]{}", source,
+           close.empty() ? "" : fmt::format(" (found \"{}\"; did you mean \"interventions\"?)", close.front()));
+    }
     list = &json["interventions"];
   }
   if (!list->is_array()) fail("{}: \"interventions\" must be a list", source);
@@ -301,7 +326,8 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
     try {
       for (const auto& [key, _] : j.items())
         if (std::find(kStepFields.begin(), kStepFields.end(), key) == kStepFields.end())
-          fail("{}: unknown field \"{}\"", where, key);
+          fail("{}: unknown field \"{}\"{}; a step's fields are {}", where, key, field_suggestion(key),
+               fmt::join(kStepFields, ", "));
       // An empty string names nothing: say which field, and what it should hold.
       for (const auto& [key, value] : j.items())
         if (value.is_string() && value.get_ref<const std::string&>().empty() && expected_in(key) != nullptr)
@@ -309,8 +335,13 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
       step.at = j.at("at").get<std::string>();
       const auto action_text = j.at("do").get<std::string>();
       const auto action = parse_action(action_text);
-      if (!action)
-        fail("{}: unknown action \"{}\"; expected one of save, set, add, scale, zero, call", where, action_text);
+      if (!action) {
+        std::vector<std::string> names;
+        for (const auto& [name, _] : kActions) names.emplace_back(name);
+        const auto close = ir::closest_names(action_text, names, 1);
+        fail("{}: unknown action \"{}\"{}; expected one of save, set, add, scale, zero, call", where, action_text,
+             close.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", close.front()));
+      }
       step.action = *action;
       const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
       if (names_output) {

@@ -108,6 +108,27 @@ TEST(Plan, EmptyValuesNameTheirFieldAndStep) {
               HasSubstr("intervention 0: \"modules\" is empty: expected the module paths to call"));
 }
 
+TEST(Plan, MisspeltFieldsAndActionsGetADidYouMean) {
+  // Issue 16: "unknown field \"actoin\"" said neither which field was meant nor which exist.
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"vist", 1}}}),
+            "plan.json: intervention 0: unknown field \"vist\" (did you mean \"visit\"?); a step's fields are at, do, "
+            "as, value, by, index, segment, heads, visit, modules");
+  // The words a user may write for a field, and their typos, point at the field's name.
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"actoin", "zero"}}}),
+              HasSubstr("unknown field \"actoin\" (did you mean \"do\"?)"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"lcoation", "b.output"}}}),
+              HasSubstr("unknown field \"lcoation\" (did you mean \"at\"?)"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}, {"name", "y"}}}),
+              HasSubstr("unknown field \"name\" (did you mean \"as\"?)"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"colour", 1}}}),
+              HasSubstr("unknown field \"colour\"; a step's fields are")) << "nothing close: no guess";
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "scal"}, {"by", 2}}}),
+            "plan.json: intervention 0: unknown action \"scal\" (did you mean \"scale\"?); expected one of save, set, "
+            "add, scale, zero, call");
+  EXPECT_EQ(parse_error({{"intervention", nlohmann::json::array()}}),
+            "plan.json: a plan needs \"interventions\": [...] (found \"intervention\"; did you mean \"interventions\"?)");
+}
+
 TEST(Plan, ControlCharactersNeitherTruncateMessagesNorBecomeNames) {
   // A NUL byte used to end the message where what() was printed; names with one were written as keys.
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", std::string("x\0y", 3)}}}),
