@@ -180,6 +180,25 @@ TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
   EXPECT_EQ(runtime::read_safetensors(folder + "/out.safetensors").count("late"), 0u);
 }
 
+TEST(RunPlans, ACallChainInTheWrongOrderNamesTheStepAndTheModule) {
+  // Issue 16: modules in the wrong order failed with LibTorch's "The size of tensor a (1000) must match the size
+  // of tensor b (64)", naming neither the plan step nor the module.
+  auto folder = temporary_folder();
+  write_text(folder + "/plan.json",
+             R"({"interventions": [{"at": "model.layers.0.output", "do": "save", "as": "a"},
+                                   {"at": "model.layers.1.output", "do": "call", "modules": ["lm_head", "model.norm"],
+                                    "as": "lens"}]})");
+  auto result = run_command({frag_binary(), "run", model_files("llama_tp1")[0], "--input", ids_file(folder), "--plan",
+                             folder + "/plan.json", "--out", folder + "/out.safetensors"});
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find(folder + "/plan.json: intervention 1 (call at model.layers.1.output): calling model.norm "
+                                        "(module 1 of the chain lm_head -> model.norm) on the output of lm_head of "
+                                        "shape [2, 8, 1000] failed: The size of tensor a (1000) must match"),
+            std::string::npos)
+      << result.output;
+  EXPECT_FALSE(std::filesystem::exists(folder + "/out.safetensors"));
+}
+
 /// Runs `plan` (JSON text) with frag run and returns what --out holds (logits and saves).
 std::map<std::string, torch::Tensor> run_plan(const std::vector<std::string>& files, const std::string& folder,
                                               const std::string& name, const std::string& plan) {
