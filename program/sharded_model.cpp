@@ -86,10 +86,18 @@ ir::LocationId ShardedModel::checked_location(const std::string& location, const
   const ir::LocationId id = locations().id_of(location, what);
   const auto& entry = locations().at(id);
   if (entry.kind == LocationKind::kRankLocal) {
-    // The value a user wants there is usually its fragmented source (act_fn's output -> down_proj's input).
+    // Where the rewrite saw this very value gathered (act_fn's output is down_proj's input), that location
+    // holds its whole; the location it derives from (gate_up_proj's output) holds another value.
+    std::string whole_at;
+    for (const auto& local : table().rank_local)
+      if (local.location == location) whole_at = local.whole_at;
+    if (!whole_at.empty())
+      fail("{}: {} is rank-local (derived from {}): no rank holds its whole value here; the same value is "
+           "whole at {}: intervene there instead",
+           what, location, entry.derived_from, whole_at);
     fail("{}: {} is rank-local (derived from {}): no rank holds its whole value; intervene at a fragmented "
-         "location such as {} instead",
-         what, location, entry.derived_from, entry.derived_from);
+         "location (`frag inspect` lists them), e.g. the input of the parallel layer it flows into",
+         what, location, entry.derived_from);
   }
   return id;
 }
