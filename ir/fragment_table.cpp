@@ -64,8 +64,11 @@ nlohmann::json to_json(const FragmentTable& table) {
                       {"output", side_to_json(layer.output)},
                       {"notes", layer.notes}});
   nlohmann::json rank_local = nlohmann::json::array();
-  for (const auto& local : table.rank_local)
-    rank_local.push_back({{"location", local.location}, {"derived_from", local.derived_from}});
+  for (const auto& local : table.rank_local) {
+    nlohmann::json entry = {{"location", local.location}, {"derived_from", local.derived_from}};
+    if (!local.whole_at.empty()) entry["whole_at"] = local.whole_at;
+    rank_local.push_back(std::move(entry));
+  }
   return {{"format", kTableFormat},
           {"tp_size", table.tp_size},
           {"layers", layers},
@@ -92,8 +95,8 @@ FragmentTable table_from_json(const nlohmann::json& json, const std::string& sou
     }
     table.whole = json.value("whole", std::vector<std::string>{});
     for (const auto& j : json.value("rank_local", nlohmann::json::array()))
-      table.rank_local.push_back(
-          {j.at("location").get<std::string>(), j.at("derived_from").get<std::string>()});
+      table.rank_local.push_back({j.at("location").get<std::string>(), j.at("derived_from").get<std::string>(),
+                                  j.value("whole_at", std::string())});
     return table;
   } catch (const nlohmann::json::exception& e) {
     fail("{}: malformed fragment table: {}", source, e.what());

@@ -20,7 +20,8 @@
 //                "notes": ["gather_output=True: the layer gathers itself"]}],
 //    "whole": ["model.layers.0.output", …],
 //    "rank_local": [{"location": "model.layers.0.mlp.act_fn.output",
-//                    "derived_from": "model.layers.0.mlp.gate_up_proj.output"}, …]}
+//                    "derived_from": "model.layers.0.mlp.gate_up_proj.output",
+//                    "whole_at": "model.layers.0.mlp.down_proj.input"  (only where known)}, …]}
 // RULE is ir::to_json(FragmentRule).
 //
 //===----------------------------------------------------------------------===//
@@ -58,6 +59,9 @@ struct LayerEntry {
 struct RankLocalLocation {
   std::string location;
   std::string derived_from;  ///< the fragmented location it derives from
+  /// The fragmented location where this very value is gathered whole, "" if none: act_fn's output is
+  /// down_proj's input, so the whole activation is read at "model.layers.0.mlp.down_proj.input".
+  std::string whole_at;
 };
 
 /// Everything the pass knows about one rank file.

@@ -327,6 +327,13 @@ LayerAliases LayerAliases::from_file(const std::string& path) {
   LayerAliases aliases;
   aliases.source = path;
   for (const auto& [name, kind] : json["layers"].items()) {
+    if (name.empty())
+      fail("{}: \"layers\" has an empty class name (declared as {}): expected the Python class name of a layer, "
+           "e.g. \"MyRowLinear\"",
+           path, kind.dump());
+    if (kind.is_string() && kind.get_ref<const std::string&>().empty())
+      fail("{}: class '{}' is declared as \"\" (empty): expected one of the known kinds {}", path, name,
+           fmt::join(kKnownKinds, ", "));
     if (!kind.is_string() || classifier_for(kind.get<std::string>()) == nullptr)
       fail("{}: class '{}' is declared as unknown kind {}; known kinds: {}", path, name, kind.dump(),
            fmt::join(kKnownKinds, ", "));

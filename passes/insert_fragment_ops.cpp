@@ -5,6 +5,7 @@
 #include "ir/op_schemas.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/jit_log.h>
 #include <torch/csrc/jit/passes/constant_propagation.h>
@@ -223,9 +224,12 @@ class FragmentOpInserter {
     }
     table_.whole = std::move(whole);
     std::vector<ir::RankLocalLocation> rank_local;
-    for (const auto& local : table_.rank_local)
-      if (std::none_of(rank_local.begin(), rank_local.end(), [&](const auto& l) { return l.location == local.location; }))
-        rank_local.push_back(local);
+    for (const auto& local : table_.rank_local) {
+      auto seen = std::find_if(rank_local.begin(), rank_local.end(),
+                               [&](const auto& l) { return l.location == local.location; });
+      if (seen == rank_local.end()) rank_local.push_back(local);
+      else if (seen->whole_at.empty()) seen->whole_at = local.whole_at;
+    }
     table_.rank_local = std::move(rank_local);
   }
 
@@ -371,6 +375,13 @@ class FragmentOpInserter {
     WithInsertPoint guard(destination);
     auto found = rules_.find(location);
     if (const ir::FragmentRule* rule = found == rules_.end() ? nullptr : found->second) {
+      // A rank-local location holding this very value (act_fn's output, gathered as down_proj's input):
+      // its whole value is read here.
+      if (auto pending = rank_local_values_.find(value->unique()); pending != rank_local_values_.end()) {
+        for (const size_t index : pending->second)
+          if (table_.rank_local[index].whole_at.empty()) table_.rank_local[index].whole_at = location;
+        rank_local_values_.erase(pending);
+      }
       Value* loc = graph_->insertConstant(location);
       Value* rule_text = graph_->insertConstant(rule_text_of(rule));
       Value* whole = insert_op(kGather, {value, loc, rule_text}, value->type());
@@ -378,16 +389,38 @@ class FragmentOpInserter {
       Value* piece = insert_op(kSplit, {edited, value, loc, rule_text}, value->type());
       // The piece carries on into the model: rank-local from here on (unless
       // one rank holds it all, as a padded vocab at tp_size 1).
-      if (rule->group_size > 1) set_origin(piece, &origins_.emplace_back(location));
+      if (rule->group_size > 1) {
+        set_origin(piece, &origins_.emplace_back(location));
+        pieces_.emplace(piece->unique(), &origins_.back());
+      }
       return piece;
     }
     if (const std::string* origin = origin_of(value)) {
-      table_.rank_local.push_back({location, *origin});
+      // The piece a split handed back (act_fn's input): its whole is that split's location. Another value
+      // may still be gathered whole later (act_fn's output as down_proj's input).
+      auto piece = pieces_.find(through_tuples(value)->unique());
+      if (piece == pieces_.end()) rank_local_values_[value->unique()].push_back(table_.rank_local.size());
+      table_.rank_local.push_back({location, *origin, piece == pieces_.end() ? "" : *piece->second});
       return value;
     }
     table_.whole.push_back(location);
     Value* loc = graph_->insertConstant(location);
     return insert_op(kIntervene, {value, loc, graph_->insertConstant(false)}, value->type());
+  }
+
+  /// The tuple element `value` reads where it unpacks or indexes a tuple built in this graph (a linear
+  /// layer's rebuilt (output, bias)); else `value`.
+  static Value* through_tuples(Value* value) {
+    Node* node = value->node();
+    if (node->kind() == c10::prim::TupleUnpack && node->input()->node()->kind() == c10::prim::TupleConstruct)
+      return node->input()->node()->input(value->offset());
+    if (node->kind() == c10::prim::TupleIndex && node->input(0)->node()->kind() == c10::prim::TupleConstruct) {
+      auto index = torch::jit::toIValue(node->input(1));
+      Node* tuple = node->input(0)->node();
+      if (index && index->isInt() && index->toInt() >= 0 && static_cast<size_t>(index->toInt()) < tuple->inputs().size())
+        return tuple->input(static_cast<size_t>(index->toInt()));
+    }
+    return value;
   }
 
   /// A rule's JSON text, made once per rule.
@@ -434,6 +467,11 @@ class FragmentOpInserter {
   /// Rank-local values and the fragmented location each derives from.
   /// (By Value::unique(), dense in one graph: a lookup per input of every node.)
   std::vector<const std::string*> derived_from_;
+  /// Rank-local values not yet seen at a fragmented location (by Value::unique()) -> their entries in
+  /// table_.rank_local, whose whole_at that location becomes.
+  std::unordered_map<size_t, std::vector<size_t>> rank_local_values_;
+  /// The pieces splits hand back to the model (by Value::unique()) -> their fragmented location.
+  std::unordered_map<size_t, const std::string*> pieces_;
 };
 
 }  // namespace

@@ -86,10 +86,18 @@ ir::LocationId ShardedModel::checked_location(const std::string& location, const
   const ir::LocationId id = locations().id_of(location, what);
   const auto& entry = locations().at(id);
   if (entry.kind == LocationKind::kRankLocal) {
-    // The value a user wants there is usually its fragmented source (act_fn's output -> down_proj's input).
+    // Where the rewrite saw this very value gathered (act_fn's output is down_proj's input), that location
+    // holds its whole; the location it derives from (gate_up_proj's output) holds another value.
+    std::string whole_at;
+    for (const auto& local : table().rank_local)
+      if (local.location == location) whole_at = local.whole_at;
+    if (!whole_at.empty())
+      fail("{}: {} is rank-local (derived from {}): no rank holds its whole value here; the same value is "
+           "whole at {}: intervene there instead",
+           what, location, entry.derived_from, whole_at);
     fail("{}: {} is rank-local (derived from {}): no rank holds its whole value; intervene at a fragmented "
-         "location such as {} instead",
-         what, location, entry.derived_from, entry.derived_from);
+         "location (`frag inspect` lists them), e.g. the input of the parallel layer it flows into",
+         what, location, entry.derived_from);
   }
   return id;
 }
@@ -180,7 +188,10 @@ void ShardedModel::apply(const Plan& plan) {
     if (auto width = whole_width_at(id)) check_against_width(step, *width, where);
     else later.push_back({step, id, where});  // a whole location not yet seen: checked before the next forward
   }
-  for (size_t i = 0; i < steps.size(); ++i) register_step(steps[i], ids[i]);
+  for (size_t i = 0; i < steps.size(); ++i)
+    register_step(steps[i], ids[i],
+                  fmt::format("{}: intervention {} ({} at {})", plan.source, i, runtime::action_name(steps[i].action),
+                              steps[i].at));
   width_checks_.insert(width_checks_.end(), later.begin(), later.end());
 }
 
@@ -203,7 +214,7 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
   width_checks_.clear();
 }
 
-void ShardedModel::register_step(const PlanStep& step, ir::LocationId location) {
+void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, const std::string& where) {
   switch (step.action) {
     case Action::kSave:
       add_save(location, step.as, step.visit, step.index);
@@ -211,8 +222,14 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location) 
     case Action::kCall:
       add_hook(
           location,
-          [this, step](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
-            saved_[save_prefix_ + step.as].push_back(caller().call(*context_, step.modules, whole));
+          [this, step, where](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+            torch::Tensor result;
+            try {
+              result = caller().call(*context_, step.modules, whole);
+            } catch (const Error& e) {  // a chain in the wrong order, say: name the step
+              fail("{}: {}", where, e.what());
+            }
+            saved_[save_prefix_ + step.as].push_back(result);
             return std::nullopt;
           },
           step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false);

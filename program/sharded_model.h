@@ -129,7 +129,8 @@ class ShardedModel {
   void add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit, const std::string& label,
                 bool edits);
   void agree_on_interventions();
-  void register_step(const PlanStep& step, ir::LocationId location);
+  /// `where` names the plan step in errors its hooks raise while the forward runs (a call chain that fails).
+  void register_step(const PlanStep& step, ir::LocationId location, const std::string& where);
   /// Saves the whole at `location` under `name`, or only `index` of it (a plan's segment or heads).
   void add_save(ir::LocationId location, const std::string& name, std::optional<int64_t> visit,
                 const std::optional<runtime::WholeIndex>& index);

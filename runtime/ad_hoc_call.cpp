@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 #include "ir/module_path.h"
+#include "runtime/rank_module.h"
 #include "runtime/whole_value.h"
 
 #include <fmt/ranges.h>
@@ -76,7 +77,22 @@ torch::Tensor AdHocCaller::call(RankContext& context, const std::vector<std::str
                                 const torch::Tensor& whole) const {
   if (paths.empty()) fail("an ad-hoc call needs at least one module");
   torch::Tensor value = whole;
-  for (const auto& path : paths) value = call_module(context, path, {value});
+  for (size_t i = 0; i < paths.size(); ++i) {
+    // A module that cannot take what the one before it returned (a chain in the wrong order): say which
+    // module of the chain, on what, instead of LibTorch's bare "The size of tensor a (1000) must match ...".
+    const std::string input = i == 0 ? std::string("the whole value") : fmt::format("the output of {}", paths[i - 1]);
+    try {
+      value = call_module(context, paths[i], {value});
+    } catch (const Error&) {
+      throw;
+    } catch (const c10::Error& e) {
+      fail("calling {} (module {} of the chain {}) on {} of shape [{}] failed: {}", paths[i], i,
+           fmt::join(paths, " -> "), input, fmt::join(value.sizes(), ", "), interpreter_message(e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      fail("calling {} (module {} of the chain {}) on {} of shape [{}] failed: {}", paths[i], i,
+           fmt::join(paths, " -> "), input, fmt::join(value.sizes(), ", "), interpreter_message(e.what()));
+    }
+  }
   return value;
 }
 

@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 #include "ir/json_file.h"
+#include "ir/location_table.h"
 #include "runtime/safetensors.h"
 
 #include <fmt/ranges.h>
@@ -237,6 +238,39 @@ std::vector<std::string> field_names(const nlohmann::json& step) {
   return names;
 }
 
+/// The fields a plan step may have, in the README's order.
+const std::vector<std::string> kStepFields = {"at", "do", "as", "value", "by", "index", "segment", "heads", "visit",
+                                              "modules"};
+
+/// Words a user may write for a field (and their typos, by edit distance): "action" is "do".
+constexpr std::pair<const char*, const char*> kFieldSynonyms[] = {
+    {"action", "do"},   {"op", "do"},         {"location", "at"}, {"loc", "at"},       {"where", "at"},
+    {"name", "as"},     {"save_as", "as"},    {"visits", "visit"}, {"module", "modules"}, {"head", "heads"},
+    {"tensor", "value"}, {"factor", "by"},    {"slice", "index"}};
+
+/// What an empty string in each string field should have been, for messages (nullptr: not a string field).
+const char* expected_in(const std::string& key) {
+  if (key == "at") return "a location such as \"model.layers.0.mlp.output\" (frag inspect --all lists them)";
+  if (key == "do") return "one of save, set, add, scale, zero, call";
+  if (key == "as") return "the name to save under";
+  if (key == "value") return "\"file.safetensors:tensor\"";
+  if (key == "index") return "a numpy-style index of the whole tensor such as \"...,0:8\"";
+  if (key == "segment") return "q, k or v";
+  return nullptr;
+}
+
+/// " (did you mean \"do\"?)" for an unknown field `key`, or "".
+std::string field_suggestion(const std::string& key) {
+  std::vector<std::string> candidates = kStepFields;
+  for (const auto& [synonym, _] : kFieldSynonyms) candidates.emplace_back(synonym);
+  const auto close = ir::closest_names(key, candidates, 1);
+  if (close.empty()) return "";
+  std::string field = close.front();
+  for (const auto& [synonym, meant] : kFieldSynonyms)
+    if (field == synonym) field = meant;
+  return fmt::format(" (did you mean \"{}\"?)", field);
+}
+
 /// Names the first field of `step` whose JSON type is not the one its key needs.
 std::string wrong_type(const nlohmann::json& step) {
   for (const auto& [key, value] : step.items()) {
@@ -265,7 +299,13 @@ Plan Plan::from_file(const std::string& path) {
 Plan Plan::from_json(const nlohmann::json& json, const std::string& source, const std::string& base) {
   const nlohmann::json* list = &json;
   if (json.is_object()) {
-    if (!json.contains("interventions")) fail("{}: a plan needs \"interventions\": [...]", source);
+    if (!json.contains("interventions")) {
+      std::vector<std::string> keys;
+      for (const auto& [key, _] : json.items()) keys.push_back(key);
+      const auto close = ir::closest_names("interventions", keys, 1);
+      fail("{}: a plan needs \"interventions\": [...]{}", source,
+           close.empty() ? "" : fmt::format(" (found \"{}\"; did you mean \"interventions\"?)", close.front()));
+    }
     list = &json["interventions"];
   }
   if (!list->is_array()) fail("{}: \"interventions\" must be a list", source);
@@ -284,21 +324,29 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
                                       : "the action: save, set, add, scale, zero or call",
              j.empty() ? std::string("no fields") : fmt::format("the fields {}", fmt::join(field_names(j), ", ")));
     try {
+      for (const auto& [key, _] : j.items())
+        if (std::find(kStepFields.begin(), kStepFields.end(), key) == kStepFields.end())
+          fail("{}: unknown field \"{}\"{}; a step's fields are {}", where, key, field_suggestion(key),
+               fmt::join(kStepFields, ", "));
+      // An empty string names nothing: say which field, and what it should hold.
+      for (const auto& [key, value] : j.items())
+        if (value.is_string() && value.get_ref<const std::string&>().empty() && expected_in(key) != nullptr)
+          fail("{}: \"{}\" is empty: expected {}", where, key, expected_in(key));
       step.at = j.at("at").get<std::string>();
       const auto action_text = j.at("do").get<std::string>();
       const auto action = parse_action(action_text);
-      if (!action)
-        fail("{}: unknown action \"{}\"; expected one of save, set, add, scale, zero, call", where, action_text);
+      if (!action) {
+        std::vector<std::string> names;
+        for (const auto& [name, _] : kActions) names.emplace_back(name);
+        const auto close = ir::closest_names(action_text, names, 1);
+        fail("{}: unknown action \"{}\"{}; expected one of save, set, add, scale, zero, call", where, action_text,
+             close.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", close.front()));
+      }
       step.action = *action;
-      for (const auto& [key, _] : j.items())
-        if (!std::set<std::string>{"at", "do", "as", "value", "by", "index", "segment", "heads", "visit",
-                                        "modules"}.count(key))
-          fail("{}: unknown field \"{}\"", where, key);
       const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
       if (names_output) {
         if (!j.contains("as")) fail("{}: \"{}\" needs \"as\": the name to save under", where, action_text);
         step.as = j.at("as").get<std::string>();
-        if (step.as.empty()) fail("{}: \"as\" is empty", where);
         // Names become safetensors keys and lines of output: no control characters (a NUL, a newline).
         if (std::any_of(step.as.begin(), step.as.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
           fail("{}: \"as\": \"{}\" holds a control character; a saved name must be printable", where, step.as);
@@ -311,10 +359,22 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
       }
       if (step.action == Action::kSet || step.action == Action::kAdd) step.value = j.at("value").get<std::string>();
       if (step.action == Action::kScale) step.by = j.at("by").get<double>();
-      if (step.action == Action::kCall) step.modules = j.at("modules").get<std::vector<std::string>>();
+      if (step.action == Action::kCall) {
+        step.modules = j.at("modules").get<std::vector<std::string>>();
+        if (step.modules.empty())
+          fail("{}: \"modules\" is empty: expected the module paths to call, e.g. [\"model.norm\", \"lm_head\"]",
+               where);
+        for (size_t m = 0; m < step.modules.size(); ++m)
+          if (step.modules[m].empty())
+            fail("{}: \"modules\": entry {} is empty: expected a module path such as \"model.norm\"", where, m);
+      }
       if (j.contains("index")) {
         if (names_output) fail("{}: \"index\" applies to edits only", where);
-        step.index = WholeIndex::parse(j.at("index").get<std::string>());
+        try {
+          step.index = WholeIndex::parse(j.at("index").get<std::string>());
+        } catch (const Error& e) {
+          fail("{}: \"index\": {}", where, e.what());
+        }
       }
       if (j.contains("segment") || j.contains("heads")) {
         if (step.action == Action::kCall) fail("{}: \"segment\" and \"heads\" apply to edits and saves only", where);
@@ -362,8 +422,11 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
     }
     if (!step.value.empty()) {
       auto colon = step.value.rfind(':');
-      if (colon == std::string::npos)
-        fail("{}: \"value\" must be \"file.safetensors:tensor\", got \"{}\"", where, step.value);
+      if (colon == std::string::npos || colon == 0 || colon + 1 == step.value.size())
+        fail("{}: \"value\" must be \"file.safetensors:tensor\", got \"{}\"{}", where, step.value,
+             colon == std::string::npos ? ""
+             : colon == 0               ? " (no file before ':')"
+                                        : " (no tensor name after ':')");
       std::filesystem::path file = step.value.substr(0, colon);
       if (file.is_relative() && !base.empty()) file = std::filesystem::path(base) / file;
       auto tensors = read_safetensors(file.string());

@@ -48,6 +48,10 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
 RankModule load_and_check_rank_module(RankContext& context, const std::string& path,
                                       const torch::Device& device = torch::kCPU);
 
+/// The user-facing message inside an error raised through the TorchScript interpreter (which wraps it in
+/// a traceback): the raised exception's message, one line.
+std::string interpreter_message(const std::string& text);
+
 /// Runs forward(input_ids) without autograd and returns the logits: the
 /// module's own forward, or `forward` (a graph of forward's signature, self
 /// first, such as a copy specialized by passes::remove_fragment_ops_except).

@@ -3,10 +3,12 @@
 
 #include "ir/error.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -115,18 +117,40 @@ TensorMap read_safetensors(const std::string& path) {
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
     try {
-      auto type = dtype_of(path, entry.at("dtype").get<std::string>());
-      auto shape = entry.at("shape").get<std::vector<int64_t>>();
+      const std::string dtype = entry.at("dtype").get<std::string>();
+      auto type = dtype_of(path, dtype);
+      // The shape's entries are checked as JSON first: a float or a number past int64 would be converted
+      // silently (and a float out of range is undefined behaviour).
+      const auto& shape_json = entry.at("shape");
+      if (!shape_json.is_array())
+        fail("{}: tensor '{}' has shape {}; expected a list of sizes", path, name, shape_json.dump());
+      std::vector<int64_t> shape;
+      for (const auto& dim : shape_json) {
+        if (!dim.is_number_integer() || (dim.is_number_unsigned() && dim.get<uint64_t>() > INT64_MAX))
+          fail("{}: tensor '{}' has shape {}: {} is not a size (a whole number below 2^63)", path, name,
+               shape_json.dump(), dim.dump());
+        shape.push_back(dim.get<int64_t>());
+      }
       auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
       // The size from the header is checked before anything is allocated: a hostile or corrupt shape
-      // (negative, or overflowing) is an error, not an allocation.
+      // (negative, or overflowing) is an error, not an allocation. The element count must fit int64 even
+      // where a dim is 0 (LibTorch refuses such a shape itself, with a message naming neither file nor tensor).
       uint64_t bytes = c10::elementSize(type);
+      uint64_t elements = 1;
       for (const int64_t dim : shape) {
-        if (dim < 0) fail("{}: tensor '{}' has a negative dimension {} in its shape", path, name, dim);
-        if (dim != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(dim))
-          fail("{}: tensor '{}' has a shape whose size overflows", path, name);
+        if (dim < 0)
+          fail("{}: tensor '{}' has a negative dimension {} in its shape [{}]", path, name, dim, fmt::join(shape, ", "));
+        if (dim == 0) continue;
+        if (elements > static_cast<uint64_t>(INT64_MAX) / static_cast<uint64_t>(dim))
+          fail("{}: tensor '{}' has shape [{}], whose element count overflows int64", path, name,
+               fmt::join(shape, ", "));
+        elements *= static_cast<uint64_t>(dim);
+        if (bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(dim))
+          fail("{}: tensor '{}' has shape [{}] of {}, whose size in bytes overflows", path, name,
+               fmt::join(shape, ", "), dtype);
         bytes *= static_cast<uint64_t>(dim);
       }
+      if (std::find(shape.begin(), shape.end(), 0) != shape.end()) bytes = 0;
       if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] > data_size ||
           offsets[1] - offsets[0] != bytes)
         fail("{}: tensor '{}' has data offsets that do not fit its shape or the file", path, name);

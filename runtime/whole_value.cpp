@@ -203,8 +203,8 @@ torch::Tensor whole_from_piece(RankContext& context, const ir::FragmentRule& rul
                                std::string_view location) {
   Communicator& group = context.group(rule.group);
   if (group.size() != rule.group_size)
-    fail("{} is fragmented over {} ranks of group '{}', but this run's group has {}", location, rule.group_size,
-         rule.group, group.size());
+    fail("{} is fragmented over {} rank{} of group '{}', but this run's group has {}", location, rule.group_size,
+         rule.group_size == 1 ? "" : "s", rule.group, group.size());
   switch (ir::collective_for(rule)) {
     case ir::CollectiveKind::kAllReduce:
       return group.all_reduce(piece);

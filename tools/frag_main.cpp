@@ -58,9 +58,17 @@ std::string file_for_rank(const RunArguments& args, int rank, int world) {
     if (world == 1) return file;
   }
   if (static_cast<int>(args.files.size()) == world) return args.files[rank];
-  fail("got {} rank file(s) for a world of {} ranks: give one file per rank in rank order, "
+  fail("got {} rank file(s) for a world of {} rank{}: give one file per rank in rank order, "
        "or one path containing {{rank}}",
-       args.files.size(), world);
+       args.files.size(), world, world == 1 ? "" : "s");
+}
+
+/// A check that an option's value is not "": an empty path would be taken for "no file" (--rules, --out) or
+/// name nothing (": cannot open the model file").
+CLI::Validator non_empty(const std::string& expected) {
+  return CLI::Validator(
+      [expected](std::string& value) { return value.empty() ? "is empty: expected " + expected : std::string(); },
+      "", "NONEMPTY");
 }
 
 /// Where the ids came from, for messages.
@@ -258,20 +266,25 @@ int main(int argc, char** argv) {
       "run", "Run rank files on N ranks: locally with --world N, or one rank per process under a "
              "launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun, srun, mpirun)");
   run_cmd->add_option("files", run.files, "Rank files, rank 0 first (or one path with {rank})")
-      ->required();
+      ->required()
+      ->check(non_empty("a rank file"));
   auto* input_opt =
-      run_cmd->add_option("--input", run.input, "Token ids: one sequence per line, ids separated by spaces");
+      run_cmd->add_option("--input", run.input, "Token ids: one sequence per line, ids separated by spaces")
+          ->check(non_empty("a file of token ids"));
   auto* prompt_opt = run_cmd->add_option(
       "--prompt", run.prompts,
       "Text to run (repeatable: one batch of equal token lengths), tokenized with the checkpoint's tokenizer; "
-      "with --generate, prints each prompt and its decoded continuation");
+      "with --generate, prints each prompt and its decoded continuation")
+      ->check(non_empty("the text to run"));
   input_opt->excludes(prompt_opt);
   run_cmd->add_option("--tokenizer", run.tokenizer,
                       "Tokenizer folder (tokenizer.json) for --prompt; default: 'tokenizer' beside the rank files")
-      ->needs(prompt_opt);
+      ->needs(prompt_opt)
+      ->check(non_empty("a folder holding tokenizer.json"));
   run_cmd->add_option("--out", run.out,
                       "Write rank 0's logits here (safetensors, tensor 'logits'; 'tokens' with --generate) and "
-                      "every saved tensor, whole; written atomically");
+                      "every saved tensor, whole; written atomically")
+      ->check(non_empty("the safetensors file to write"));
   run_cmd->add_flag("--force", run.force,
                     "Let --out write through a symbolic link, into a device node, or over an input file");
   run_cmd->add_option("--world", run.world, "Start this many local ranks (processes)")
@@ -284,8 +297,11 @@ int main(int argc, char** argv) {
                       "Benchmarks: first run N timed forwards (clear, apply the plan, forward each) and print "
                       "the median per forward on rank 0")
       ->check(CLI::Range(1, 100000));
-  run_cmd->add_option("--plan", run.plan, "Interventions to apply (JSON; see README)")->check(CLI::ExistingFile);
-  run_cmd->add_option("--rules", run.rules_file, "JSON file declaring more classes as known layers");
+  run_cmd->add_option("--plan", run.plan, "Interventions to apply (JSON; see README)")
+      ->check(non_empty("a plan file (JSON)"))
+      ->check(CLI::ExistingFile);
+  run_cmd->add_option("--rules", run.rules_file, "JSON file declaring more classes as known layers")
+      ->check(non_empty("a rules file (JSON)"));
   run_cmd->add_option("--generate", run.generate,
                       "Greedy-decode this many tokens; writes 'tokens' and per-step saves 'step{k}.name'")
       ->check(CLI::Range(1, 100000));
@@ -294,19 +310,26 @@ int main(int argc, char** argv) {
   auto* inspect_cmd = app.add_subcommand(
       "inspect", "List the fragmented locations of an export (and the rank-local values)");
   inspect_cmd->add_option("files", inspect.files, "Rank files of one export (one is enough)")->required()
+      ->check(non_empty("a rank file"))
       ->check(CLI::ExistingFile);
   inspect_cmd->add_flag("--json", inspect.json, "Print a JSON document (format fragments.inspect/1)");
   inspect_cmd->add_flag("--all", inspect.all, "Also list the whole locations");
   inspect_cmd->add_option("--rules", inspect.rules_file,
-                          "JSON file declaring more classes as known layers: {\"layers\": {\"Cls\": \"Kind\"}}");
+                          "JSON file declaring more classes as known layers: {\"layers\": {\"Cls\": \"Kind\"}}")
+      ->check(non_empty("a rules file (JSON)"));
 
   frag::tools::RewriteArguments rewrite;
   auto* rewrite_cmd = app.add_subcommand(
       "rewrite", "Insert gather/intervene/split ops at every location and save the rewritten files");
-  rewrite_cmd->add_option("files", rewrite.files, "Rank files to rewrite")->required()->check(CLI::ExistingFile);
+  rewrite_cmd->add_option("files", rewrite.files, "Rank files to rewrite")
+      ->required()
+      ->check(non_empty("a rank file"))
+      ->check(CLI::ExistingFile);
   rewrite_cmd->add_option("-o,--output", rewrite.output, "Output file (one input) or existing folder")
-      ->required();
-  rewrite_cmd->add_option("--rules", rewrite.rules_file, "JSON file declaring more classes as known layers");
+      ->required()
+      ->check(non_empty("the file or folder to write"));
+  rewrite_cmd->add_option("--rules", rewrite.rules_file, "JSON file declaring more classes as known layers")
+      ->check(non_empty("a rules file (JSON)"));
   rewrite_cmd->add_flag("--force", rewrite.force,
                         "Let -o write through a symbolic link, into a device node, or over its own input");
 

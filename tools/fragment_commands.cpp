@@ -55,7 +55,7 @@ std::vector<Row> fragmented_rows(const ir::FragmentTable& table) {
       rows.push_back(Row{input ? ir::input_location(layer.path) : ir::output_location(layer.path),
                          layer.class_name, layer.kind, input ? "input" : "output", ir::describe(rule),
                          (*side)->whole_width ? fmt::format("[..., {}]", *(*side)->whole_width) : "?",
-                         fmt::format("{} ({} ranks)", rule.group, rule.group_size), &**side});
+                         fmt::format("{} ({} rank{})", rule.group, rule.group_size, rule.group_size == 1 ? "" : "s"), &**side});
     }
   }
   return rows;

@@ -419,6 +419,11 @@ TEST(LayerAliases, BadFilesNameTheFile) {
       // Merged read as plain column would take [gate_r|up_r] for one shard: refused, not a silent layout.
       {"redeclared.json", R"({"layers": {"MergedColumnParallelLinear": "ColumnParallelLinear"}})",
        "class 'MergedColumnParallelLinear' is a kind frag knows; a rules file declares new classes only"},
+      // Issue 16: an empty class name was accepted silently, an empty kind reported as 'unknown kind ""'.
+      {"empty_class.json", R"({"layers": {"": "RowParallelLinear"}})",
+       "\"layers\" has an empty class name (declared as \"RowParallelLinear\"): expected the Python class name"},
+      {"empty_kind.json", R"({"layers": {"MyLinear": ""}})",
+       "class 'MyLinear' is declared as \"\" (empty): expected one of the known kinds ReplicatedLinear, "},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

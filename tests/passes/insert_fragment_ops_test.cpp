@@ -226,6 +226,12 @@ TEST(InsertFragmentOps, ColumnActRowChain) {
 
   EXPECT_THAT(table.whole, ElementsAre("up.input"));
   EXPECT_THAT(rank_local_pairs(table), ElementsAre("act.input<-up.output", "act.output<-up.output"));
+  // Where each rank-local value is whole (issue 16: a plan at act.output was sent to up.output, another
+  // value): act's input is the piece up.output's split hands back, act's output is what down.input gathers.
+  ASSERT_EQ(table.rank_local.size(), 2u);
+  EXPECT_EQ(table.rank_local[0].whole_at, "up.output");
+  EXPECT_EQ(table.rank_local[1].whole_at, "down.input");
+  EXPECT_EQ(ir::table_from_json(ir::to_json(table), "t").rank_local[1].whole_at, "down.input");
   EXPECT_NO_THROW(graph->lint());
 }
 

@@ -438,8 +438,13 @@ void expect_plan_error(const nlohmann::json& step, const std::string& message) {
 TEST(Safety, BadPlansFailBeforeAnythingRuns) {
   FRAG_REQUIRE_GLOO();
   expect_plan_error({{"at", "model.layers.9.output"}, {"do", "save"}, {"as", "x"}}, "unknown location 'model.layers.9.output' (did you mean model.layers.");
+  // Issue 16: the suggestion was gate_up_proj's output (another value); act_fn's output is down_proj's input.
   expect_plan_error({{"at", "model.layers.0.mlp.act_fn.output"}, {"do", "zero"}},
-                    "model.layers.0.mlp.act_fn.output is rank-local (derived from model.layers.0.mlp.gate_up_proj.output)");
+                    "model.layers.0.mlp.act_fn.output is rank-local (derived from model.layers.0.mlp.gate_up_proj.output): "
+                    "no rank holds its whole value here; the same value is whole at "
+                    "model.layers.0.mlp.down_proj.input: intervene there instead");
+  expect_plan_error({{"at", "model.layers.0.mlp.act_fn.input"}, {"do", "save"}, {"as", "x"}},
+                    "the same value is whole at model.layers.0.mlp.gate_up_proj.output: intervene there instead");
   expect_plan_error({{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "zero"}, {"index", "...,250:300"}},
                     "out of range on the last dim, whose whole width is 256");
   expect_plan_error({{"at", "model.layers.0.self_attn.o_proj.input"}, {"do", "add"}, {"value", "v.safetensors:wide"}},

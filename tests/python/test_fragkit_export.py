@@ -212,6 +212,40 @@ class ExportBehaviour(_Tmp):
         self.assertLess((out.float() - ref).abs().max().item(), 0.25)
 
 
+class DivisibilityErrors(unittest.TestCase):
+    """Issue 16: a tp size that does not divide a layer's sizes names the layer's path and class, not just
+    "100 is not divisible by 8"."""
+
+    def error(self, builder, tp_size):
+        with self.assertRaises(ValueError) as caught:
+            builder(0, tp_size)
+        return str(caught.exception)
+
+    def test_each_size_names_its_layer(self):
+        self.assertEqual(self.error(llama_builder(LlamaConfig(intermediate_size=100)), 8),
+                         "model.layers.0.mlp.gate_up_proj (MergedColumnParallelLinear): output_sizes entry 100 "
+                         "is not divisible by tp_size 8")
+        self.assertEqual(self.error(llama_builder(LlamaConfig(mlp="plain", intermediate_size=100)), 8),
+                         "model.layers.0.mlp.up_proj (ColumnParallelLinear): output_size 100 is not divisible "
+                         "by tp_size 8")
+        self.assertEqual(self.error(llama_builder(LlamaConfig(num_attention_heads=6, num_key_value_heads=6,
+                                                              hidden_size=48)), 4),
+                         "model.layers.0.self_attn.qkv_proj (QKVParallelLinear): total_num_heads 6 is not "
+                         "divisible by tp_size 4")
+        self.assertEqual(self.error(llama_builder(LlamaConfig(vocab_size=960, num_attention_heads=6,
+                                                              num_key_value_heads=4, hidden_size=48)), 6),
+                         "model.layers.0.self_attn.qkv_proj (QKVParallelLinear): tp_size 6 is not a multiple of "
+                         "total_num_kv_heads 4 (kv heads are replicated over whole groups of ranks)")
+        self.assertEqual(self.error(llama_builder(LlamaConfig()), 3),
+                         "model.embed_tokens (VocabParallelEmbedding): padded vocab size 1024 (vocab 1000 padded "
+                         "to a multiple of padding_size 64) is not divisible by tp_size 3")
+        self.assertEqual(self.error(qwen2_moe_builder(Qwen2MoeConfig(moe_intermediate_size=30)), 4),
+                         "model.layers.0.mlp.experts (FusedMoE): intermediate_size 30 is not divisible by tp_size 4")
+        with self.assertRaises(ValueError) as caught:
+            RowParallelLinear(10, 4, tp_size=4)
+        self.assertEqual(str(caught.exception), "RowParallelLinear: input_size 10 is not divisible by tp_size 4")
+
+
 class CLI(_Tmp):
     def test_export_model_cli(self):
         out = os.path.join(self.tmp, "llama_tp2")
@@ -230,7 +264,8 @@ class CLI(_Tmp):
                               "--tp", "3", "--out", os.path.join(self.tmp, "bad")],
                              env=env, capture_output=True, text=True, timeout=120)
         self.assertNotEqual(bad.returncode, 0)
-        self.assertIn("not divisible", bad.stderr)
+        self.assertIn("model.embed_tokens (VocabParallelEmbedding): padded vocab size 1024", bad.stderr)
+        self.assertIn("not divisible by tp_size 3", bad.stderr)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ TEST(Plan, NamesAndVisitsAreValidatedAtParse) {
               HasSubstr("intervention 1: \"as\": \"x\" is already saved by an earlier step"));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}}}),
               HasSubstr("intervention 0: \"save\" needs \"as\""));
-  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", ""}}}), HasSubstr("\"as\" is empty"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", ""}}}),
+              HasSubstr("intervention 0: \"as\" is empty: expected the name to save under"));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", 1.5}}}),
               HasSubstr("\"visit\" must be a whole number of calls (0 for the first), got 1.5"));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"visit", -2}}}),
@@ -79,6 +80,53 @@ TEST(Plan, MissingAndMistypedFieldsAreNamedInTheUsersWords) {
               HasSubstr("\"by\" must be a number, got \"2\""));
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", "m"}}}),
               HasSubstr("\"modules\" must be a list of module paths (strings), got \"m\""));
+}
+
+TEST(Plan, EmptyValuesNameTheirFieldAndStep) {
+  // Issue 16: "at": "" was reported as "unknown location ''" without the field, "value": "" ran the forward
+  // without a value (a LibTorch error), "index": "" gave "index '': empty component" without the file or step.
+  const nlohmann::json save = {{"at", "a.output"}, {"do", "save"}, {"as", "x"}};
+  EXPECT_EQ(parse_error({save, {{"at", ""}, {"do", "zero"}}}),
+            "plan.json: intervention 1: \"at\" is empty: expected a location such as \"model.layers.0.mlp.output\" "
+            "(frag inspect --all lists them)");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", ""}}}),
+            "plan.json: intervention 0: \"do\" is empty: expected one of save, set, add, scale, zero, call");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "add"}, {"value", ""}}}),
+            "plan.json: intervention 0: \"value\" is empty: expected \"file.safetensors:tensor\"");
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "add"}, {"value", "v.safetensors:"}}}),
+              HasSubstr("intervention 0: \"value\" must be \"file.safetensors:tensor\", got \"v.safetensors:\" (no "
+                        "tensor name after ':')"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "add"}, {"value", ":v"}}}), HasSubstr("(no file before ':')"));
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"index", ""}}}),
+            "plan.json: intervention 0: \"index\" is empty: expected a numpy-style index of the whole tensor such as "
+            "\"...,0:8\"");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"index", "0:x"}}}),
+            "plan.json: intervention 0: \"index\": index '0:x': 'x' is not an integer");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", nlohmann::json::array({"model.norm", ""})}}}),
+            "plan.json: intervention 0: \"modules\": entry 1 is empty: expected a module path such as \"model.norm\"");
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}, {"modules", nlohmann::json::array()}}}),
+              HasSubstr("intervention 0: \"modules\" is empty: expected the module paths to call"));
+}
+
+TEST(Plan, MisspeltFieldsAndActionsGetADidYouMean) {
+  // Issue 16: "unknown field \"actoin\"" said neither which field was meant nor which exist.
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"vist", 1}}}),
+            "plan.json: intervention 0: unknown field \"vist\" (did you mean \"visit\"?); a step's fields are at, do, "
+            "as, value, by, index, segment, heads, visit, modules");
+  // The words a user may write for a field, and their typos, point at the field's name.
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"actoin", "zero"}}}),
+              HasSubstr("unknown field \"actoin\" (did you mean \"do\"?)"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"lcoation", "b.output"}}}),
+              HasSubstr("unknown field \"lcoation\" (did you mean \"at\"?)"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}, {"name", "y"}}}),
+              HasSubstr("unknown field \"name\" (did you mean \"as\"?)"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"colour", 1}}}),
+              HasSubstr("unknown field \"colour\"; a step's fields are")) << "nothing close: no guess";
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "scal"}, {"by", 2}}}),
+            "plan.json: intervention 0: unknown action \"scal\" (did you mean \"scale\"?); expected one of save, set, "
+            "add, scale, zero, call");
+  EXPECT_EQ(parse_error({{"intervention", nlohmann::json::array()}}),
+            "plan.json: a plan needs \"interventions\": [...] (found \"intervention\"; did you mean \"interventions\"?)");
 }
 
 TEST(Plan, ControlCharactersNeitherTruncateMessagesNorBecomeNames) {
@@ -274,7 +322,23 @@ TEST(Safetensors, HostileShapesAreErrorsNotAllocations) {
               HasSubstr("tensor 'v' has a negative dimension -4"));
   EXPECT_THAT(read_error(safetensors_with_header(
                   R"({"v":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,0]}})")),
-              HasSubstr("tensor 'v' has a shape whose size overflows"));
+              HasSubstr("x.safetensors: tensor 'v' has shape [4611686018427387904, 8] of F32, whose size in bytes "
+                        "overflows"));
+  // Issue 16: LibTorch's "Stride calculation overflowed" named neither the file nor the tensor.
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"U8","shape":[0,4611686018427387904,4],"data_offsets":[0,0]}})")),
+              HasSubstr("x.safetensors: tensor 'v' has shape [0, 4611686018427387904, 4], whose element count "
+                        "overflows int64"));
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"U8","shape":[3037000500,3037000500],"data_offsets":[0,0]}})")),
+              HasSubstr("x.safetensors: tensor 'v' has shape [3037000500, 3037000500], whose element count "
+                        "overflows int64"));
+  EXPECT_THAT(read_error(safetensors_with_header(
+                  R"({"v":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,0]}})")),
+              HasSubstr("x.safetensors: tensor 'v' has shape [18446744073709551615]: 18446744073709551615 is not a "
+                        "size (a whole number below 2^63)"));
+  EXPECT_THAT(read_error(safetensors_with_header(R"({"v":{"dtype":"F32","shape":[1e30],"data_offsets":[0,0]}})")),
+              HasSubstr("tensor 'v' has shape [1e+30]: 1e+30 is not a size"));
   EXPECT_THAT(read_error(safetensors_with_header(R"({"v":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,16]}})", 16)),
               HasSubstr("data offsets that do not fit"));
   // An empty tensor is fine.

@@ -252,6 +252,9 @@ TextReport inspect_text(const std::vector<std::string>& files, bool all = true) 
   return parse_text(result.out);
 }
 
+/// "1 rank", "2 ranks": a group's size as frag inspect shows it.
+std::string ranks(int64_t count) { return std::to_string(count) + (count == 1 ? " rank" : " ranks"); }
+
 std::set<std::string> json_strings(const nlohmann::json& array) {
   std::set<std::string> s;
   for (const auto& v : array) s.insert(v.get<std::string>());
@@ -274,7 +277,7 @@ TEST_P(InspectReference, TextListsExactlyTheFragmentedLocationsOfTheRules) {
   std::map<std::string, TextRow> expected;
   for (const auto& [location, e] : c.expected())
     expected[location] = TextRow{e.class_name, e.layout, "[..., " + std::to_string(e.whole_width) + "]",
-                                 e.group + " (" + std::to_string(c.tp) + " ranks)"};
+                                 e.group + " (" + ranks(c.tp) + ")"};
   EXPECT_EQ(report.fragmented, expected);
   EXPECT_EQ(report.fragmented_count, static_cast<int64_t>(expected.size()));
   // Without --all the whole locations are only counted.
@@ -370,7 +373,7 @@ TEST_P(InspectReference, JsonAgreesWithTheText) {
     from_json[f["location"]] = TextRow{f["class"], f["layout"],
                                        "[..., " + std::to_string(f["whole_width"].get<int64_t>()) + "]",
                                        f["group"].get<std::string>() + " (" +
-                                           std::to_string(f["group_size"].get<int64_t>()) + " ranks)"};
+                                           ranks(f["group_size"].get<int64_t>()) + ")"};
     json_order.push_back(f["location"]);
   }
   EXPECT_EQ(text.fragmented, from_json);
@@ -560,7 +563,7 @@ TEST_P(InspectTp1, OnlyThePaddedVocabIsFragmentedAndNothingIsRankLocal) {
   EXPECT_EQ(text.tp_size, 1);
   std::map<std::string, TextRow> expected;
   for (const auto& [location, e] : tp1_expected())
-    expected[location] = TextRow{e.class_name, e.layout, "[..., 1000]", "tp (1 ranks)"};
+    expected[location] = TextRow{e.class_name, e.layout, "[..., 1000]", "tp (1 rank)"};  // not "1 ranks" (issue 16)
   EXPECT_EQ(text.fragmented, expected);
   EXPECT_EQ(text.fragmented_count, 2);
   EXPECT_EQ(text.rank_local_count, 0);

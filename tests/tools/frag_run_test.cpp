@@ -127,6 +127,39 @@ TEST(RunBadInput, AWorldSizeThatDoesNotMatchTpSize) {
 TEST(RunBadInput, WrongNumberOfRankFiles) {
   auto files = model_files("llama_tp2");
   expect_failure({"--world", "3", files[0], files[1]}, "got 2 rank file(s) for a world of 3 ranks");
+  // Issue 16: "a world of 1 ranks".
+  expect_failure({files[0], files[1]}, "got 2 rank file(s) for a world of 1 rank: give one file per rank");
+}
+
+TEST(RunBadInput, EmptyOptionValuesNameTheOption) {
+  // Issue 16: `--rules ""` and `--out ""` were taken for "none" silently, `-o ""` failed with ": cannot move the
+  // temporary .tmp.<pid> into place", an empty rank file with ": cannot open the model file".
+  auto folder = temporary_folder();
+  const auto model = model_files("llama_tp1")[0];
+  const std::string ids = ids_file(folder);
+  struct Case {
+    std::vector<std::string> arguments;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"run", model, "--input", ids, "--rules", ""}, "--rules: is empty: expected a rules file (JSON)"},
+      {{"run", model, "--input", ids, "--plan", ""}, "--plan: is empty: expected a plan file (JSON)"},
+      {{"run", model, "--input", ids, "--out", ""}, "--out: is empty: expected the safetensors file to write"},
+      {{"run", model, "--input", ""}, "--input: is empty: expected a file of token ids"},
+      {{"run", "", "--input", ids}, "is empty: expected a rank file"},
+      {{"inspect", model, "--rules", ""}, "--rules: is empty: expected a rules file (JSON)"},
+      {{"rewrite", model, "-o", ""}, "is empty: expected the file or folder to write"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.expected);
+    auto result = testing::frag(c.arguments);
+    EXPECT_NE(result.exit_code, 0) << result.err;
+    EXPECT_NE(result.exit_code, -1) << "frag hung and was killed: " << result.err;
+    EXPECT_NE(result.err.find(c.expected), std::string::npos) << result.err;
+    EXPECT_TRUE(result.out.empty()) << "nothing may run: " << result.out;
+  }
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(folder), std::filesystem::directory_iterator()), 1)
+      << "only ids.txt: no output, no temporary";
 }
 
 TEST(RunPlans, AVisitThatNeverHappensIsAWarningPrintedOnce) {
@@ -178,6 +211,25 @@ TEST(RunPlans, RepeatTimesForwardsAndLeavesTheResultAsOneRun) {
   EXPECT_EQ(outs[1].count("down_in"), 1u);
   EXPECT_TRUE(torch::equal(outs[1].at("logits"), outs[0].at("logits")));
   EXPECT_TRUE(torch::equal(outs[1].at("down_in"), outs[0].at("down_in")));
+}
+
+TEST(RunPlans, ACallChainInTheWrongOrderNamesTheStepAndTheModule) {
+  // Issue 16: modules in the wrong order failed with LibTorch's "The size of tensor a (1000) must match the size
+  // of tensor b (64)", naming neither the plan step nor the module.
+  auto folder = temporary_folder();
+  write_text(folder + "/plan.json",
+             R"({"interventions": [{"at": "model.layers.0.output", "do": "save", "as": "a"},
+                                   {"at": "model.layers.1.output", "do": "call", "modules": ["lm_head", "model.norm"],
+                                    "as": "lens"}]})");
+  auto result = run_command({frag_binary(), "run", model_files("llama_tp1")[0], "--input", ids_file(folder), "--plan",
+                             folder + "/plan.json", "--out", folder + "/out.safetensors"});
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find(folder + "/plan.json: intervention 1 (call at model.layers.1.output): calling model.norm "
+                                        "(module 1 of the chain lm_head -> model.norm) on the output of lm_head of "
+                                        "shape [2, 8, 1000] failed: The size of tensor a (1000) must match"),
+            std::string::npos)
+      << result.output;
+  EXPECT_FALSE(std::filesystem::exists(folder + "/out.safetensors"));
 }
 
 /// Runs `plan` (JSON text) with frag run and returns what --out holds (logits and saves).

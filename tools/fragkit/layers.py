@@ -66,10 +66,19 @@ CONTRACT_ATTRIBUTES: Dict[str, Dict[str, type]] = {
 # --------------------------------------------------------------------------------------------------------
 # helpers (plain Python, never scripted)
 
-def divide(numerator: int, denominator: int) -> int:
+def divide(numerator: int, denominator: int, what: str = "") -> int:
+    """numerator / denominator, exactly; `what` ("model.layers.0.mlp.down_proj (RowParallelLinear): input_size")
+    names the layer and the size in the error."""
     if denominator <= 0 or numerator % denominator != 0:
+        if what:
+            raise ValueError("%s %d is not divisible by tp_size %d" % (what, numerator, denominator))
         raise ValueError("%d is not divisible by %d" % (numerator, denominator))
     return numerator // denominator
+
+
+def _layer_name(layer: nn.Module, prefix: str) -> str:
+    """"model.layers.0.mlp.gate_up_proj (MergedColumnParallelLinear)" for errors; the class alone without a prefix."""
+    return "%s (%s)" % (prefix, type(layer).__name__) if prefix else type(layer).__name__
 
 
 def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
@@ -198,10 +207,10 @@ class ColumnParallelLinear(_LinearBase):
                  output_sizes: Optional[List[int]] = None, prefix: str = "",
                  *, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        out_p = divide(output_size, tp_size)
         if output_sizes is not None:
             for s in output_sizes:
-                divide(s, tp_size)
+                divide(s, tp_size, "%s: output_sizes entry" % _layer_name(self, prefix))
+        out_p = divide(output_size, tp_size, "%s: output_size" % _layer_name(self, prefix))
         self._init_linear(input_size, output_size, input_size, out_p, bias, skip_bias_add, params_dtype,
                           quant_config, tp_rank, tp_size, out_p)
         self.gather_output = bool(gather_output)
@@ -285,12 +294,16 @@ class QKVParallelLinear(ColumnParallelLinear):
             total_num_kv_heads = total_num_heads
         if v_head_size is None:
             v_head_size = head_size
-        num_heads = divide(total_num_heads, tp_size)
+        layer = _layer_name(self, prefix)
+        num_heads = divide(total_num_heads, tp_size, "%s: total_num_heads" % layer)
         if tp_size >= total_num_kv_heads:
             num_kv_heads = 1
-            num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+            if tp_size % total_num_kv_heads != 0:
+                raise ValueError("%s: tp_size %d is not a multiple of total_num_kv_heads %d (kv heads are "
+                                 "replicated over whole groups of ranks)" % (layer, tp_size, total_num_kv_heads))
+            num_kv_head_replicas = tp_size // total_num_kv_heads
         else:
-            num_kv_heads = divide(total_num_kv_heads, tp_size)
+            num_kv_heads = divide(total_num_kv_heads, tp_size, "%s: total_num_kv_heads" % layer)
             num_kv_head_replicas = 1
         # vLLM's output_size counts the kv replicas (it is NOT the whole width when replicas > 1).
         output_size = (num_heads * head_size + num_kv_heads * head_size + num_kv_heads * v_head_size) * tp_size
@@ -338,7 +351,7 @@ class RowParallelLinear(_LinearBase):
                  reduce_results: bool = True, quant_config=None, prefix: str = "",
                  *, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        in_p = divide(input_size, tp_size)
+        in_p = divide(input_size, tp_size, "%s: input_size" % _layer_name(self, prefix))
         self._init_linear(input_size, output_size, in_p, output_size, bias, skip_bias_add, params_dtype,
                           quant_config, tp_rank, tp_size, output_size)
         self.input_is_parallel = bool(input_is_parallel)
@@ -407,8 +420,9 @@ class VocabParallelEmbedding(nn.Module):
         org_padded = pad_vocab_size(org, self.padding_size)
         self.num_embeddings_padded = pad_vocab_size(org_padded + self.num_embeddings - org, self.padding_size)
         if self.num_embeddings_padded % self.tp_size != 0:
-            raise ValueError("padded vocab size %d is not divisible by tp_size %d"
-                             % (self.num_embeddings_padded, self.tp_size))
+            raise ValueError("%s: padded vocab size %d (vocab %d padded to a multiple of padding_size %d) is not "
+                             "divisible by tp_size %d" % (_layer_name(self, prefix), self.num_embeddings_padded,
+                                                          org, self.padding_size, self.tp_size))
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
@@ -566,7 +580,8 @@ class FusedMoE(nn.Module):
         self.top_k = int(top_k)
         self.hidden_size = int(hidden_size)
         self.intermediate_size = int(intermediate_size)
-        self.intermediate_size_per_partition = divide(intermediate_size, tp_size)
+        self.intermediate_size_per_partition = divide(intermediate_size, tp_size,
+                                                      "%s: intermediate_size" % _layer_name(self, prefix))
         self.tp_size = tp_size
         self.tp_rank = int(tp_rank)
         self.ep_size = ep_size
