@@ -14,13 +14,16 @@
 namespace frag::runtime {
 namespace {
 
-// Op kernels: the dispatcher hands "str" arguments over as string views (no copy per call).
-at::Tensor all_reduce(const at::Tensor& x, c10::string_view group) {
-  return current_rank_context().group(std::string(group)).all_reduce(x);
+// The kernels' C++ signatures are the ops' typed interface (callers use
+// typed<Tensor(const Tensor&, std::string)>, and a string_view kernel refuses them): `group` stays a
+// std::string by value, a copy next to a collective.
+at::Tensor all_reduce(const at::Tensor& x, std::string group) {  // NOLINT(performance-unnecessary-value-param)
+  return current_rank_context().group(group).all_reduce(x);
 }
 
-at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group) {
-  auto pieces = current_rank_context().group(std::string(group)).all_gather(x);
+at::Tensor all_gather(const at::Tensor& x, int64_t dim,
+                      std::string group) {  // NOLINT(performance-unnecessary-value-param)
+  auto pieces = current_rank_context().group(group).all_gather(x);
   return torch::cat(pieces, dim);
 }
 
