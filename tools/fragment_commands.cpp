@@ -210,8 +210,11 @@ nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<st
                           {"group_size", r.fragment->rule.group_size}});
   }
   nlohmann::json rank_local = nlohmann::json::array();
-  for (const auto& local : table.rank_local)
-    rank_local.push_back({{"location", local.location}, {"derived_from", local.derived_from}});
+  for (const auto& local : table.rank_local) {
+    nlohmann::json entry = {{"location", local.location}, {"derived_from", local.derived_from}};
+    if (!local.whole_at.empty()) entry["whole_at"] = local.whole_at;  // as the rewritten file's table has it
+    rank_local.push_back(std::move(entry));
+  }
   nlohmann::json layers = nlohmann::json::array();
   for (const auto& layer : table.layers)
     layers.push_back({{"path", layer.path}, {"class", layer.class_name}, {"kind", layer.kind},
