@@ -134,17 +134,21 @@ class ExamplesTest(unittest.TestCase):
             self.assertEqual(result["top_after"][h], int(logits.argmax()))
         self.assertGreater(max(abs(x) for x in result["logit_change"]), 1e-3, "an ablation must change something")
 
+    def steering_difference(self, at):
+        """The example's direction on the reference model: `at`'s output for token 7 minus for token 8."""
+        with self.model.trace([[7]]):
+            plus = at.output.save()
+        with self.model.trace([[8]]):
+            minus = at.output.save()
+        return plus.value[0, -1] - minus.value[0, -1]
+
     def test_steering(self):
         path = os.path.join(self.work, "steering.json")
         run_example("steering", "--json", path, "--layer", "1", "--scale", "4", "--tokens", "6")
         with open(path) as f:
             result = json.load(f)
         at = self.model.model.layers[1]
-        with self.model.trace([[7]]):
-            plus = at.output.save()
-        with self.model.trace([[8]]):
-            minus = at.output.save()
-        direction = 4.0 * (plus.value[0, -1] - minus.value[0, -1])
+        direction = 4.0 * self.steering_difference(at)
         prompt = torch.tensor([[11, 22, 33, 44]])
         with self.model.generate(prompt, max_new_tokens=6):
             plain = self.model.output.save()
@@ -162,13 +166,9 @@ class ExamplesTest(unittest.TestCase):
         with open(path) as f:
             result = json.load(f)
         at = self.model.model.layers[1]
-        with self.model.trace([[7]]):
-            plus = at.output.save()
-        with self.model.trace([[8]]):
-            minus = at.output.save()
         with self.model.trace([[11, 22, 33, 44]]):
             hidden = at.output.save()
-        difference = plus.value[0, -1] - minus.value[0, -1]
+        difference = self.steering_difference(at)
         expected = 0.5 * float(hidden.value[0].norm(dim=-1).mean()) / float(difference.norm())
         self.assertAlmostEqual(result["scale"], expected, delta=1e-5 * expected)
         self.assertEqual(len(result["steered"]), 3)
