@@ -106,9 +106,8 @@ std::pair<std::string, int64_t> vocabulary_of(frag::program::ShardedModel& model
 
 /// --repeat N (benchmarks): N forwards, each as a trace in the Python API runs one: clear, apply the plan
 /// (with the ranks' agreement), forward. Rank 0 prints the median per forward; the run then goes on as usual.
-void time_forwards(frag::program::ShardedModel& model, const RunArguments& args, const torch::Tensor& ids) {
-  std::optional<frag::runtime::Plan> plan;
-  if (!args.plan.empty()) plan = frag::runtime::Plan::from_file(args.plan);
+void time_forwards(frag::program::ShardedModel& model, const RunArguments& args,
+                   const std::optional<frag::runtime::Plan>& plan, const torch::Tensor& ids) {
   std::vector<double> ms;
   ms.reserve(static_cast<size_t>(args.repeat));
   for (int i = 0; i < args.repeat; ++i) {
@@ -167,14 +166,18 @@ int run_rank(const RunArguments& args) {
     if (auto error = frag::tools::check_ids_in_vocab(ids, vocab, ids_source(args), embedding); !error.empty())
       throw frag::runtime::RankAgreementError(error);
   std::string plan_error;
+  std::optional<frag::runtime::Plan> plan;  // read once; --repeat applies it again per forward
   try {
-    if (!args.plan.empty()) model.apply(frag::runtime::Plan::from_file(args.plan));
+    if (!args.plan.empty()) {
+      plan = frag::runtime::Plan::from_file(args.plan);
+      model.apply(*plan);
+    }
   } catch (const frag::Error& e) {
     plan_error = e.what();
   }
   context->agree("plan", plan_error);  // a bad plan stops every rank before any forward
 
-  if (args.repeat > 0) time_forwards(model, args, ids);
+  if (args.repeat > 0) time_forwards(model, args, plan, ids);
 
   frag::runtime::TensorMap outputs;
   if (args.generate > 0) {
