@@ -3,6 +3,8 @@
 
 #include "ir/error.h"
 
+#include <algorithm>
+
 namespace frag::ir {
 namespace {
 
@@ -25,6 +27,24 @@ std::optional<FragmentedSide> side_from_json(const nlohmann::json& j) {
 
 std::string input_location(const std::string& path) { return path + ".input"; }
 std::string output_location(const std::string& path) { return path + ".output"; }
+
+void settle_location_lists(FragmentTable& table) {
+  std::vector<std::string> whole;
+  for (const auto& location : table.whole) {
+    const bool local = std::any_of(table.rank_local.begin(), table.rank_local.end(),
+                                   [&](const auto& l) { return l.location == location; });
+    if (!local && std::find(whole.begin(), whole.end(), location) == whole.end()) whole.push_back(location);
+  }
+  table.whole = std::move(whole);
+  std::vector<RankLocalLocation> rank_local;
+  for (const auto& local : table.rank_local) {
+    auto seen = std::find_if(rank_local.begin(), rank_local.end(),
+                             [&](const auto& l) { return l.location == local.location; });
+    if (seen == rank_local.end()) rank_local.push_back(local);
+    else if (seen->whole_at.empty()) seen->whole_at = local.whole_at;
+  }
+  table.rank_local = std::move(rank_local);
+}
 
 const FragmentedSide* FragmentTable::side_at(const std::string& location) const {
   for (const auto& layer : layers) {

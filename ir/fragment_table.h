@@ -92,6 +92,11 @@ FragmentTable table_from_json(const nlohmann::json& json, const std::string& sou
 bool operator==(const FragmentedSide& a, const FragmentedSide& b);
 bool operator==(const LayerEntry& a, const LayerEntry& b);
 
+/// Lists each location once, after a rewrite that saw modules called several times: a location whole on
+/// one call and rank-local on another is rank-local (no hook may rely on seeing a whole value there); a
+/// rank-local location keeps the first whole_at found. Both rewrites (TorchScript and .pt2) end with it.
+void settle_location_lists(FragmentTable& table);
+
 /// "<path>.input" / "<path>.output".
 std::string input_location(const std::string& path);
 std::string output_location(const std::string& path);

@@ -96,7 +96,7 @@ class FragmentOpInserter {
     paths_[graph_->inputs().at(0)] = {"", root_};
     emit_block(original->block(), block, env);
     for (Value* output : original->outputs()) block->registerOutput(lookup(env, output));
-    settle_location_lists();
+    ir::settle_location_lists(table_);
     GRAPH_DUMP("after insert_fragment_ops:", graph_);
     // Graph::lint is quadratic in LibTorch (nodes × blocks): about a second
     // for 80 layers. The pass tests lint every rewritten graph; set
@@ -210,27 +210,6 @@ class FragmentOpInserter {
     for (size_t i = 0; i < body->inputs().size(); ++i) inner[body->inputs()[i]] = lookup(env, call->input(i + 1));
     emit_block(body->block(), destination, inner);
     for (size_t i = 0; i < call->outputs().size(); ++i) env[call->output(i)] = lookup(inner, body->outputs()[i]);
-  }
-
-  /// A module called several times lists its locations once. A location whole
-  /// on one call and rank-local on another is rank-local: no hook may rely on
-  /// seeing a whole value there.
-  void settle_location_lists() {
-    std::vector<std::string> whole;
-    for (const auto& location : table_.whole) {
-      const bool local = std::any_of(table_.rank_local.begin(), table_.rank_local.end(),
-                                     [&](const auto& l) { return l.location == location; });
-      if (!local && std::find(whole.begin(), whole.end(), location) == whole.end()) whole.push_back(location);
-    }
-    table_.whole = std::move(whole);
-    std::vector<ir::RankLocalLocation> rank_local;
-    for (const auto& local : table_.rank_local) {
-      auto seen = std::find_if(rank_local.begin(), rank_local.end(),
-                               [&](const auto& l) { return l.location == local.location; });
-      if (seen == rank_local.end()) rank_local.push_back(local);
-      else if (seen->whole_at.empty()) seen->whole_at = local.whole_at;
-    }
-    table_.rank_local = std::move(rank_local);
   }
 
   /// Marks a node's outputs rank-local when any input (or inner block result) is.

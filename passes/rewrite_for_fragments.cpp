@@ -2,6 +2,7 @@
 #include "passes/rewrite_for_fragments.h"
 
 #include "passes/insert_fragment_ops.h"
+#include "passes/insert_fragment_ops_exported.h"
 
 namespace frag::passes {
 
@@ -16,6 +17,21 @@ ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const Laye
                                     const std::string& source) {
   torch::jit::Module copy = module.clone();
   return rewrite_for_fragments(copy, aliases, source);
+}
+
+ir::FragmentTable rewrite_exported_for_fragments(nlohmann::json& model,
+                                                 const std::vector<ir::ModuleDescription>& modules,
+                                                 const LayerAliases& aliases, const std::string& source) {
+  ir::FragmentTable table = classify_parallel_layers(modules, aliases, source);
+  insert_fragment_ops_exported(model, table, source);
+  return table;
+}
+
+ir::FragmentTable analyze_exported_fragments(const nlohmann::json& model,
+                                             const std::vector<ir::ModuleDescription>& modules,
+                                             const LayerAliases& aliases, const std::string& source) {
+  nlohmann::json copy = model;
+  return rewrite_exported_for_fragments(copy, modules, aliases, source);
 }
 
 }  // namespace frag::passes

@@ -1,7 +1,8 @@
 //===- passes/rewrite_for_fragments.h - The whole pass pipeline --*- C++ -*-===//
 //
 // classify_parallel_layers, then insert_fragment_ops, on one module; and the
-// same on a clone when only the analysis is wanted (frag inspect).
+// same on a clone when only the analysis is wanted (frag inspect); and both
+// for a torch.export archive's graph (insert_fragment_ops_exported.h).
 //
 //===----------------------------------------------------------------------===//
 #pragma once
@@ -9,7 +10,10 @@
 #include "ir/fragment_table.h"
 #include "passes/classify_parallel_layers.h"
 
+#include <nlohmann/json.hpp>
 #include <torch/script.h>
+
+#include <vector>
 
 namespace frag::passes {
 
@@ -22,5 +26,17 @@ ir::FragmentTable rewrite_for_fragments(torch::jit::Module& module, const LayerA
 /// locations, without changing it (the rewrite runs on a clone).
 ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const LayerAliases& aliases,
                                     const std::string& source);
+
+/// The same for a torch.export archive: `model` is its parsed models/model.json (rewritten in place),
+/// `modules` the modules its record describes (runtime::read_exported_program).
+ir::FragmentTable rewrite_exported_for_fragments(nlohmann::json& model,
+                                                 const std::vector<ir::ModuleDescription>& modules,
+                                                 const LayerAliases& aliases, const std::string& source);
+
+/// The fragment table of an archive's graph, whole and rank-local locations included, without changing
+/// `model` (the rewrite runs on a copy).
+ir::FragmentTable analyze_exported_fragments(const nlohmann::json& model,
+                                             const std::vector<ir::ModuleDescription>& modules,
+                                             const LayerAliases& aliases, const std::string& source);
 
 }  // namespace frag::passes

@@ -132,6 +132,8 @@ ExportedProgram read_exported_program(const std::string& path) {
          "config, found none (export with fragkit.export.export(..., format=\"export\"))",
          path, kExtraInfoRecord);
   const nlohmann::json info = parse_json(record(*reader, path, kExtraInfoRecord), path, kExtraInfoRecord);
+  if (const std::string table = std::string("extra/") + kRuleTableFile; reader->hasRecord(table))
+    program.rule_table = record(*reader, path, table);
   try {
     const auto& version = program.model.at("schema_version");
     program.schema_major = version.at("major").get<int64_t>();
@@ -190,6 +192,38 @@ ExportedProgram read_exported_program(const std::string& path) {
     fail("{}: malformed {} or {}: {}", path, kModelRecord, kExtraInfoRecord, e.what());
   }
   return program;
+}
+
+std::string rewritten_archive(const std::string& path, const nlohmann::json& model,
+                              const std::map<std::string, std::string>& extra) {
+  auto reader = open_archive(path);
+  std::string bytes;
+  caffe2::serialize::PyTorchStreamWriter writer(
+      [&](const void* data, size_t size) {
+        bytes.append(static_cast<const char*>(data), size);
+        return size;
+      },
+      /*compute_crc32=*/true);
+  // torch.export.save's zip format version (PT2ArchiveWriter.set_min_version).
+  writer.setMinVersion(6);
+  // Records the writer makes itself, at the end.
+  const std::set<std::string> own = {".data/version", ".data/serialization_id", "byteorder", "version"};
+  std::set<std::string> replaced = {kModelRecord};
+  for (const auto& [name, contents] : extra) replaced.insert("extra/" + name);
+  try {
+    for (const auto& name : reader->getAllRecords()) {
+      if (own.count(name) || replaced.count(name)) continue;
+      auto [data, size] = reader->getRecord(name);
+      writer.writeRecord(name, data.get(), size);
+    }
+    const std::string text = model.dump();
+    writer.writeRecord(kModelRecord, text.data(), text.size());
+    for (const auto& [name, contents] : extra) writer.writeRecord("extra/" + name, contents.data(), contents.size());
+    writer.writeEndOfFile();
+  } catch (const c10::Error& e) {
+    fail("{}: cannot copy the archive: {}", path, e.what_without_backtrace());
+  }
+  return bytes;
 }
 
 }  // namespace frag::runtime

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,8 @@ struct ExportedProgram {
   std::vector<ir::ModuleDescription> modules;
   /// The graph document (models/model.json) as read.
   nlohmann::json model;
+  /// The rule table frag rewrite embedded (extra/ + kRuleTableFile), "" in an original export.
+  std::string rule_table;
 };
 
 /// True when `path` is a torch.export archive (its archive_format record says "pt2").
@@ -45,5 +48,11 @@ bool is_exported_program(const std::string& path);
 /// Reads `path`. Not an archive, another schema major, a malformed graph or
 /// record: frag::Error naming the file, what was expected and what was found.
 ExportedProgram read_exported_program(const std::string& path);
+
+/// A copy of the archive at `path` (read before) with models/model.json replaced by `model` and each
+/// `extra` record (name -> contents) added under extra/; every other record is copied byte for byte.
+/// Returned as bytes: the caller writes them atomically. Fails naming the file.
+std::string rewritten_archive(const std::string& path, const nlohmann::json& model,
+                              const std::map<std::string, std::string>& extra);
 
 }  // namespace frag::runtime

@@ -13,6 +13,7 @@
 #include "ir/error.h"
 #include "ir/module_path.h"
 #include "passes/insert_fragment_ops.h"
+#include "passes/insert_fragment_ops_exported.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/exported_program.h"
 #include "runtime/rank_module.h"
@@ -74,11 +75,9 @@ void check_rank_files(const std::vector<std::string>& files) {
   require_distinct_files(files, "the rank files");
 }
 
-/// The rank files' tables; .pt2 archives are classified from their recorded configs, without the graph
-/// analysis that finds whole and rank-local locations (done for TorchScript by the rewrite).
+/// The rank files' tables (whole and rank-local locations found by the rewrite, run on a copy).
 struct Analysis {
   std::vector<ir::FragmentTable> tables;
-  bool graph_analysed = true;
   HeadLayouts heads;  ///< of the first file (all agree: the configs are in the tables' rules)
 };
 
@@ -113,8 +112,9 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
     if (exported[0]) {
       auto program = runtime::read_exported_program(file);
       export_ids.push_back(program.info.export_id);
-      analysis.tables.push_back(passes::classify_parallel_layers(program.modules, aliases, file));
-      analysis.graph_analysed = false;
+      if (!program.rule_table.empty() || passes::has_fragment_ops_exported(program.model))
+        fail("{}: already rewritten by frag rewrite; inspect reads the original export", file);
+      analysis.tables.push_back(passes::analyze_exported_fragments(program.model, program.modules, aliases, file));
       if (analysis.tables.size() == 1)
         analysis.heads = head_layouts(analysis.tables[0], [&](const std::string& path) {
           return recorded_integers(program.modules, path);
@@ -140,7 +140,7 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
 }  // namespace
 
 std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                         bool all, bool graph_analysed, const HeadLayouts& heads) {
+                         bool all, const HeadLayouts& heads) {
   std::string out = fmt::format("{}: tp_size {}, {} parallel layers\n", fmt::join(files, ", "),
                                 table.tp_size, table.layers.size());
   auto rows = fragmented_rows(table);
@@ -170,10 +170,6 @@ std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::
       out += fmt::format("  {:<{}}  {}\n", location, width, fmt::join(regions, ", "));
     }
   }
-  if (!graph_analysed) {
-    out += "\nrank-local and whole locations: not analysed for torch.export archives yet (layers only)\n";
-    return out;
-  }
   out += fmt::format("\nrank-local values ({}): derived from a fragment, not whole on any rank\n",
                      table.rank_local.size());
   for (const auto& local : table.rank_local)
@@ -195,7 +191,7 @@ HeadLayouts head_layouts_of(const ir::FragmentTable& table,
 }
 
 nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                            bool graph_analysed, const HeadLayouts& heads) {
+                            const HeadLayouts& heads) {
   nlohmann::json fragmented = nlohmann::json::array();
   for (const auto& r : fragmented_rows(table)) {
     fragmented.push_back({{"location", r.location},
@@ -229,8 +225,8 @@ nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<st
           {"files", files},
           {"tp_size", table.tp_size},
           {"fragmented", fragmented},
-          {"rank_local", graph_analysed ? rank_local : nlohmann::json(nullptr)},
-          {"whole", graph_analysed ? nlohmann::json(table.whole) : nlohmann::json(nullptr)},
+          {"rank_local", rank_local},
+          {"whole", table.whole},
           {"layers", layers},
           {"heads", head_regions}};
 }
@@ -239,19 +235,21 @@ int inspect_command(const InspectArguments& args) {
   auto analysis = analyze_files(args.files, load_aliases(args.rules_file));
   const auto& table = analysis.tables[0];
   if (args.json)
-    std::cout << inspect_json(table, args.files, analysis.graph_analysed, analysis.heads).dump(2) << "\n";
+    std::cout << inspect_json(table, args.files, analysis.heads).dump(2) << "\n";
   else
-    std::cout << inspect_text(table, args.files, args.all, analysis.graph_analysed, analysis.heads);
+    std::cout << inspect_text(table, args.files, args.all, analysis.heads);
   return 0;
 }
 
 int rewrite_command(const RewriteArguments& args) {
   remove_temporaries_on_signals();
   check_rank_files(args.files);
-  for (const auto& file : args.files)
-    if (runtime::is_exported_program(file))
-      fail("{}: a torch.export archive; frag rewrite reads TorchScript rank files only for now (frag inspect "
-           "reads both)", file);
+  std::vector<bool> exported;
+  for (const auto& file : args.files) exported.push_back(runtime::is_exported_program(file));
+  for (size_t r = 1; r < args.files.size(); ++r)
+    if (exported[r] != exported[0])
+      fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "
+           "one export", args.files[0], args.files[r]);
   const auto aliases = load_aliases(args.rules_file);
   std::vector<std::string> paths;
   std::error_code ignored;  // a path that cannot be examined is not a folder; check_output_target says why
@@ -282,26 +280,36 @@ int rewrite_command(const RewriteArguments& args) {
   std::vector<std::string> export_ids;
   for (size_t i = 0; i < args.files.size(); ++i) {
     const auto& file = args.files[i];
-    auto rank = runtime::load_rank_module(file);
-    if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
-      fail("{}: already rewritten by frag rewrite; give the original export", file);
-    export_ids.push_back(rank.info.export_id);
-    auto table = passes::rewrite_for_fragments(rank.module, aliases, file);
-    tables.push_back(table);
+    std::string bytes;
+    if (exported[i]) {
+      auto program = runtime::read_exported_program(file);
+      if (!program.rule_table.empty() || passes::has_fragment_ops_exported(program.model))
+        fail("{}: already rewritten by frag rewrite; give the original export", file);
+      export_ids.push_back(program.info.export_id);
+      tables.push_back(passes::rewrite_exported_for_fragments(program.model, program.modules, aliases, file));
+      bytes = runtime::rewritten_archive(file, program.model, {{runtime::kRuleTableFile, ir::to_json(tables.back()).dump(1)}});
+    } else {
+      auto rank = runtime::load_rank_module(file);
+      if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
+        fail("{}: already rewritten by frag rewrite; give the original export", file);
+      export_ids.push_back(rank.info.export_id);
+      tables.push_back(passes::rewrite_for_fragments(rank.module, aliases, file));
+      torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
+      extra[runtime::kRuleTableFile] = ir::to_json(tables.back()).dump(1);
+      // Serialized in memory, then written with every write checked: the archive writer aborts the process
+      // when its file fails mid-write (a full disk).
+      std::ostringstream archive;
+      rank.module.save(archive, extra);
+      bytes = archive.str();
+    }
     const std::vector<std::string> so_far(args.files.begin(), args.files.begin() + i + 1);
     passes::check_tables_agree(so_far, tables);
     check_one_export(so_far, export_ids);
-    torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
-    extra[runtime::kRuleTableFile] = ir::to_json(table).dump(1);
-    // Serialized in memory, then written with every write checked: the archive writer aborts the process
-    // when its file fails mid-write (a full disk).
-    std::ostringstream archive;
-    rank.module.save(archive, extra);
     if (targets[i].direct) {
-      direct_bytes[i] = archive.str();
+      direct_bytes[i] = std::move(bytes);
     } else {
       temporaries.push_back(std::make_unique<TemporaryFile>(targets[i].path));
-      temporaries.back()->write(archive.str());
+      temporaries.back()->write(bytes);
     }
   }
   for (size_t i = 0; i < targets.size(); ++i)

@@ -36,14 +36,12 @@ HeadLayouts head_layouts_of(const ir::FragmentTable& table,
                             const std::function<ir::HeadLayout(const std::string& location)>& layout_of);
 
 /// The inspect report of one export (all rank files agree; the first is shown).
-/// `graph_analysed` false (a .pt2 archive): the whole and rank-local lists are not known and not shown.
 /// `heads`: the attention heads of its locations (a section of their own).
 std::string inspect_text(const ir::FragmentTable& table, const std::vector<std::string>& files, bool all,
-                         bool graph_analysed = true, const HeadLayouts& heads = {});
-/// The same as a stable JSON document (format "fragments.inspect/1"; README documents it); "whole" and
-/// "rank_local" are null where the graph was not analysed; "heads" maps locations to their regions.
+                         const HeadLayouts& heads = {});
+/// The same as a stable JSON document (format "fragments.inspect/1"; README documents it); "heads" maps locations to their regions.
 nlohmann::json inspect_json(const ir::FragmentTable& table, const std::vector<std::string>& files,
-                            bool graph_analysed = true, const HeadLayouts& heads = {});
+                            const HeadLayouts& heads = {});
 
 /// `frag inspect`: prints the report; returns the exit code.
 int inspect_command(const InspectArguments& args);

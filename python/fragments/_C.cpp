@@ -217,6 +217,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("connect_from_env", &connect_from_env, py::arg("timeout_s"), py::arg("backend"),
         "Meets the other ranks with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's variables).");
   m.def("single_rank", &RankContext::single_rank);
+  m.def("set_process_rank_context", &frag::runtime::set_process_rank_context, py::arg("context"),
+        "Makes `context` the one the frag:: collectives of any program in this process run on (a plain "
+        "torch.jit.load or torch.export.load of a rank file included).");
 
   py::class_<PyModel>(m, "ShardedModel")
       .def(py::init([](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device) {
@@ -241,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
            [](const PyModel& m) {
              const auto heads = frag::tools::head_layouts_of(
                  m.model->table(), [&](const std::string& location) { return m.model->head_layout(location); });
-             return frag::tools::inspect_json(m.model->table(), {m.path}, true, heads).dump();
+             return frag::tools::inspect_json(m.model->table(), {m.path}, heads).dump();
            })
       .def("locations",
            [](const PyModel& m) {

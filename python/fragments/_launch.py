@@ -26,7 +26,11 @@ class RankFailed(RuntimeError):
 
 
 def rank_context():
-    """This process's rank context: from torchrun's variables when WORLD_SIZE > 1, else a single rank."""
+    """This process's rank context: from torchrun's variables when WORLD_SIZE > 1, else a single rank.
+
+    It is also the process's context for the model's own collectives (``frag::all_reduce`` /
+    ``all_gather``): a rank file loaded with plain ``torch.jit.load`` or ``torch.export.load`` (original or
+    rewritten) runs them over it once this was called."""
     global _CONTEXT
     if _CONTEXT is None:
         world = os.environ.get("WORLD_SIZE", "1")
@@ -36,6 +40,7 @@ def rank_context():
             _CONTEXT = _C.connect_from_env(timeout, backend)
         else:
             _CONTEXT = _C.single_rank()
+        _C.set_process_rank_context(_CONTEXT)
     return _CONTEXT
 
 

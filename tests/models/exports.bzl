@@ -1,8 +1,9 @@
 """Exports reference models with the Python kit at build time (genrules)."""
 
 def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dtype = None, seed = None,
-                 mlp = None, vocab_padding = None, format = None):
-    """Writes <name>/rank{r}.pt (format "export": rank{r}.pt2) for r < tp by running tools/export_model.py."""
+                 mlp = None, vocab_padding = None, format = None, tags = None):
+    """Writes <name>/rank{r}.pt (format "export": rank{r}.pt2) for r < tp by running tools/export_model.py.
+    tags = ["manual"]: built only when named (not by //...)."""
     flags = "--model %s --tp %d" % (model, tp)
     suffix = "pt"
     if format:
@@ -31,4 +32,5 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
                flags + " --out $(RULEDIR)/" + name + " > /dev/null"),
         tools = ["//tools:export_model.py", "@torch//:python"],
         visibility = ["//visibility:public"],
+        tags = tags or [],
     )

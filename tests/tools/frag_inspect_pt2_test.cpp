@@ -3,11 +3,15 @@
 // The reference models exported twice from the same weights, as TorchScript
 // (rank{r}.pt) and with torch.export (rank{r}.pt2, tests/models/BUILD's *_pt2):
 // `frag inspect --json` must list the same fragmented locations, in the same
-// order, with the same layouts, rules, whole widths and groups, and the same
-// layers with the same notes, for all rank files of each (llama and qwen2-moe at
-// tp 2 and 4, kv heads replicated in llama_kv2_tp4). Damaged archives (another
-// schema major, no recorded config, a layer missing from the record, not a
-// zip) and mixed formats end with one "frag: error:" line naming the file.
+// order, with the same layouts, rules, whole widths and groups, the same whole
+// and rank-local locations (whole_at included), and the same layers with the
+// same notes, for all rank files of each (llama and qwen2-moe at tp 2 and 4, kv
+// heads replicated in llama_kv2_tp4). `frag rewrite` of the archives embeds
+// that table and inserts one triple per fragmented location and one lone
+// intervene per whole one. Damaged archives (another schema major, no recorded
+// config, a layer missing from the record, no preserved call signatures, not a
+// zip), rewritten archives given again and mixed formats end with one
+// "frag: error:" line naming the file, and leave no output behind.
 //
 //===----------------------------------------------------------------------===//
 #include "tests/support/inspect_json.h"
@@ -19,6 +23,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <set>
 
 #include <unistd.h>
@@ -85,9 +90,68 @@ TEST_P(InspectPt2, SameLocationsAndLayoutsAsTheTorchScriptExport) {
   // Heads come from the configs the kit records beside the graph: the same regions.
   EXPECT_FALSE(expected["heads"].empty());
   EXPECT_EQ(report["heads"], expected["heads"]);
-  // Not analysed for .pt2 yet: null, not an empty list that would claim "none".
-  EXPECT_TRUE(report["whole"].is_null());
-  EXPECT_TRUE(report["rank_local"].is_null());
+  // The graph analysis of the .pt2 rewrite finds the same whole and rank-local values, in the same order.
+  ASSERT_FALSE(expected["whole"].empty());
+  ASSERT_FALSE(expected["rank_local"].empty());
+  EXPECT_EQ(report["whole"], expected["whole"]);
+  EXPECT_EQ(report["rank_local"], expected["rank_local"]);
+}
+
+/// The rewritten archives of one export in a fresh folder (frag rewrite must succeed).
+std::vector<std::string> rewritten(const std::vector<std::string>& files, const std::string& folder) {
+  std::vector<std::string> args = {"rewrite"};
+  args.insert(args.end(), files.begin(), files.end());
+  args.insert(args.end(), {"-o", folder});
+  auto result = frag(args);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  std::vector<std::string> out;
+  for (const auto& file : files) out.push_back(folder + "/" + std::filesystem::path(file).filename().string());
+  return out;
+}
+
+std::string record_of(const std::string& archive, const std::string& name) {
+  caffe2::serialize::PyTorchStreamReader reader(archive);
+  auto [data, size] = reader.getRecord(name);
+  return std::string(static_cast<const char*>(data.get()), size);
+}
+
+TEST_P(InspectPt2, RewriteEmbedsTheTableAndInsertsOneTriplePerFragmentedLocation) {
+  const auto files = pt2_files(GetParam().pt2);
+  const auto folder = temporary_folder();
+  const auto outputs = rewritten(files, folder);
+  const auto report = inspect_json({files[0]});
+  for (const auto& output : outputs) {
+    auto table = nlohmann::json::parse(record_of(output, "extra/fragments/rules.json"));
+    EXPECT_EQ(table["whole"], report["whole"]) << output;
+    EXPECT_EQ(table["layers"].size(), report["layers"].size()) << output;
+    auto model = nlohmann::json::parse(record_of(output, "models/model.json"));
+    std::map<std::string, std::multiset<std::string>> locations_of;  // target -> the locations of its nodes
+    for (const auto& node : model["graph_module"]["graph"]["nodes"]) {
+      const std::string target = node["target"];
+      if (target.rfind("torch.ops.frag.", 0) != 0 || target.find("all_") != std::string::npos) continue;
+      for (const auto& input : node["inputs"])
+        if (input["name"] == "location") locations_of[target].insert(input["arg"]["as_string"].get<std::string>());
+    }
+    std::multiset<std::string> fragmented, whole;
+    for (const auto& row : report["fragmented"]) fragmented.insert(row["location"].get<std::string>());
+    for (const auto& location : report["whole"]) whole.insert(location.get<std::string>());
+    EXPECT_EQ(locations_of["torch.ops.frag.gather.default"], fragmented) << output;
+    EXPECT_EQ(locations_of["torch.ops.frag.split.default"], fragmented) << output;
+    std::multiset<std::string> intervened = fragmented;
+    intervened.insert(whole.begin(), whole.end());
+    EXPECT_EQ(locations_of["torch.ops.frag.intervene.default"], intervened) << output;
+    // Everything else is the original archive's, byte for byte.
+    EXPECT_EQ(record_of(output, "data/weights/model_weights_config.json"),
+              record_of(files[0], "data/weights/model_weights_config.json"));
+    EXPECT_EQ(record_of(output, "extra/fragkit.json"), record_of(files[&output - &outputs[0]], "extra/fragkit.json"));
+  }
+  // A rewritten archive is not an original export: refused by inspect and by rewrite, once.
+  auto line = refusal({"inspect", outputs[0]});
+  EXPECT_NE(line.find("already rewritten"), std::string::npos) << line;
+  line = refusal({"rewrite", outputs[0], "-o", folder + "/again.pt2"});
+  EXPECT_NE(line.find("already rewritten"), std::string::npos) << line;
+  EXPECT_FALSE(std::filesystem::exists(folder + "/again.pt2"));
+  remove_folder(folder);
 }
 
 TEST(InspectPt2Text, TextReportListsTheSameRows) {
@@ -111,7 +175,10 @@ TEST(InspectPt2Text, TextReportListsTheSameRows) {
   };
   EXPECT_GT(rows(ts.out).size(), 2u);
   EXPECT_EQ(rows(pt2.out), rows(ts.out));
-  EXPECT_NE(pt2.out.find("not analysed for torch.export archives"), std::string::npos) << pt2.out;
+  EXPECT_EQ(pt2.out.find("not analysed"), std::string::npos) << pt2.out;
+  // The rank-local section lists the same values.
+  auto section = [](const std::string& text) { return text.substr(text.find("rank-local values")); };
+  EXPECT_EQ(section(pt2.out), section(ts.out));
 }
 
 INSTANTIATE_TEST_SUITE_P(ReferenceModels, InspectPt2,
@@ -253,14 +320,46 @@ TEST(InspectPt2Inputs, RankFilesOfDifferentExportsDisagree) {
   EXPECT_NE(line.find(b), std::string::npos) << line;
 }
 
-TEST(InspectPt2Inputs, RewriteOfAnArchiveIsRefusedForNow) {
+TEST(InspectPt2Inputs, RewriteOfMixedFormatsIsRefused) {
   auto folder = temporary_folder();
-  auto file = pt2_files("llama_tp2_pt2")[0];
-  auto line = refusal({"rewrite", file, "-o", folder + "/out.pt2"});
-  EXPECT_NE(line.find(file), std::string::npos) << line;
+  auto line = refusal({"rewrite", pt2_files("llama_tp2_pt2")[0], model_files("llama_tp2")[1], "-o", folder});
   EXPECT_NE(line.find("torch.export archive"), std::string::npos) << line;
-  EXPECT_FALSE(std::filesystem::exists(folder + "/out.pt2"));
+  EXPECT_TRUE(std::filesystem::is_empty(folder));
   remove_folder(folder);
+}
+
+TEST_F(DamagedPt2, AnArchiveWithoutCallSignaturesIsRefusedByRewriteAndInspect) {
+  // torch.export without preserve_module_call_signature: the graph no longer says where modules begin and end.
+  auto path = damaged("no_signatures", [](const std::string& name, std::string bytes) {
+    if (name != "models/model.json") return bytes;
+    return edited_json(bytes, [](nlohmann::json& j) {
+      for (auto& call : j["graph_module"]["module_call_graph"])
+        if (call["fqn"] != "") call["signature"] = nullptr;
+    });
+  });
+  for (const char* command : {"inspect", "rewrite"}) {
+    std::vector<std::string> args = {command, path};
+    if (std::string(command) == "rewrite") args.insert(args.end(), {"-o", folder_ + "/out.pt2"});
+    auto line = refusal(args);
+    EXPECT_NE(line.find(path), std::string::npos) << line;
+    EXPECT_NE(line.find("call signature"), std::string::npos) << line;
+    EXPECT_NE(line.find("found none"), std::string::npos) << line;
+  }
+  EXPECT_FALSE(std::filesystem::exists(folder_ + "/out.pt2"));
+}
+
+TEST_F(DamagedPt2, ANestedGraphIsRefusedByName) {
+  auto path = damaged("nested", [](const std::string& name, std::string bytes) {
+    if (name != "models/model.json") return bytes;
+    return edited_json(bytes, [](nlohmann::json& j) {
+      auto& node = j["graph_module"]["graph"]["nodes"][3];
+      node["inputs"].push_back({{"name", "true_fn"}, {"arg", {{"as_graph", {{"name", "true_graph_0"}}}}}, {"kind", 1}});
+    });
+  });
+  auto line = refusal({"rewrite", path, "-o", folder_ + "/out.pt2"});
+  EXPECT_NE(line.find(path), std::string::npos) << line;
+  EXPECT_NE(line.find("nested graph"), std::string::npos) << line;
+  EXPECT_FALSE(std::filesystem::exists(folder_ + "/out.pt2"));
 }
 
 }  // namespace

@@ -10,16 +10,16 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace frag::bench {
 
-/// `tests/models/<export>/<file>` in the runfiles of `argv0`, the working
-/// directory or bazel-bin/; exits with a message naming the target to build
-/// when none exists. Returns the path of `tests/models/<export>`.
-inline std::string reference_export(const std::string& argv0, const std::string& export_name,
-                                    const std::string& file, const std::string& program) {
+/// `tests/models/<export>` where `<file>` exists in it: in the runfiles of `argv0`, the working
+/// directory or bazel-bin/; nullopt when none has it.
+inline std::optional<std::string> find_reference_export(const std::string& argv0, const std::string& export_name,
+                                                        const std::string& file) {
   const std::string relative = "tests/models/" + export_name;
   std::vector<std::string> candidates;
   if (const char* dir = std::getenv("RUNFILES_DIR")) candidates.push_back(std::string(dir) + "/fragments/" + relative);
@@ -30,8 +30,15 @@ inline std::string reference_export(const std::string& argv0, const std::string&
     candidates.push_back(std::string(ws) + "/bazel-bin/" + relative);
   for (const auto& c : candidates)
     if (std::filesystem::exists(c + "/" + file)) return c;
-  std::cerr << program << ": cannot find " << relative << "/" << file << "; build //tests/models:" << export_name
-            << " or pass files\n";
+  return std::nullopt;
+}
+
+/// The same, or exit with a message naming the target to build when none exists.
+inline std::string reference_export(const std::string& argv0, const std::string& export_name,
+                                    const std::string& file, const std::string& program) {
+  if (auto found = find_reference_export(argv0, export_name, file)) return *found;
+  std::cerr << program << ": cannot find tests/models/" << export_name << "/" << file << "; build //tests/models:"
+            << export_name << " or pass files\n";
   std::exit(2);
 }
 

@@ -13,7 +13,12 @@
 //   - nodes:   node counts of the root forward graph before and after the
 //              rewrite, and after freezing;
 // and then the growth of the rewrite time with depth (80/40, 160/80; a linear
-// pass gives about 2.0).
+// pass gives about 2.0). Then the same model as a torch.export archive (.pt2,
+// 80 layers by default, or --pt2 FILE): read (zip + JSON), rewrite
+// (classification + insert_fragment_ops_exported on the graph JSON) and save
+// (the archive copied with the rewritten graph and the table, in memory) beside
+// the same copy with the original graph; printed beside the TorchScript row of
+// the same depth.
 //
 //   bazel build //tools/bench:rewrite_benchmark
 //   bazel-bin/tools/bench/rewrite_benchmark [--reps N (>= 5)] [--warmup N] [FILE.pt ...]
@@ -30,6 +35,8 @@
 #include "passes/classify_parallel_layers.h"
 #include "passes/insert_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
+#include "passes/insert_fragment_ops_exported.h"
+#include "runtime/exported_program.h"
 #include "runtime/rank_module.h"
 #include "tools/bench/reference_exports.h"
 
@@ -49,6 +56,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -201,11 +209,67 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
   return r;
 }
 
+/// The .pt2 path of one archive (see the file comment).
+struct ExportedResult {
+  std::string file;
+  int64_t layers = 0;
+  size_t fragmented = 0, nodes_before = 0, nodes_rewritten = 0;
+  Stats read, rewrite, classify, insert, save, save_original;
+  uintmax_t bytes = 0;
+};
+
+ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
+  ExportedResult r;
+  r.file = path;
+  r.bytes = std::filesystem::file_size(path);
+  const frag::passes::LayerAliases aliases;
+  auto program = frag::runtime::read_exported_program(path);
+  for (const auto& module : program.modules) {
+    const std::string prefix = "model.layers.";
+    if (module.path.rfind(prefix, 0) == 0 && module.path.find('.', prefix.size()) == std::string::npos) ++r.layers;
+  }
+  r.nodes_before = program.model["graph_module"]["graph"]["nodes"].size();
+  for (int i = 0; i < warmup; ++i) {
+    auto copy = program.model;
+    frag::passes::rewrite_exported_for_fragments(copy, program.modules, aliases, path);
+  }
+  nlohmann::json rewritten;
+  frag::ir::FragmentTable table;
+  for (int i = 0; i < reps; ++i) {
+    auto start = Clock::now();
+    auto fresh = frag::runtime::read_exported_program(path);
+    r.read.add(ms_since(start));
+    start = Clock::now();
+    table = frag::passes::rewrite_exported_for_fragments(fresh.model, fresh.modules, aliases, path);
+    r.rewrite.add(ms_since(start));
+    rewritten = std::move(fresh.model);
+    auto split = program.model;  // copied outside the timings
+    start = Clock::now();
+    auto split_table = frag::passes::classify_parallel_layers(program.modules, aliases, path);
+    r.classify.add(ms_since(start));
+    start = Clock::now();
+    frag::passes::insert_fragment_ops_exported(split, split_table, path);
+    r.insert.add(ms_since(start));
+  }
+  r.nodes_rewritten = rewritten["graph_module"]["graph"]["nodes"].size();
+  for (const auto& layer : table.layers) r.fragmented += (layer.input ? 1 : 0) + (layer.output ? 1 : 0);
+  const std::map<std::string, std::string> extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
+  for (int i = 0; i < std::max(3, reps / 2); ++i) {  // interleaved, as for TorchScript
+    auto start = Clock::now();
+    auto bytes = frag::runtime::rewritten_archive(path, rewritten, extra);
+    r.save.add(ms_since(start));
+    start = Clock::now();
+    bytes = frag::runtime::rewritten_archive(path, program.model, {});
+    r.save_original.add(ms_since(start));
+  }
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 7, warmup = 1, profile_rewrite = 0, profile_save = 0;
-  std::string save_to;
+  std::string save_to, pt2;
   std::vector<std::string> files;
   CLI::App app{"Rewrite time vs model depth (rewrite_for_fragments, its two steps, LibTorch's freeze_module, "
                "save), one rank file after another. With no files: rank 0 of the exports "
@@ -226,6 +290,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0, 100000));
   app.add_option("--save-to", save_to, "With --profile-save: keep the saved rewritten file at this path");
+  app.add_option("--pt2", pt2,
+                 "A torch.export archive (FILE.pt2) for the .pt2 rows; with no files: rank 0 of "
+                 "//tests/models:bench_llama_l80_tp2_pt2; 'none' skips them")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -269,6 +337,14 @@ int main(int argc, char** argv) {
                              files[0], stats.median(), stats.min(), cpu.median(), profile_rewrite);
     return 0;
   }
+  if (files.empty() && pt2.empty()) {
+    if (auto found = frag::bench::find_reference_export(argv[0], "bench_llama_l80_tp2_pt2", "rank0.pt2"))
+      pt2 = *found + "/rank0.pt2";
+    else
+      std::cerr << "rewrite_benchmark: no .pt2 rows: build //tests/models:bench_llama_l80_tp2_pt2 (a manual "
+                   "target) or pass --pt2 FILE\n";
+  }
+  if (pt2 == "none") pt2.clear();
   if (files.empty())
     for (int layers : {40, 80, 160}) files.push_back(frag::bench::reference_export(argv[0], fmt::format("bench_llama_l{}_tp2", layers), "rank0.pt",
                                                                 "rewrite_benchmark") +
@@ -293,6 +369,16 @@ int main(int argc, char** argv) {
     }
   }
   std::filesystem::remove_all(scratch);
+  std::optional<ExportedResult> exported;
+  if (!pt2.empty()) {
+    std::cerr << "measuring " << pt2 << " (" << reps << " reps) ...\n";
+    try {
+      exported = measure_exported(pt2, reps, warmup);
+    } catch (const std::exception& e) {
+      std::cerr << "rewrite_benchmark: " << pt2 << ": " << e.what() << "\n";
+      return 1;
+    }
+  }
 
   std::cout << fmt::format("rewrite benchmark: {} reps per file (median / min in ms), LibTorch {}, "
                            "{} intra-op thread(s)\n\n",
@@ -331,6 +417,27 @@ int main(int argc, char** argv) {
                                double(b.nodes_rewritten) / a.nodes_rewritten);
     }
   }
+  if (exported) {
+    const auto& e = *exported;
+    std::cout << fmt::format("\ntorch.export archive (.pt2), {} layers, {:.1f} MB, {} fragmented locations ({}):\n",
+                             e.layers, e.bytes / 1e6, e.fragmented, e.file);
+    std::cout << fmt::format("  {:<10} {:>9} {:>17} {:>9} {:>9} {:>10} {:>10} {:>6} {:>7} {:>9}\n", "format", "load",
+                             "rewrite med/min", "classify", "insert", "save orig", "save rw", "sv/so", "nodes",
+                             "rewritten");
+    std::cout << fmt::format("  {:<10} {:>9.1f} {:>8.1f} /{:>7.1f} {:>9.1f} {:>9.1f} {:>10.1f} {:>10.1f} {:>6.2f} {:>7} {:>9}\n",
+                             ".pt2", e.read.median(), e.rewrite.median(), e.rewrite.min(), e.classify.median(),
+                             e.insert.median(), e.save_original.median(), e.save.median(),
+                             e.save.median() / e.save_original.median(), e.nodes_before, e.nodes_rewritten);
+    for (const auto& r : results)
+      if (r.layers == e.layers)
+        std::cout << fmt::format("  {:<10} {:>9.1f} {:>8.1f} /{:>7.1f} {:>9.1f} {:>9.1f} {:>10.1f} {:>10.1f} {:>6.2f} {:>7} {:>9}\n",
+                                 "TorchScript", r.load.median(), r.rewrite.median(), r.rewrite.min(),
+                                 r.classify.median(), r.insert.median(), r.save_original.median(), r.save.median(),
+                                 r.save.median() / r.save_original.median(), r.nodes_before, r.nodes_rewritten);
+    std::cout << "  (.pt2: load = read the archive and parse its graph; save = the archive copied in memory with "
+                 "the rewritten graph and table / with the original graph; TorchScript: this run's row above)\n";
+  }
+
   // The targets of issue 13, judged on this run.
   const Result* l80 = nullptr;
   const Result* l160 = nullptr;

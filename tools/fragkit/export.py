@@ -141,10 +141,16 @@ def example_input_ids() -> Tensor:
 
 
 def export_program(module: nn.Module, tp_size: int) -> "torch.export.ExportedProgram":
-    """``torch.export`` of one rank's kit model (``forward(input_ids)``), batch and sequence dims dynamic."""
+    """``torch.export`` of one rank's kit model (``forward(input_ids)``), batch and sequence dims dynamic.
+
+    Every submodule's call signature is preserved: the graph is flat, and ``module_call_graph`` then names
+    each module call's input and output values, which is where fragments' locations (``<path>.input`` /
+    ``<path>.output``) are.  The graph's ops are the same as without it."""
     dim = torch.export.Dim.DYNAMIC
+    calls = tuple(name for name, _ in module.named_modules() if name)
     with ops.tracing_group_size(tp_size), torch.no_grad():
-        return torch.export.export(module, (example_input_ids(),), dynamic_shapes=({0: dim, 1: dim},))
+        return torch.export.export(module, (example_input_ids(),), dynamic_shapes=({0: dim, 1: dim},),
+                                   preserve_module_call_signature=calls)
 
 
 def export_ranks(full: nn.Module, build: Builder, tp_size: int, out_dir: str, info: Optional[dict] = None,

@@ -3,6 +3,8 @@
 `scenarios` is the same code at tp=1 (in the test's process) and on each rank of a launched world; it
 returns plain tensors and strings, which the test compares across ranks, with tp=1 and with `frag run`.
 """
+import warnings
+
 import torch
 
 import fragments
@@ -203,3 +205,16 @@ def plan_trace(model, ids, hidden):
         lens = model.lm_head(m.norm(m.layers[0].output)).save()
         logits = model.output.save()
     return {"qkv": qkv.value, "resid": resid.value, "lens": lens.value, "logits": logits.value}
+
+
+def run_exported_pair(rank, original, rewritten, ids):
+    """Logits of this rank's original and rewritten torch.export archives (pt2_run_test.py), nothing
+    registered; the model's collectives run on fragments' rank context."""
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")  # torch.export.load's
+    fragments.rank_context()
+    out = []
+    for pattern in (original, rewritten):
+        program = torch.export.load(pattern.format(rank=rank))
+        with torch.no_grad():
+            out.append(program.module()(ids))
+    return tuple(out)
