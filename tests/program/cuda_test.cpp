@@ -14,7 +14,9 @@
 
 #include <gtest/gtest.h>
 #include <atomic>
+#include <algorithm>
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -236,6 +238,64 @@ TEST(Cuda, AReadOnlyPlanIsBitIdenticalToNoPlan) {
               << (specialized_plain - plain).abs().max().item<double>() << "; specialized, read-only plan vs "
               << "specialized, no plan: max |diff| " << (specialized_reading - specialized_plain).abs().max().item<double>()
               << "\n";
+  }
+}
+
+TEST(Cuda, HalfPrecisionLogitsAreBitIdenticalToTheOriginal) {
+  FRAG_REQUIRE_CUDA();
+  // Issue 17 item 4: on a GPU in bf16 and fp16 the rewritten model, with
+  // nothing registered and with read-only plans, computes the original's logits
+  // bit for bit. Each forward runs three times so the profiling executor has
+  // built its optimized plan (where a JIT fuser would act).
+  const torch::Device gpu(torch::kCUDA, 0);
+  const std::string path = model_files("llama_tp1")[0];
+  auto context = RankContext::single_rank();
+  auto ids = token_ids().to(gpu);
+  auto last_of_three = [](const std::function<torch::Tensor()>& forward) {
+    torch::Tensor logits;
+    for (int i = 0; i < 3; ++i) logits = forward();
+    return logits.cpu();
+  };
+  auto max_diff = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return (a.to(torch::kFloat) - b.to(torch::kFloat)).abs().max().item<double>();
+  };
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto original = load_and_check_rank_module(*context, path, gpu);
+    original.module.to(dtype);
+    const auto expected = last_of_three([&] {
+      ScopedRankContext scope(context);
+      return run_forward(original, ids);
+    });
+    ASSERT_EQ(expected.scalar_type(), dtype);
+    auto rewritten = [&](const std::function<void(ShardedModel&)>& plan) {
+      auto model = ShardedModel::load(context, path, gpu);
+      model.module().to(dtype);
+      plan(model);
+      return last_of_three([&] {
+        auto logits = model.forward(ids);
+        model.clear_saved();
+        return logits;
+      });
+    };
+    const auto idle = rewritten([](ShardedModel&) {});
+    EXPECT_TRUE(torch::equal(idle, expected)) << "nothing registered: max |diff| " << max_diff(idle, expected);
+    const auto layer_saves = rewritten([](ShardedModel& m) {
+      for (const auto& location : m.table().whole)
+        if (location.rfind("model.layers.", 0) == 0 && std::count(location.begin(), location.end(), '.') == 3 &&
+            location.size() > 7 && location.compare(location.size() - 7, 7, ".output") == 0)
+          m.save(location, location);
+    });
+    EXPECT_TRUE(torch::equal(layer_saves, expected))
+        << "saves at layer outputs: max |diff| " << max_diff(layer_saves, expected);
+    int saves = 0;
+    const auto all_saves = rewritten([&](ShardedModel& m) {
+      for (const auto& location : m.table().fragmented_locations()) m.save(location, location), ++saves;
+      for (const auto& location : m.table().whole) m.save(location, location), ++saves;
+    });
+    EXPECT_GT(saves, 10);
+    EXPECT_TRUE(torch::equal(all_saves, expected))
+        << "saves at all " << saves << " locations: max |diff| " << max_diff(all_saves, expected);
   }
 }
 

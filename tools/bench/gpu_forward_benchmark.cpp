@@ -33,12 +33,15 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/codegen/fuser/interface.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <string>
@@ -142,58 +145,86 @@ int main(int argc, char** argv) {
     };
     struct Variant {
       std::string name;
-      std::function<void()> run;
+      bool fused;  // TorchScript's GPU fusers allowed while this variant's executor builds and runs its plan
+      std::function<torch::Tensor()> run;
       std::vector<double> ms;
+      torch::Tensor logits;
+      std::string graph;  // the optimized graph the executor last ran
     };
+    auto forward_of = [&](ShardedModel& m) {
+      return [&m, &ids] {
+        auto out = m.forward(ids);
+        m.clear_saved();
+        return out;
+      };
+    };
+    // Unfused copies: the same files, every forward run with the GPU fusers off.
+    auto original_u = load_and_check_rank_module(*context, path, device);
+    auto specialized_u = ShardedModel::load(context, path, device);
+    specialized_u.set_specialize(true);
+    auto full_u = ShardedModel::load(context, path, device);
+    full_u.set_specialize(false);
+    auto layer_saving_u = ShardedModel::load(context, path, device);
+    layer_saving_u.set_specialize(true);
+    auto frag_saving_u = ShardedModel::load(context, path, device);
+    frag_saving_u.set_specialize(true);
+    auto all_saving_u = ShardedModel::load(context, path, device);
+    all_saving_u.set_specialize(true);
+    int all_locations = 0;
+    for (const auto& location : layer_saving.table().whole)
+      if (location.rfind("model.layers.", 0) == 0 && location.size() > 7 &&
+          location.compare(location.size() - 7, 7, ".output") == 0 &&
+          std::count(location.begin(), location.end(), '.') == 3)
+        layer_saving_u.save(location, location);
+    for (const auto& location : frag_saving_u.table().fragmented_locations()) {
+      frag_saving_u.save(location, location);
+      all_saving_u.save(location, location);
+      ++all_locations;
+    }
+    for (const auto& location : all_saving_u.table().whole) {
+      all_saving_u.save(location, location);
+      ++all_locations;
+    }
     std::vector<Variant> variants{
-        {"original export", [&] { run_forward(original, ids); }, {}},
-        {"rewritten, nothing registered", [&] { rewritten.forward(ids); }, {}},
-        {fmt::format("rewritten, save at {} layer outputs", layers),
+        {"original export", true, [&] { return run_forward(original, ids); }},
+        {"rewritten, nothing registered", true, [&] { return rewritten.forward(ids); }},
+        {fmt::format("rewritten, save at {} layer outputs", layers), true, forward_of(layer_saving)},
+        {fmt::format("rewritten, save at {} fragmented locations", fragmented), true, forward_of(frag_saving)},
+        {"raw collectives of those saves, in the forward", true,
          [&] {
-           layer_saving.forward(ids);
-           layer_saving.clear_saved();
-         },
-         {}},
-        {fmt::format("rewritten, save at {} fragmented locations", fragmented),
-         [&] {
-           frag_saving.forward(ids);
-           frag_saving.clear_saved();
-         },
-         {}},
-        {"raw collectives of those saves, in the forward",
-         [&] {
-           run_forward(raw, ids);
+           auto out = run_forward(raw, ids);
            bench::raw_kept().clear();
-         },
-         {}},
-        {"rewritten, specialized to no location (forced on)", [&] { specialized.forward(ids); }, {}},
+           return out;
+         }},
+        {"rewritten, specialized to no location", true, [&] { return specialized.forward(ids); }},
+        {"rewritten, specialized, layer saves", true, forward_of(specialized_saving)},
+        {"UNFUSED original export", false, [&] { return run_forward(original_u, ids); }},
+        {"UNFUSED rewritten, specialized, nothing", false, [&] { return specialized_u.forward(ids); }},
+        {"UNFUSED rewritten, full rewrite, nothing", false, [&] { return full_u.forward(ids); }},
+        {"UNFUSED specialized, layer saves", false, forward_of(layer_saving_u)},
+        {fmt::format("UNFUSED specialized, {} frag saves", fragmented), false, forward_of(frag_saving_u)},
+        {fmt::format("UNFUSED specialized, saves at all {} locations", all_locations), false,
+         forward_of(all_saving_u)},
+    };
+    auto run_variant = [&](Variant& v) {
+      const bool before = torch::jit::canFuseOnGPU();
+      torch::jit::overrideCanFuseOnGPU(v.fused);
+      auto out = v.run();
+      torch::jit::overrideCanFuseOnGPU(before);
+      return out;
     };
     const size_t n = variants.size();
     for (int i = 0; i < iterations + 3; ++i)
       for (size_t k = 0; k < n; ++k) {
         auto& v = variants[(i + k) % n];
-        const double ms = time(v.run);
+        const double ms = time([&] { run_variant(v); });
         if (i >= 3) v.ms.push_back(ms);
       }
     // Logits after the executors have built their optimized plans (all ranks take part).
-    auto logits = [&](const std::function<torch::Tensor()>& f) {
-      torch::Tensor out;
-      for (int i = 0; i < 3; ++i) out = f();
-      return out;
-    };
-    const auto original_logits = logits([&] { return run_forward(original, ids); });
-    const auto rewritten_logits = logits([&] { return rewritten.forward(ids); });
-    const auto layer_saves_logits = logits([&] {
-      auto out = layer_saving.forward(ids);
-      layer_saving.clear_saved();
-      return out;
-    });
-    const auto specialized_logits = logits([&] { return specialized.forward(ids); });
-    const auto specialized_saves_logits = logits([&] {
-      auto out = specialized_saving.forward(ids);
-      specialized_saving.clear_saved();
-      return out;
-    });
+    for (auto& v : variants) {
+      v.logits = run_variant(v);
+      if (auto graph = torch::jit::lastExecutedOptimizedGraph()) v.graph = graph->toString();
+    }
     if (rank != 0) return 0;
     auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
       return torch::equal(a, b) ? std::string("yes")
@@ -202,17 +233,29 @@ int main(int argc, char** argv) {
                                                                             .max()
                                                                             .item<double>());
     };
-    fmt::print("logits bit-identical: rewritten vs original {}; layer saves vs rewritten {}; specialized vs "
-               "original {}; specialized with layer saves vs specialized {}\n",
-               same(rewritten_logits, original_logits), same(layer_saves_logits, rewritten_logits),
-               same(specialized_logits, original_logits), same(specialized_saves_logits, specialized_logits));
-    std::vector<double> med;
-    for (auto& v : variants) med.push_back(median(v.ms));
+    auto count = [](const std::string& text, const std::string& what) {
+      size_t c = 0;
+      for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++c;
+      return c;
+    };
+    const char* graph_dir = std::getenv("FRAG_BENCH_GRAPH_DIR");
     fmt::print("file {}  tokens {}  iterations {}  world {}  dtype {}\n", path, tokens, iterations,
                context->world_size(), c10::toString((*original.module.parameters().begin()).scalar_type()));
-    fmt::print("{:<50} {:>10}\n", "forward (median ms, rank 0)", "");
-    for (size_t k = 0; k < n; ++k)
-      fmt::print("{:<50} {:>10.3f}   / original {:.4f}\n", variants[k].name, med[k], med[k] / med[0]);
+    fmt::print("{:<52} {:>9} {:>9} {:>7} {:>6} {}\n", "forward (median ms, rank 0)", "ms", "/orig", "TEgroups",
+               "frag::", "logits == original of its family");
+    std::vector<double> med;
+    for (auto& v : variants) med.push_back(median(v.ms));
+    const size_t unfused0 = 7;
+    for (size_t k = 0; k < n; ++k) {
+      const size_t base = variants[k].fused ? 0 : unfused0;
+      fmt::print("{:<52} {:>9.3f} {:>9.4f} {:>7} {:>6} {}\n", variants[k].name, med[k], med[k] / med[base],
+                 count(variants[k].graph, "prim::TensorExprGroup"), count(variants[k].graph, "frag::"),
+                 same(variants[k].logits, variants[base].logits));
+      if (graph_dir)
+        std::ofstream(fmt::format("{}/graph{:02d}.txt", graph_dir, k)) << variants[k].name << "\n" << variants[k].graph;
+    }
+    fmt::print("unfused original vs fused original: {}; unfused/fused original time {:.4f}\n",
+               same(variants[unfused0].logits, variants[0].logits), med[unfused0] / med[0]);
     fmt::print("ratio rewritten / original: {:.4f} (target <= 1.02); specialized / original {:.4f}\n",
                med[1] / med[0], med[5] / med[0]);
     if (fragmented > 0 && med[4] > med[1])
