@@ -230,7 +230,8 @@ int main(int argc, char** argv) {
         std::ofstream(fmt::format("{}/graph{:02d}.txt", graph_dir, k)) << variants[k].name << "\n" << variants[k].graph;
     }
     bool identical = true;
-    for (size_t k = unfused0; k < raw_fwd; ++k) identical = identical && torch::equal(variants[k].logits, variants[unfused0].logits);
+    for (size_t k = unfused0; k < raw_fwd; ++k)
+      identical = identical && torch::equal(variants[k].logits, variants[unfused0].logits);
     fmt::print("bit-identical to the original (nothing registered, read-only plans, full rewrite): {}\n",
                identical ? "yes" : "NO");
     fmt::print("op by op vs fused original: time {:.4f}x, logits {}\n", med[unfused0] / med[0],
