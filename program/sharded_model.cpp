@@ -67,10 +67,8 @@ ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std:
   model.context_ = std::move(context);
   model.prepared_ = prepare_rank(*model.context_, path, device, rules_file);
   model.runtime_ = std::make_shared<InterventionRuntime>(model.prepared_.locations);
-  // JIT fusers act on GPUs by default: with fragment ops only where a plan
-  // waits, a fusion group could span a boundary in one run and not in another,
-  // and a read-only plan would round differently from no plan.
-  model.specialize_ = device.is_cpu();
+  // GPUs too run the specialized copy (specialize_ starts true): the runtime's forwards compute op by op
+  // (runtime::set_gpu_fusion), so no fusion group spans a dropped location.
   return model;
 }
 

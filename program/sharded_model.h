@@ -86,16 +86,15 @@ class ShardedModel {
   /// Runs forward(input_ids). Before the first forward after a change of
   /// interventions the ranks compare digests of their interventions and rule
   /// tables, and all refuse if any differs: no rank enters a collective another skips.
-  /// On the CPU it runs a copy of the rewritten graph that keeps the fragment
-  /// ops only at locations with interventions (program/forward_cache);
-  /// elsewhere the forward is the original export's, with no op to dispatch.
-  /// See set_specialize.
+  /// It runs a copy of the rewritten graph that keeps the fragment ops only at
+  /// locations with interventions (program/forward_cache); elsewhere the
+  /// forward is the original export's, with no op to dispatch. See set_specialize.
   torch::Tensor forward(const torch::Tensor& input_ids);
   /// Whether forward specializes the graph to the hooked locations or always
   /// runs the full rewrite (every location's ops, idle where nothing waits).
-  /// The default: on for a model on the CPU, off on GPUs. Without a JIT fuser
-  /// (LibTorch's default on CPUs) both compute bit-identical values; with one
-  /// (the default on GPUs) a fusion group may span a location whose ops were
+  /// On by default. Op by op (the runtime's forwards: runtime::set_gpu_fusion
+  /// off, and LibTorch fuses nothing on CPUs) both compute bit-identical values;
+  /// with GPU fusion allowed a fusion group may span a location whose ops were
   /// dropped, so a read-only plan could round differently from no plan.
   void set_specialize(bool specialize) { specialize_ = specialize; }
   /// The graph the next forward runs (specialized or the full rewrite), for inspection.

@@ -68,6 +68,7 @@ torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& 
   for (size_t i = 1; i < wholes.size(); ++i) inputs.emplace_back(wholes[i]);
   torch::NoGradGuard no_grad;
   ScopedRankContext scope(std::shared_ptr<RankContext>(&context, [](RankContext*) {}));
+  GpuFusionScope fusion(computes_in_half_precision(module));  // as in the forward (run_forward)
   torch::Tensor output = main_output(module.forward(inputs), path);
   if (layer && layer->output) output = whole_from_piece(context, layer->output->rule, output, ir::output_location(path));
   return output;

@@ -5,12 +5,15 @@
 #include "runtime/rank_context.h"
 
 #include <nlohmann/json.hpp>
+#include <torch/csrc/jit/codegen/fuser/interface.h>
 
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <new>
 #include <regex>
 #include <sstream>
@@ -119,8 +122,38 @@ std::string interpreter_message(const std::string& text) {
   return first_line(message);
 }
 
+namespace {
+std::atomic<bool> gpu_fusion_allowed{false};
+std::mutex fusion_scope_mutex;
+int fusion_scopes = 0;         // live GpuFusionScopes, all threads
+bool libtorch_gpu_fusion = true;  // LibTorch's setting before the outermost scope
+}  // namespace
+
+void set_gpu_fusion(bool allowed) { gpu_fusion_allowed = allowed; }
+bool gpu_fusion() { return gpu_fusion_allowed; }
+
+bool computes_in_half_precision(const torch::jit::Module& module) {
+  for (const auto& p : module.parameters())
+    if (p.is_floating_point()) return p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf;
+  return false;
+}
+
+GpuFusionScope::GpuFusionScope(bool half_precision) : active_(half_precision && !gpu_fusion_allowed) {
+  if (!active_) return;
+  std::lock_guard<std::mutex> lock(fusion_scope_mutex);
+  if (fusion_scopes++ == 0) libtorch_gpu_fusion = torch::jit::canFuseOnGPU();
+  torch::jit::overrideCanFuseOnGPU(false);
+}
+
+GpuFusionScope::~GpuFusionScope() {
+  if (!active_) return;
+  std::lock_guard<std::mutex> lock(fusion_scope_mutex);
+  if (--fusion_scopes == 0) torch::jit::overrideCanFuseOnGPU(libtorch_gpu_fusion);
+}
+
 torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids, torch::jit::Function* forward) {
   torch::NoGradGuard no_grad;
+  GpuFusionScope fusion(computes_in_half_precision(rank_module.module));
   c10::IValue output;
   try {
     output = forward == nullptr ? rank_module.module.forward({input_ids})

@@ -52,7 +52,36 @@ RankModule load_and_check_rank_module(RankContext& context, const std::string& p
 /// a traceback): the raised exception's message, one line.
 std::string interpreter_message(const std::string& text);
 
-/// Runs forward(input_ids) without autograd and returns the logits: the
+/// Whether TorchScript's GPU fusers (TensorExpr/NNC) may act in this runtime's forwards (run_forward,
+/// ad-hoc calls) of a module that computes in bf16 or fp16. Off by default: a fusion group keeps such a
+/// chain's intermediates in float and rounds only at its outputs, so where a group ends decides the logits,
+/// and any node a plan adds (a save's read, a fragment op) moves that end (max |diff| 0.05 in 8B-shaped bf16
+/// logits). Op by op, as the eager PyTorch model computes, the original and every rewritten graph round alike:
+/// bit-identical logits. Costs the fused elementwise kernels (about 1.25x on an 8B-shaped 128-token forward,
+/// tools/bench/results/issue17_one_gpu.md). fp32 forwards keep LibTorch's setting (fusion there rounds as
+/// op by op does in our tests); CPUs: LibTorch fuses nothing there.
+void set_gpu_fusion(bool allowed);
+bool gpu_fusion();
+
+/// True when `module`'s first floating-point parameter is bf16 or fp16.
+bool computes_in_half_precision(const torch::jit::Module& module);
+
+/// While one made with `half_precision` exists and gpu_fusion() is off, TorchScript fuses nothing on GPUs;
+/// LibTorch's own setting comes back when the last such scope ends. That switch is process-wide: other
+/// TorchScript code running meanwhile on another thread sees it too. The executor decides fusion when it
+/// builds a graph's plan (the forwards after the first), inside the forward, so the scope covers it.
+class GpuFusionScope {
+ public:
+  explicit GpuFusionScope(bool half_precision);
+  ~GpuFusionScope();
+  GpuFusionScope(const GpuFusionScope&) = delete;
+  GpuFusionScope& operator=(const GpuFusionScope&) = delete;
+
+ private:
+  bool active_;
+};
+
+/// Runs forward(input_ids) without autograd (inside a GpuFusionScope) and returns the logits: the
 /// module's own forward, or `forward` (a graph of forward's signature, self
 /// first, such as a copy specialized by passes::remove_fragment_ops_except).
 torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids,

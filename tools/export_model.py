@@ -2,7 +2,7 @@
 """Export a tiny reference model as one TorchScript file per tensor-parallel rank.
 
     /usr/bin/python3 tools/export_model.py --model llama --tp 2 --out DIR [--kv-heads K] [--layers L]
-                                           [--ep] [--seed S] [--dtype float32|bfloat16]
+                                           [--ep] [--seed S] [--dtype float32|bfloat16|float16]
                                            [--hidden H] [--intermediate I] [--heads N] [--head-dim D]
                                            [--vocab V] [--vocab-padding P] [--mlp gated|plain]
                                            [--format torchscript|export]
@@ -32,7 +32,7 @@ from fragkit.export import export  # noqa: E402
 from fragkit.models import (LLAMA_MLP_KINDS, LlamaConfig, Qwen2MoeConfig, llama_builder,  # noqa: E402
                             qwen2_moe_builder)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Size flags and the config fields they set (unset flags keep the config's defaults).
 CONFIG_FLAGS = {"kv_heads": "num_key_value_heads", "layers": "num_hidden_layers", "hidden": "hidden_size",
                 "intermediate": "intermediate_size", "heads": "num_attention_heads", "vocab": "vocab_size",

@@ -1,22 +1,22 @@
 //===- tools/bench/gpu_forward_benchmark.cpp - Rewritten vs original on GPUs ===//
 //
 // One process per GPU (NCCL), or world size 1. Forward time, CUDA-synchronised,
-// of six variants run interleaved in an order that rotates every iteration:
-//   original      the plain rank file (no rewrite);
-//   rewritten     the same file rewritten in memory, nothing registered
-//                 (on GPUs ShardedModel runs the full rewrite by default);
-//   layer saves   rewritten, a save at every decoder layer's output;
-//   frag saves    rewritten, a save at every fragmented location of the table;
-//   raw in fwd    the rewritten graph with each triple replaced by the bare
-//                 NCCL collective of its piece and no other frag:: op
-//                 (tools/bench/raw_collectives.h): the collectives the fragment
-//                 saves need, where a hand-written model would run them;
-//   specialized   rewritten, nothing registered, specialization forced on
-//                 (off by default on GPUs: JIT fusers may fuse across the
-//                 dropped boundaries; the run prints whether logits stay
-//                 bit-identical).
-// Ratios: rewritten / original (target <= 1.02) and (frag saves - rewritten) /
-// (raw in fwd - rewritten) (target <= 1.15). Rank 0 prints medians.
+// of twelve variants run interleaved in an order that rotates every iteration,
+// each on its own copy of the file, in two families:
+//   op by op (the runtime's default, runtime::set_gpu_fusion off): the original
+//     export; rewritten with nothing registered (specialized: the default);
+//     the full rewrite (every location's ops); saves at every decoder layer's
+//     output, at every fragmented location, at every location; and the raw
+//     collectives of the fragmented saves in the forward (each triple replaced
+//     by the bare NCCL collective of its piece, tools/bench/raw_collectives.h);
+//   FUSED (TorchScript's GPU fusers on, LibTorch's default and this runtime's
+//     before issue 17 item 4): the original; full rewrite and specialized, each
+//     with nothing registered and with layer saves.
+// Each variant's logits are compared with its family's original (bit for bit)
+// and its optimized graph's TensorExpr groups and frag:: ops counted
+// (FRAG_BENCH_GRAPH_DIR=DIR writes the graphs). Ratios: rewritten / original
+// (target <= 1.01), saves / original, op by op / fused original, and
+// (frag saves - rewritten) / (raw in fwd - rewritten) (target <= 1.15). Rank 0 prints medians.
 //
 //   gpu_forward_benchmark FILE.pt [--tokens N] [--iterations K]                 world size 1
 //   RANK=r LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=P \
@@ -33,14 +33,17 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -102,35 +105,6 @@ int main(int argc, char** argv) {
     const std::string path = for_rank(file, rank);
     const torch::Device device(torch::kCUDA, local_rank);
 
-    auto original = load_and_check_rank_module(*context, path, device);
-    auto rewritten = ShardedModel::load(context, path, device);
-    auto layer_saving = ShardedModel::load(context, path, device);
-    auto frag_saving = ShardedModel::load(context, path, device);
-    auto raw = load_and_check_rank_module(*context, path, device);
-    passes::rewrite_for_fragments(raw.module, passes::LayerAliases{}, path);
-    bench::replace_fragment_ops_with_raw_collectives(
-        *torch::jit::toGraphFunction(raw.module.get_method("forward").function()).graph());
-    // Specializing is off by default on GPUs (JIT fusers; see ShardedModel::set_specialize): timed here
-    // forced on, and its logits compared below.
-    auto specialized = ShardedModel::load(context, path, device);
-    specialized.set_specialize(true);
-    auto specialized_saving = ShardedModel::load(context, path, device);
-    specialized_saving.set_specialize(true);
-
-    int layers = 0, fragmented = 0;
-    for (const auto& location : layer_saving.table().whole)
-      if (location.rfind("model.layers.", 0) == 0 && location.size() > 7 &&
-          location.compare(location.size() - 7, 7, ".output") == 0 &&
-          std::count(location.begin(), location.end(), '.') == 3) {
-        layer_saving.save(location, location);
-        specialized_saving.save(location, location);
-        ++layers;
-      }
-    for (const auto& location : frag_saving.table().fragmented_locations()) {
-      frag_saving.save(location, location);
-      ++fragmented;
-    }
-
     torch::manual_seed(0);  // the same ids on every rank
     auto ids = torch::randint(0, 1000, {1, tokens}, torch::TensorOptions().dtype(torch::kLong)).to(device);
     auto time = [&](const std::function<void()>& f) {
@@ -142,58 +116,91 @@ int main(int argc, char** argv) {
     };
     struct Variant {
       std::string name;
-      std::function<void()> run;
+      bool fused;  // runtime::set_gpu_fusion while this variant runs (its executor builds its plan so)
+      std::function<torch::Tensor()> run;
       std::vector<double> ms;
+      torch::Tensor logits;
+      std::string graph;  // the optimized graph its executor last ran
+    };
+    // Each variant its own copy of the file: an executor builds its plan (fused or not) once, under the
+    // setting of runtime::set_gpu_fusion at its first forwards.
+    auto original = load_and_check_rank_module(*context, path, device);
+    auto original_fused = load_and_check_rank_module(*context, path, device);
+    auto raw = load_and_check_rank_module(*context, path, device);
+    passes::rewrite_for_fragments(raw.module, passes::LayerAliases{}, path);
+    bench::replace_fragment_ops_with_raw_collectives(
+        *torch::jit::toGraphFunction(raw.module.get_method("forward").function()).graph());
+    std::vector<std::unique_ptr<ShardedModel>> models;
+    auto model = [&](bool specialize) -> ShardedModel& {
+      models.push_back(std::make_unique<ShardedModel>(ShardedModel::load(context, path, device)));
+      models.back()->set_specialize(specialize);
+      return *models.back();
+    };
+    std::vector<std::string> layer_outputs;
+    for (const auto& location : model(true).table().whole)
+      if (location.rfind("model.layers.", 0) == 0 && location.size() > 7 &&
+          location.compare(location.size() - 7, 7, ".output") == 0 &&
+          std::count(location.begin(), location.end(), '.') == 3)
+        layer_outputs.push_back(location);
+    const auto fragmented_locations = models.back()->table().fragmented_locations();
+    std::vector<std::string> all_locations = fragmented_locations;
+    for (const auto& location : models.back()->table().whole) all_locations.push_back(location);
+    auto saving = [&](bool specialize, const std::vector<std::string>& locations) -> ShardedModel& {
+      auto& m = model(specialize);
+      for (const auto& location : locations) m.save(location, location);
+      return m;
+    };
+    auto forward_of = [&](ShardedModel& m) {
+      return [&m, &ids] {
+        auto out = m.forward(ids);
+        m.clear_saved();
+        return out;
+      };
     };
     std::vector<Variant> variants{
-        {"original export", [&] { run_forward(original, ids); }, {}},
-        {"rewritten, nothing registered", [&] { rewritten.forward(ids); }, {}},
-        {fmt::format("rewritten, save at {} layer outputs", layers),
+        // LibTorch's default: GPU fusers on (runtime::set_gpu_fusion(true)); the full rewrite was the GPU default.
+        {"FUSED original export", true, [&] { return run_forward(original_fused, ids); }},
+        {"FUSED full rewrite, nothing registered", true, forward_of(model(false))},
+        {fmt::format("FUSED full rewrite, saves at {} layer outputs", layer_outputs.size()), true,
+         forward_of(saving(false, layer_outputs))},
+        {"FUSED specialized, nothing registered", true, forward_of(model(true))},
+        {"FUSED specialized, layer saves", true, forward_of(saving(true, layer_outputs))},
+        // The runtime's default: op by op on GPUs, specialized.
+        {"original export", false, [&] { return run_forward(original, ids); }},
+        {"rewritten, nothing registered", false, forward_of(model(true))},
+        {"full rewrite, nothing registered", false, forward_of(model(false))},
+        {fmt::format("rewritten, saves at {} layer outputs", layer_outputs.size()), false,
+         forward_of(saving(true, layer_outputs))},
+        {fmt::format("rewritten, saves at {} fragmented locations", fragmented_locations.size()), false,
+         forward_of(saving(true, fragmented_locations))},
+        {fmt::format("rewritten, saves at all {} locations", all_locations.size()), false,
+         forward_of(saving(true, all_locations))},
+        {"raw collectives of the fragmented saves, in the forward", false,
          [&] {
-           layer_saving.forward(ids);
-           layer_saving.clear_saved();
-         },
-         {}},
-        {fmt::format("rewritten, save at {} fragmented locations", fragmented),
-         [&] {
-           frag_saving.forward(ids);
-           frag_saving.clear_saved();
-         },
-         {}},
-        {"raw collectives of those saves, in the forward",
-         [&] {
-           run_forward(raw, ids);
+           auto out = run_forward(raw, ids);
            bench::raw_kept().clear();
-         },
-         {}},
-        {"rewritten, specialized to no location (forced on)", [&] { specialized.forward(ids); }, {}},
+           return out;
+         }},
+    };
+    const size_t unfused0 = 5, idle = 6, layer_saves = 8, frag_saves = 9, all_saves = 10, raw_fwd = 11;
+    auto run_variant = [&](Variant& v) {
+      set_gpu_fusion(v.fused);
+      auto out = v.run();
+      set_gpu_fusion(false);
+      return out;
     };
     const size_t n = variants.size();
     for (int i = 0; i < iterations + 3; ++i)
       for (size_t k = 0; k < n; ++k) {
         auto& v = variants[(i + k) % n];
-        const double ms = time(v.run);
+        const double ms = time([&] { run_variant(v); });
         if (i >= 3) v.ms.push_back(ms);
       }
     // Logits after the executors have built their optimized plans (all ranks take part).
-    auto logits = [&](const std::function<torch::Tensor()>& f) {
-      torch::Tensor out;
-      for (int i = 0; i < 3; ++i) out = f();
-      return out;
-    };
-    const auto original_logits = logits([&] { return run_forward(original, ids); });
-    const auto rewritten_logits = logits([&] { return rewritten.forward(ids); });
-    const auto layer_saves_logits = logits([&] {
-      auto out = layer_saving.forward(ids);
-      layer_saving.clear_saved();
-      return out;
-    });
-    const auto specialized_logits = logits([&] { return specialized.forward(ids); });
-    const auto specialized_saves_logits = logits([&] {
-      auto out = specialized_saving.forward(ids);
-      specialized_saving.clear_saved();
-      return out;
-    });
+    for (auto& v : variants) {
+      v.logits = run_variant(v);
+      if (auto graph = torch::jit::lastExecutedOptimizedGraph()) v.graph = graph->toString();
+    }
     if (rank != 0) return 0;
     auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
       return torch::equal(a, b) ? std::string("yes")
@@ -202,23 +209,40 @@ int main(int argc, char** argv) {
                                                                             .max()
                                                                             .item<double>());
     };
-    fmt::print("logits bit-identical: rewritten vs original {}; layer saves vs rewritten {}; specialized vs "
-               "original {}; specialized with layer saves vs specialized {}\n",
-               same(rewritten_logits, original_logits), same(layer_saves_logits, rewritten_logits),
-               same(specialized_logits, original_logits), same(specialized_saves_logits, specialized_logits));
-    std::vector<double> med;
-    for (auto& v : variants) med.push_back(median(v.ms));
+    auto count = [](const std::string& text, const std::string& what) {
+      size_t c = 0;
+      for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++c;
+      return c;
+    };
+    const char* graph_dir = std::getenv("FRAG_BENCH_GRAPH_DIR");  // optimized graphs, one file per variant
     fmt::print("file {}  tokens {}  iterations {}  world {}  dtype {}\n", path, tokens, iterations,
                context->world_size(), c10::toString((*original.module.parameters().begin()).scalar_type()));
-    fmt::print("{:<50} {:>10}\n", "forward (median ms, rank 0)", "");
-    for (size_t k = 0; k < n; ++k)
-      fmt::print("{:<50} {:>10.3f}   / original {:.4f}\n", variants[k].name, med[k], med[k] / med[0]);
-    fmt::print("ratio rewritten / original: {:.4f} (target <= 1.02); specialized / original {:.4f}\n",
-               med[1] / med[0], med[5] / med[0]);
-    if (fragmented > 0 && med[4] > med[1])
+    fmt::print("{:<56} {:>8} {:>7} {:>9} {:>6}  {}\n", "forward (median ms, rank 0)", "ms", "/orig", "TE groups",
+               "frag::", "logits equal to its family's original");
+    std::vector<double> med;
+    for (auto& v : variants) med.push_back(median(v.ms));
+    for (size_t k = 0; k < n; ++k) {
+      const size_t base = variants[k].fused ? 0 : unfused0;
+      fmt::print("{:<56} {:>8.3f} {:>7.4f} {:>9} {:>6}  {}\n", variants[k].name, med[k], med[k] / med[base],
+                 count(variants[k].graph, "prim::TensorExprGroup_"), count(variants[k].graph, "frag::"),
+                 same(variants[k].logits, variants[base].logits));
+      if (graph_dir)
+        std::ofstream(fmt::format("{}/graph{:02d}.txt", graph_dir, k)) << variants[k].name << "\n" << variants[k].graph;
+    }
+    bool identical = true;
+    for (size_t k = unfused0; k < raw_fwd; ++k)
+      identical = identical && torch::equal(variants[k].logits, variants[unfused0].logits);
+    fmt::print("bit-identical to the original (nothing registered, read-only plans, full rewrite): {}\n",
+               identical ? "yes" : "NO");
+    fmt::print("op by op vs fused original: time {:.4f}x, logits {}\n", med[unfused0] / med[0],
+               same(variants[unfused0].logits, variants[0].logits));
+    fmt::print("ratio rewritten / original: {:.4f} (target <= 1.01); layer saves {:.4f}; all saves {:.4f}\n",
+               med[idle] / med[unfused0], med[layer_saves] / med[unfused0], med[all_saves] / med[unfused0]);
+    if (!fragmented_locations.empty() && med[raw_fwd] > med[idle])
       fmt::print("ratio (frag saves - rewritten) / (raw in fwd - rewritten): {:.3f} (target <= 1.15); extra "
                  "{:.3f} ms vs {:.3f} ms\n",
-                 (med[3] - med[1]) / (med[4] - med[1]), med[3] - med[1], med[4] - med[1]);
+                 (med[frag_saves] - med[idle]) / (med[raw_fwd] - med[idle]), med[frag_saves] - med[idle],
+                 med[raw_fwd] - med[idle]);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "gpu_forward_benchmark: error: " << e.what() << "\n";
