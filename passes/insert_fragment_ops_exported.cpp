@@ -336,10 +336,10 @@ class ExportedFragmentOpInserter {
                                           {tensor_input("value", whole), string_input("location", location),
                                            bool_input("fragmented", true)},
                                           meta_of(whole), site, value);
-      const std::string piece = add_node(nodes, kSplitTarget,
-                                         {tensor_input("value", edited), tensor_input("piece", value),
-                                          string_input("location", location), string_input("rule", rule_text)},
-                                         meta_of(value), site, value);
+      std::string piece = add_node(nodes, kSplitTarget,
+                                   {tensor_input("value", edited), tensor_input("piece", value),
+                                    string_input("location", location), string_input("rule", rule_text)},
+                                   meta_of(value), site, value);
       if (rule->group_size > 1) {  // the piece carries on into the model: rank-local from here on
         origins_of_[piece] = &origin_texts_.emplace_back(location);
         pieces_.emplace(piece, &origin_texts_.back());
@@ -401,7 +401,7 @@ class ExportedFragmentOpInserter {
   /// Appends one node with one tensor output (metadata `meta`) and returns the output's name.
   std::string add_node(json& nodes, const char* target, json inputs, const json& meta, const Stack* site,
                        const std::string& about) {
-    const std::string name = fresh_name(about);
+    std::string name = fresh_name(about);
     graph_.at("tensor_values")[name] = meta;
     json metadata = json::object();
     if (!site->empty()) metadata["nn_module_stack"] = stack_text(*site);
