@@ -109,17 +109,6 @@ c10::IValue config_value(const nlohmann::json& value) {
 
 }  // namespace
 
-bool is_exported_program(const std::string& path) {
-  try {
-    caffe2::serialize::PyTorchStreamReader reader(path);
-    if (!reader.hasRecord("archive_format")) return false;
-    auto [data, size] = reader.getRecord("archive_format");
-    return std::string(static_cast<const char*>(data.get()), size) == "pt2";
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
-
 ExportedProgram read_exported_program(const std::string& path) {
   auto reader = open_archive(path);
   ExportedProgram program;

@@ -42,8 +42,7 @@ struct ExportedProgram {
   std::string rule_table;
 };
 
-/// True when `path` is a torch.export archive (its archive_format record says "pt2").
-bool is_exported_program(const std::string& path);
+/// Whether a file is an archive: runtime::is_torch_export_archive (rank_module.h).
 
 /// Reads `path`. Not an archive, another schema major, a malformed graph or
 /// record: frag::Error naming the file, what was expected and what was found.

@@ -4,6 +4,7 @@
 #include "ir/error.h"
 #include "runtime/rank_context.h"
 
+#include <caffe2/serialize/inline_container.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/jit/codegen/fuser/interface.h>
 
@@ -47,6 +48,17 @@ ExportInfo read_export_info(const std::string& path, const torch::jit::Module& m
 
 }  // namespace
 
+bool is_torch_export_archive(const std::string& path) {
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    if (!reader.hasRecord("archive_format")) return false;
+    auto [data, size] = reader.getRecord("archive_format");
+    return std::string(static_cast<const char*>(data.get()), size) == "pt2";
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
 RankModule load_rank_module(const std::string& path, const torch::Device& device) {
   struct stat info {};
   if (stat(path.c_str(), &info) != 0) fail("{}: cannot open file: {}", path, std::strerror(errno));
@@ -63,6 +75,11 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
     // code still name the line of the archive's own code/.
     result.module = torch::jit::load(path, device, extra, /*load_debug_files=*/false);
   } catch (const c10::Error& e) {
+    if (is_torch_export_archive(path))
+      fail("{}: a torch.export archive (.pt2); frag run and fragments.load take TorchScript rank files for now "
+           "(frag inspect and frag rewrite take both; a rewritten .pt2 runs with torch.export.load under "
+           "fragments.launch, see the README)",
+           path);
     fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what_without_backtrace()));
   } catch (const std::bad_alloc&) {
     // LibTorch's unpickler allocates what sizes inside the file say (a memo id, a list length) before

@@ -52,6 +52,10 @@ RankModule load_and_check_rank_module(RankContext& context, const std::string& p
 /// a traceback): the raised exception's message, one line.
 std::string interpreter_message(const std::string& text);
 
+/// True when `path` is a torch.export archive (a zip whose archive_format record says "pt2"). Its
+/// loading is runtime/exported_program.h's; load_rank_module refuses one in words, not as a damaged file.
+bool is_torch_export_archive(const std::string& path);
+
 /// Whether TorchScript's GPU fusers (TensorExpr/NNC) may act in this runtime's forwards (run_forward,
 /// ad-hoc calls) of a module that computes in bf16 or fp16. Off by default: a fusion group keeps such a
 /// chain's intermediates in float and rounds only at its outputs, so where a group ends decides the logits,

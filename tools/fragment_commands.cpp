@@ -103,7 +103,7 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
   std::vector<std::string> export_ids;
   std::vector<bool> exported;
   exported.reserve(files.size());
-  for (const auto& file : files) exported.push_back(runtime::is_exported_program(file));
+  for (const auto& file : files) exported.push_back(runtime::is_torch_export_archive(file));
   for (size_t r = 1; r < files.size(); ++r)
     if (exported[r] != exported[0])
       fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "
@@ -245,7 +245,7 @@ int rewrite_command(const RewriteArguments& args) {
   remove_temporaries_on_signals();
   check_rank_files(args.files);
   std::vector<bool> exported;
-  for (const auto& file : args.files) exported.push_back(runtime::is_exported_program(file));
+  for (const auto& file : args.files) exported.push_back(runtime::is_torch_export_archive(file));
   for (size_t r = 1; r < args.files.size(); ++r)
     if (exported[r] != exported[0])
       fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
@@ -318,6 +319,19 @@ TEST(InspectPt2Inputs, RankFilesOfDifferentExportsDisagree) {
   auto line = refusal({"inspect", a, b});
   EXPECT_NE(line.find(a), std::string::npos) << line;
   EXPECT_NE(line.find(b), std::string::npos) << line;
+}
+
+TEST(InspectPt2Inputs, RunOfAnArchiveIsRefusedInWords) {
+  // Plans on .pt2 are not wired yet: one line that says so, not "a damaged TorchScript file".
+  auto folder = temporary_folder();
+  const std::string ids = folder + "/ids.txt";
+  std::ofstream(ids) << "1 2 3\n";
+  auto file = pt2_files("llama_tp2_pt2")[0];
+  auto line = refusal({"run", file, "--input", ids});
+  EXPECT_NE(line.find(file + ": a torch.export archive (.pt2)"), std::string::npos) << line;
+  EXPECT_NE(line.find("TorchScript rank files for now"), std::string::npos) << line;
+  EXPECT_EQ(line.find("not a loadable"), std::string::npos) << line;
+  remove_folder(folder);
 }
 
 TEST(InspectPt2Inputs, RewriteOfMixedFormatsIsRefused) {
