@@ -42,8 +42,6 @@ struct ExportedProgram {
   std::string rule_table;
 };
 
-/// Whether a file is an archive: runtime::is_torch_export_archive (rank_module.h).
-
 /// Reads `path`. Not an archive, another schema major, a malformed graph or
 /// record: frag::Error naming the file, what was expected and what was found.
 ExportedProgram read_exported_program(const std::string& path);

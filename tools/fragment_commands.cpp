@@ -75,6 +75,17 @@ void check_rank_files(const std::vector<std::string>& files) {
   require_distinct_files(files, "the rank files");
 }
 
+/// Whether the rank files are torch.export archives (else TorchScript files); one format of each is refused,
+/// naming the first file of the other.
+bool are_torch_export_archives(const std::vector<std::string>& files) {
+  const bool first = runtime::is_torch_export_archive(files.at(0));
+  for (size_t r = 1; r < files.size(); ++r)
+    if (runtime::is_torch_export_archive(files[r]) != first)
+      fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "
+           "one export", files[0], files[r]);
+  return first;
+}
+
 /// The rank files' tables (whole and rank-local locations found by the rewrite, run on a copy).
 struct Analysis {
   std::vector<ir::FragmentTable> tables;
@@ -101,15 +112,9 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
   check_rank_files(files);
   Analysis analysis;
   std::vector<std::string> export_ids;
-  std::vector<bool> exported;
-  exported.reserve(files.size());
-  for (const auto& file : files) exported.push_back(runtime::is_torch_export_archive(file));
-  for (size_t r = 1; r < files.size(); ++r)
-    if (exported[r] != exported[0])
-      fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "
-           "one export", files[0], files[r]);
+  const bool exported = are_torch_export_archives(files);
   for (const auto& file : files) {
-    if (exported[0]) {
+    if (exported) {
       auto program = runtime::read_exported_program(file);
       export_ids.push_back(program.info.export_id);
       if (!program.rule_table.empty() || passes::has_fragment_ops_exported(program.model))
@@ -244,12 +249,7 @@ int inspect_command(const InspectArguments& args) {
 int rewrite_command(const RewriteArguments& args) {
   remove_temporaries_on_signals();
   check_rank_files(args.files);
-  std::vector<bool> exported;
-  for (const auto& file : args.files) exported.push_back(runtime::is_torch_export_archive(file));
-  for (size_t r = 1; r < args.files.size(); ++r)
-    if (exported[r] != exported[0])
-      fail("{} and {}: one is a torch.export archive and the other a TorchScript file; give the rank files of "
-           "one export", args.files[0], args.files[r]);
+  const bool exported = are_torch_export_archives(args.files);
   const auto aliases = load_aliases(args.rules_file);
   std::vector<std::string> paths;
   std::error_code ignored;  // a path that cannot be examined is not a folder; check_output_target says why
@@ -281,7 +281,7 @@ int rewrite_command(const RewriteArguments& args) {
   for (size_t i = 0; i < args.files.size(); ++i) {
     const auto& file = args.files[i];
     std::string bytes;
-    if (exported[i]) {
+    if (exported) {
       auto program = runtime::read_exported_program(file);
       if (!program.rule_table.empty() || passes::has_fragment_ops_exported(program.model))
         fail("{}: already rewritten by frag rewrite; give the original export", file);
