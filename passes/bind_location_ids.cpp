@@ -4,10 +4,13 @@
 #include "ir/error.h"
 #include "ir/op_schemas.h"
 
+#include <fmt/format.h>
 #include <torch/csrc/jit/ir/constants.h>
 
 #include <nlohmann/json.hpp>
 
+#include <map>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -120,6 +123,67 @@ class LocationBinder {
 
 int64_t bind_location_ids(torch::jit::Graph& graph, const ir::LocationTable& locations, const std::string& source) {
   return LocationBinder(graph, locations, source).run();
+}
+
+}  // namespace frag::passes
+
+namespace frag::passes {
+
+int64_t bind_location_ids_exported(nlohmann::json& model, const ir::LocationTable& locations,
+                                   const std::string& source) {
+  // The file's target -> the bound overload, and whether the op carries a rule to check.
+  static const std::map<std::string, std::pair<std::string, bool>> kBound = {
+      {"torch.ops.frag.gather.default", {"torch.ops.frag.gather.at", true}},
+      {"torch.ops.frag.intervene.default", {"torch.ops.frag.intervene.at", false}},
+      {"torch.ops.frag.split.default", {"torch.ops.frag.split.at", true}},
+  };
+  std::unordered_map<std::string, ir::FragmentRule> parsed_rules;
+  int64_t bound = 0;
+  for (auto& node : model.at("graph_module").at("graph").at("nodes")) {
+    auto found = kBound.find(node.at("target").get<std::string>());
+    if (found == kBound.end()) continue;
+    const std::string what = fmt::format("{}: node {} ({})", source, node.value("name", "?"), found->first);
+    nlohmann::json inputs = nlohmann::json::array();
+    std::optional<ir::LocationId> id;
+    std::string rule_text;
+    for (const auto& input : node.at("inputs")) {
+      const std::string name = input.value("name", "");
+      if (name == "rule") {
+        if (!input.at("arg").contains("as_string")) fail("{}: its rule is not a string", what);
+        rule_text = input.at("arg").at("as_string").get<std::string>();
+        continue;
+      }
+      if (name == "location") {
+        if (!input.at("arg").contains("as_string")) fail("{}: its location is not a string", what);
+        const std::string location = input.at("arg").at("as_string").get<std::string>();
+        id = locations.find(location);
+        if (!id)
+          fail("{}: the graph has a fragment op at '{}', which its fragment table does not list; the graph and "
+               "the table come from different files",
+               source, location);
+        inputs.push_back({{"name", "location"}, {"arg", {{"as_int", *id}}}, {"kind", input.value("kind", 1)}});
+        continue;
+      }
+      inputs.push_back(input);
+    }
+    if (!id) fail("{}: it names no location", what);
+    if (found->second.second) {
+      auto parsed = parsed_rules.find(rule_text);
+      try {
+        if (parsed == parsed_rules.end())
+          parsed = parsed_rules.emplace(rule_text, ir::rule_from_json(nlohmann::json::parse(rule_text))).first;
+      } catch (const nlohmann::json::exception& e) {
+        fail("{}: its rule is not valid JSON: {}", what, e.what());
+      }
+      const auto& side = locations.at(*id).side;
+      if (!side || parsed->second != side->rule)
+        fail("{}: the graph's rule at {} differs from its fragment table's", source, locations.at(*id).name);
+    }
+    node["inputs"] = std::move(inputs);
+    node["target"] = found->second.first;
+    ++bound;
+  }
+  return bound;
 }
 
 }  // namespace frag::passes

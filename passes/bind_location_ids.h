@@ -16,6 +16,7 @@
 
 #include "ir/location_table.h"
 
+#include <nlohmann/json.hpp>
 #include <torch/csrc/jit/ir/ir.h>
 
 #include <string>
@@ -25,5 +26,12 @@ namespace frag::passes {
 /// Binds, in place, every string-form fragment op of `graph` to its id in
 /// `locations`; `source` names the file in errors. Returns the ops bound.
 int64_t bind_location_ids(torch::jit::Graph& graph, const ir::LocationTable& locations, const std::string& source);
+
+/// The same on a torch.export graph document (models/model.json of a .pt2 that frag rewrite or
+/// insert_fragment_ops_exported rewrote): targets torch.ops.frag.<op>.default become the ".at" overloads,
+/// the "location" argument an int, the "rule" argument (checked against the table) goes. For a C++
+/// executor of the archive (program/nativert_program.h); Python binds its FX graph itself.
+int64_t bind_location_ids_exported(nlohmann::json& model, const ir::LocationTable& locations,
+                                   const std::string& source);
 
 }  // namespace frag::passes

@@ -404,7 +404,7 @@ class ExportedFragmentOpInserter {
     std::string name = fresh_name(about);
     graph_.at("tensor_values")[name] = meta;
     json metadata = json::object();
-    if (!site->empty()) metadata["nn_module_stack"] = stack_text(*site);
+    if (std::string stack = stack_text(*site); !stack.empty()) metadata["nn_module_stack"] = std::move(stack);
     nodes.push_back({{"target", target},
                      {"inputs", std::move(inputs)},
                      {"outputs", json::array({{{"as_tensor", {{"name", name}}}}})},
@@ -425,9 +425,10 @@ class ExportedFragmentOpInserter {
     return name;
   }
 
-  /// An nn_module_stack naming `site`'s calls (key and path alike; the class as the graph names it).
+  /// An nn_module_stack naming `site`'s calls (key and path alike; the class as the graph names it), after
+  /// the graph's root entry: torch.export.unflatten places a node by its stack and needs the root first.
   std::string stack_text(const Stack& site) const {
-    std::string text;
+    std::string text = root_entry_;
     for (const Call* call : site) {
       if (!text.empty()) text += ";";
       text += fmt::format("L__self__{},{},{}", call->fqn, call->fqn, class_of_call(call->fqn));
@@ -450,6 +451,7 @@ class ExportedFragmentOpInserter {
         const std::string entry = text.substr(start, end - start);
         const std::string path = stack_entry_path(entry);
         if (!path.empty()) classes_.emplace(path, entry.substr(entry.rfind(',') + 1));
+        else if (root_entry_.empty() && entry.rfind("L__self__,", 0) == 0) root_entry_ = entry;
         start = end + 1;
       }
     }
@@ -496,6 +498,8 @@ class ExportedFragmentOpInserter {
   std::unordered_map<std::string, const std::string*> pieces_;
   std::unordered_map<const ir::FragmentRule*, std::string> rule_texts_;
   std::map<std::string, std::string> classes_;
+  /// The graph's root entry of nn_module_stack ("L__self__,,<class>"), "" if no node names it.
+  std::string root_entry_;
   std::unordered_set<std::string> seen_stack_texts_;
 };
 

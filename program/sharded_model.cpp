@@ -3,10 +3,11 @@
 
 #include "ir/error.h"
 #include "ir/module_path.h"
+#include "program/nativert_program.h"
 #include "program/width_probe.h"
+#include "runtime/rank_module.h"
 
 #include <fmt/ranges.h>
-#include <torch/csrc/jit/api/function_impl.h>
 
 #include <algorithm>
 
@@ -23,12 +24,6 @@ uint64_t digest(const std::string& text) {
     hash *= 1099511628211ull;
   }
   return hash;
-}
-
-at::ScalarType model_dtype(const torch::jit::Module& module) {
-  for (const auto& p : module.parameters())
-    if (p.is_floating_point()) return p.scalar_type();
-  return at::kFloat;
 }
 
 /// Applies an edit step to the selected part of a whole: the one switch over edit actions.
@@ -63,13 +58,27 @@ void apply_edit(const PlanStep& step, torch::Tensor& target, const std::string& 
 
 ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std::string& path,
                                 const torch::Device& device, const std::string& rules_file) {
-  ShardedModel model;
-  model.context_ = std::move(context);
-  model.prepared_ = prepare_rank(*model.context_, path, device, rules_file);
-  model.runtime_ = std::make_shared<InterventionRuntime>(model.prepared_.locations);
+  if (runtime::is_torch_export_archive(path))
+    return over(context, NativeRtProgram::load(*context, path, device, rules_file));
+  auto program = TorchScriptProgram::load(*context, path, device, rules_file);
   // GPUs too run the specialized copy (specialize_ starts true): the runtime's forwards compute op by op
   // (runtime::set_gpu_fusion), so no fusion group spans a dropped location.
+  return over(std::move(context), std::move(program));
+}
+
+ShardedModel ShardedModel::over(std::shared_ptr<RankContext> context, std::shared_ptr<RankProgram> program) {
+  ShardedModel model;
+  model.context_ = std::move(context);
+  model.program_ = std::move(program);
+  model.runtime_ = std::make_shared<InterventionRuntime>(model.program_->locations());
   return model;
+}
+
+TorchScriptProgram& ShardedModel::torchscript(const char* what) {
+  auto* program = dynamic_cast<TorchScriptProgram*>(program_.get());
+  if (program == nullptr)
+    fail("{}: {} needs a TorchScript rank file; this model runs a torch.export program", program_->path(), what);
+  return *program;
 }
 
 LocationKind ShardedModel::kind_of(const std::string& location) const { return locations().kind_of(location); }
@@ -77,7 +86,7 @@ LocationKind ShardedModel::kind_of(const std::string& location) const { return l
 ir::HeadLayout ShardedModel::head_layout(const std::string& location) const {
   // The layer's config lives in its module's integer attributes (head_size, total_num_heads, ...).
   return ir::head_layout(table(), location,
-                         [this](const std::string& path) { return ir::int_attributes_at(prepared_.rank.module, path); });
+                         [this](const std::string& path) { return program_->int_attributes(path); });
 }
 
 ir::LocationId ShardedModel::checked_location(const std::string& location, const std::string& what) const {
@@ -155,7 +164,7 @@ void ShardedModel::check_against_width(const PlanStep& step, int64_t width, cons
 
 void ShardedModel::apply(const Plan& plan) {
   // Check everything first: a bad step must fail before anything is registered or run.
-  const auto dtype = model_dtype(module());
+  const auto dtype = program_->dtype();
   std::vector<WidthCheck> later;
   std::vector<ir::LocationId> ids;
   std::vector<PlanStep> steps = plan.steps;  // resolved against this model: "segment"/"heads" become indices
@@ -204,7 +213,7 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
   // The checks stay pending until they pass: a retry fails again.
   std::vector<ir::LocationId> probed;
   for (const auto& check : width_checks_) probed.push_back(check.location);
-  for (const auto& [id, width] : probe_widths(prepared_, context_, probed, input_ids)) probed_widths_.emplace(id, width);
+  for (const auto& [id, width] : probe_widths(*program_, context_, probed, input_ids)) probed_widths_.emplace(id, width);
   // A location the probe did not reach (an expert no token was routed to, a
   // branch on length) is checked when first visited, on every rank alike.
   for (const auto& check : width_checks_)
@@ -287,21 +296,20 @@ torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
   runtime::ScopedRankContext rank_scope(context_);
   runtime::ScopedInterventionRuntime runtime_scope(runtime_);
   runtime_->begin_forward();
-  return runtime::run_forward(prepared_.rank, input_ids, forward_function());
+  return program_->forward(input_ids, kept_locations(), RankProgram::Use::kRepeated);
 }
 
-torch::jit::Function* ShardedModel::forward_function() {
+const std::vector<ir::LocationId>* ShardedModel::kept_locations() {
   if (!specialize_) return nullptr;
   if (runtime_->changes() != specialized_at_changes_) {
-    specialized_forward_ = &forwards_.keeping(prepared_, runtime_->hooked_locations());
+    kept_ = runtime_->hooked_locations();
     specialized_at_changes_ = runtime_->changes();
   }
-  return specialized_forward_;
+  return &kept_;
 }
 
 std::shared_ptr<torch::jit::Graph> ShardedModel::forward_graph() {
-  if (auto* function = forward_function()) return torch::jit::toGraphFunction(*function).graph();
-  return torch::jit::toGraphFunction(module().get_method("forward").function()).graph();
+  return torchscript("forward_graph()").forward_graph(kept_locations());
 }
 
 torch::Tensor ShardedModel::call(const std::vector<std::string>& paths, const torch::Tensor& whole) {

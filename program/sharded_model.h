@@ -20,8 +20,8 @@
 
 #include "ir/head_layout.h"
 #include "ir/location_table.h"
-#include "program/forward_cache.h"
-#include "program/prepared_rank.h"
+#include "program/rank_program.h"
+#include "program/torchscript_program.h"
 #include "runtime/ad_hoc_call.h"
 #include "runtime/intervention_runtime.h"
 #include "runtime/plan.h"
@@ -54,14 +54,20 @@ class ShardedModel {
   /// Loads this rank's file onto `device` and checks it against the other
   /// ranks' files (one export, rank order). A plain export is rewritten in
   /// memory; `rules_file` declares extra layer classes (see frag inspect --rules).
+  /// TorchScript files run with LibTorch; torch.export archives (.pt2) with
+  /// NativeRT (program/nativert_program.h: CPU, no call wrappers).
   static ShardedModel load(std::shared_ptr<RankContext> context, const std::string& path,
                            const torch::Device& device = torch::kCPU, const std::string& rules_file = "");
+  /// A model over a program prepared elsewhere (a .pt2 program run by Python).
+  static ShardedModel over(std::shared_ptr<RankContext> context, std::shared_ptr<RankProgram> program);
 
   const ir::FragmentTable& table() const { return locations().fragments(); }
-  const ir::LocationTable& locations() const { return *prepared_.locations; }
+  const ir::LocationTable& locations() const { return *program_->locations(); }
   RankContext& context() const { return *context_; }
   InterventionRuntime& interventions() { return *runtime_; }
-  torch::jit::Module& module() { return prepared_.rank.module; }
+  const RankProgram& program() const { return *program_; }
+  /// The TorchScript module; frag::Error for a program of another format.
+  torch::jit::Module& module() { return torchscript("module()").module(); }
 
   /// Classifies a location name.
   LocationKind kind_of(const std::string& location) const;
@@ -111,7 +117,7 @@ class ShardedModel {
   /// Runs one module on whole tensors (e.g. a FusedMoE with its router_logits).
   torch::Tensor call_module(const std::string& path, const std::vector<torch::Tensor>& wholes);
   /// The call wrappers of this model.
-  runtime::AdHocCaller caller() const { return runtime::AdHocCaller(prepared_.rank.module, locations()); }
+  runtime::AdHocCaller caller() const { return runtime::AdHocCaller(*program_, locations()); }
 
   /// Hooks registered for a visit that the last forward never reached ("visit 3 at X, which was
   /// visited 1 time"), one line each: a plan that silently did nothing is worth a warning.
@@ -140,11 +146,12 @@ class ShardedModel {
   std::optional<int64_t> whole_width_at(ir::LocationId location) const;
   /// Runs the checks `apply` could not make yet (program/width_probe).
   void check_widths_at_whole_locations(const torch::Tensor& input_ids);
-  /// The forward to run: nullptr for the module's own (the full rewrite).
-  torch::jit::Function* forward_function();
+  /// The locations whose ops the next forward keeps: nullptr for all (the full rewrite).
+  const std::vector<ir::LocationId>* kept_locations();
+  TorchScriptProgram& torchscript(const char* what);
 
   std::shared_ptr<RankContext> context_;
-  PreparedRank prepared_;
+  std::shared_ptr<RankProgram> program_;
   std::shared_ptr<InterventionRuntime> runtime_;
   std::vector<std::string> descriptors_;
   /// (location, visit) of every hook registered for one visit only.
@@ -162,9 +169,8 @@ class ShardedModel {
   std::vector<WidthCheck> width_checks_;
   std::map<ir::LocationId, int64_t> probed_widths_;
   bool specialize_ = true;
-  int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `specialized_forward_` was chosen
-  torch::jit::Function* specialized_forward_ = nullptr;
-  ForwardCache forwards_;
+  int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `kept_` was taken
+  std::vector<ir::LocationId> kept_;
 };
 
 }  // namespace frag::program

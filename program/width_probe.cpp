@@ -7,16 +7,15 @@
 
 namespace frag::program {
 
-std::map<ir::LocationId, int64_t> probe_widths(PreparedRank& prepared,
+std::map<ir::LocationId, int64_t> probe_widths(RankProgram& program,
                                                const std::shared_ptr<runtime::RankContext>& context,
                                                const std::vector<ir::LocationId>& locations,
                                                const torch::Tensor& input_ids) {
   std::vector<ir::LocationId> kept(locations);
   std::sort(kept.begin(), kept.end());
   kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
-  auto forward = forward_keeping(prepared, kept, "__torch__.frag.width_probe");
   std::map<ir::LocationId, int64_t> widths;
-  auto probe = std::make_shared<runtime::InterventionRuntime>(prepared.locations);
+  auto probe = std::make_shared<runtime::InterventionRuntime>(program.locations());
   for (auto id : kept)
     probe->add(
         id,
@@ -29,7 +28,7 @@ std::map<ir::LocationId, int64_t> probe_widths(PreparedRank& prepared,
   runtime::ScopedInterventionRuntime runtime_scope(probe);
   probe->begin_forward();
   auto first_token = input_ids.dim() == 2 ? input_ids.narrow(0, 0, 1).narrow(1, 0, 1) : input_ids;
-  runtime::run_forward(prepared.rank, first_token, forward.get());
+  program.forward(first_token, &kept, RankProgram::Use::kOnce);
   return widths;
 }
 

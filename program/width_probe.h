@@ -6,15 +6,17 @@
 // read-only hooks, before the real forward. Every rank holds the same checks
 // (agreed by digest), so every rank probes alike.
 //
-// The probe runs its own copy of the graph (ops only at the probed locations)
-// and its own intervention runtime: the model's forward and its executor are
-// untouched, so the real forward is optimized exactly as without the probe
-// (on GPUs the first run and later runs may fuse, and round, differently).
+// The probe runs a forward used once (RankProgram::Use::kOnce: ops only at the
+// probed locations, not cached) and its own intervention runtime: the model's
+// forward and its executor are untouched, so the real forward is optimized
+// exactly as without the probe (on GPUs the first run and later runs may fuse,
+// and round, differently).
 //
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include "program/prepared_rank.h"
+#include "program/rank_program.h"
+#include "runtime/rank_context.h"
 
 #include <map>
 #include <memory>
@@ -25,7 +27,7 @@ namespace frag::program {
 /// The last-dim widths at `locations` seen in one forward of `input_ids`'
 /// first token; a location the forward did not reach (an expert no token was
 /// routed to) is absent.
-std::map<ir::LocationId, int64_t> probe_widths(PreparedRank& prepared,
+std::map<ir::LocationId, int64_t> probe_widths(RankProgram& program,
                                                const std::shared_ptr<runtime::RankContext>& context,
                                                const std::vector<ir::LocationId>& locations,
                                                const torch::Tensor& input_ids);

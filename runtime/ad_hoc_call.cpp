@@ -20,18 +20,37 @@ torch::Tensor main_output(const c10::IValue& output, const std::string& path) {
 
 }  // namespace
 
+std::optional<ModuleTree::Arity> ScriptModuleTree::forward_arity(const std::string& path) const {
+  auto method = ir::module_at(root_, path).find_method("forward");
+  if (!method) return std::nullopt;
+  Arity arity;
+  for (const auto& argument : method->function().getSchema().arguments()) {
+    if (argument.name() == "self") continue;
+    ++arity.arguments;
+    if (!argument.default_value()) ++arity.required;
+  }
+  return arity;
+}
+
+std::map<std::string, int64_t> ScriptModuleTree::int_attributes(const std::string& path) const {
+  return ir::int_attributes_at(root_, path);
+}
+
+torch::Tensor ScriptModuleTree::run(const std::string& path, const std::vector<torch::Tensor>& inputs) const {
+  auto module = ir::module_at(root_, path);
+  std::vector<c10::IValue> values(inputs.begin(), inputs.end());
+  torch::NoGradGuard no_grad;
+  GpuFusionScope fusion(computes_in_half_precision(module));  // as in the forward (run_forward)
+  return main_output(module.forward(values), path);
+}
+
 void AdHocCaller::check_callable(const std::string& path, size_t tensors) const {
   if (path.empty()) fail("an empty module path cannot be called");
-  auto module = ir::module_at(root_, path);
-  auto method = module.find_method("forward");
-  if (!method) fail("{} has no call wrapper: it has no forward method", path);
-  const size_t arguments = method->function().getSchema().arguments().size() - 1;  // minus self
-  size_t required = 0;
-  for (const auto& argument : method->function().getSchema().arguments())
-    if (!argument.default_value() && argument.name() != "self") ++required;
-  if (arguments < tensors || required > tensors)
+  auto arity = modules_->forward_arity(path);
+  if (!arity) fail("{} has no call wrapper: it has no forward method", path);
+  if (arity->arguments < tensors || arity->required > tensors)
     fail("{} has no call wrapper for {} tensor(s): its forward takes {} argument(s), {} required", path, tensors,
-         arguments, required);
+         arity->arguments, arity->required);
   for (const auto& location : {ir::input_location(path), ir::output_location(path)})
     if (locations_->kind_of(location) == ir::LocationKind::kRankLocal)
       fail("{} has no call wrapper: {} is rank-local (derived from {}), so no whole value exists for it", path,
@@ -40,12 +59,11 @@ void AdHocCaller::check_callable(const std::string& path, size_t tensors) const 
 
 int64_t AdHocCaller::expected_input_width(const std::string& path) const {
   if (const auto* layer = locations_->layer(path)) {
-    auto module = ir::module_at(root_, path);
     if (layer->input && layer->input->whole_width) return *layer->input->whole_width;
+    if (layer->kind == "VocabParallelEmbedding" || layer->kind == "LogitsProcessor") return 0;
+    const auto attributes = modules_->int_attributes(path);
     for (const char* name : {"input_size", "embedding_dim", "hidden_size"})
-      if (layer->kind != "VocabParallelEmbedding" && layer->kind != "LogitsProcessor" && module.hasattr(name) &&
-          module.attr(name).isInt())
-        return module.attr(name).toInt();
+      if (auto it = attributes.find(name); it != attributes.end()) return it->second;
   }
   return 0;
 }
@@ -60,16 +78,11 @@ torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& 
     fail("{}: an ad-hoc call needs a whole input of width {}, got shape [{}]", path, width,
          fmt::join(whole.sizes(), ", "));
   const ir::LayerEntry* layer = locations_->layer(path);
-  torch::Tensor input = whole;
+  std::vector<torch::Tensor> inputs(wholes);
   if (layer && layer->input)
-    input = piece_from_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
-  auto module = ir::module_at(root_, path);
-  std::vector<c10::IValue> inputs{input};
-  for (size_t i = 1; i < wholes.size(); ++i) inputs.emplace_back(wholes[i]);
-  torch::NoGradGuard no_grad;
+    inputs[0] = piece_from_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
   ScopedRankContext scope(std::shared_ptr<RankContext>(&context, [](RankContext*) {}));
-  GpuFusionScope fusion(computes_in_half_precision(module));  // as in the forward (run_forward)
-  torch::Tensor output = main_output(module.forward(inputs), path);
+  torch::Tensor output = modules_->run(path, inputs);
   if (layer && layer->output) output = whole_from_piece(context, layer->output->rule, output, ir::output_location(path));
   return output;
 }

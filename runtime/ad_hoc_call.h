@@ -24,16 +24,51 @@
 
 #include <torch/script.h>
 
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace frag::runtime {
 
+/// The modules of one rank's model as a call wrapper needs them, whatever format they came from:
+/// ScriptModuleTree for a TorchScript module; a .pt2 program's tree lives in Python (torch.export's
+/// unflattened module, python/fragments/_C.cpp).
+class ModuleTree {
+ public:
+  /// The arguments of a module's forward: all of them and those without a default.
+  struct Arity {
+    size_t arguments = 0;
+    size_t required = 0;
+  };
+  virtual ~ModuleTree() = default;
+  /// frag::Error if `path` names no module; nullopt if the module has no forward.
+  virtual std::optional<Arity> forward_arity(const std::string& path) const = 0;
+  /// The module's integer attributes (a layer's config: input_size, head_size, …); empty if none.
+  virtual std::map<std::string, int64_t> int_attributes(const std::string& path) const = 0;
+  /// Runs the module's own forward (no fragment ops) on `inputs` without autograd; returns its main
+  /// output (the first of a tuple).
+  virtual torch::Tensor run(const std::string& path, const std::vector<torch::Tensor>& inputs) const = 0;
+};
+
+/// The modules of a TorchScript module. Their methods are the export's own: the fragment pass rewrites
+/// only the root's forward.
+class ScriptModuleTree : public ModuleTree {
+ public:
+  explicit ScriptModuleTree(torch::jit::Module root) : root_(std::move(root)) {}
+  std::optional<Arity> forward_arity(const std::string& path) const override;
+  std::map<std::string, int64_t> int_attributes(const std::string& path) const override;
+  torch::Tensor run(const std::string& path, const std::vector<torch::Tensor>& inputs) const override;
+
+ private:
+  torch::jit::Module root_;
+};
+
 /// Call wrappers for the modules of one rank's model.
 class AdHocCaller {
  public:
-  AdHocCaller(torch::jit::Module root, const ir::LocationTable& locations)
-      : root_(std::move(root)), locations_(&locations) {}
+  AdHocCaller(const ModuleTree& modules, const ir::LocationTable& locations)
+      : modules_(&modules), locations_(&locations) {}
 
   /// Throws frag::Error if `path` names no module, or a module without a call
   /// wrapper (its forward needs more than one tensor, or its input or output
@@ -53,7 +88,7 @@ class AdHocCaller {
                             const std::vector<torch::Tensor>& wholes) const;
 
  private:
-  torch::jit::Module root_;
+  const ModuleTree* modules_;
   const ir::LocationTable* locations_;
 };
 

@@ -86,6 +86,12 @@ std::shared_ptr<Communicator> make_nccl_communicator(
     const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank, int size,
     std::chrono::milliseconds timeout, int cuda_device, bool sync_each_collective = false);
 
+/// The collectives of torch.distributed's process group `group_name` (registered by Python in this
+/// process: init_process_group's default group is "0"), on its own backend (Gloo for CPU tensors, NCCL
+/// for CUDA ones); each waits at most `timeout`. frag::Error where no group has that name.
+std::shared_ptr<Communicator> make_process_group_communicator(const std::string& group_name,
+                                                              std::chrono::milliseconds timeout);
+
 /// Whether this build can make each backend.
 bool have_gloo();
 bool have_nccl();

@@ -139,7 +139,13 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, ir::Loc
       }
   }
   const torch::Tensor start = current;
-  const auto version = start._version();
+  // Inference tensors (NativeRT runs a .pt2 in inference mode) keep no version counter, so an in-place
+  // edit cannot be seen there: any editing hook that ran counts as an edit (reads stay bit-identical:
+  // saves do not edit).
+  const bool versioned = !start.is_inference();
+  const auto version = versioned ? start._version() : 0;
+  bool edit_ran = false;
+  const auto unchanged = [&] { return versioned ? start._version() == version : !edit_ran; };
   bool replaced = false;
   // Hooks from the last editing one on may change the whole; a hook before it
   // that kept the whole without a copy would see it change.
@@ -149,14 +155,15 @@ torch::Tensor InterventionRuntime::intervene(const torch::Tensor& value, ir::Loc
   for (size_t i = 0; i < hooks.size(); ++i) {
     auto& registered = hooks[i];
     if (registered.visit && *registered.visit != visit) continue;
-    info.may_keep = fragmented && !replaced && start._version() == version && i + 1 >= last_edit;
+    info.may_keep = fragmented && !replaced && unchanged() && i + 1 >= last_edit;
+    edit_ran = edit_ran || registered.edits;
     if (auto replacement = registered.hook(current, info)) {
       check_replacement(current, *replacement, state.entry->name);
       current = *replacement;
       replaced = true;
     }
   }
-  state.edited = replaced || start._version() != version;
+  state.edited = replaced || !unchanged();
   return current;
 }
 

@@ -163,6 +163,21 @@ std::shared_ptr<RankContext> RankContext::connect(const RendezvousOptions& optio
   return context;
 }
 
+std::shared_ptr<RankContext> RankContext::over_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                             const std::string& group_name,
+                                                             std::chrono::milliseconds timeout) {
+  auto world = make_process_group_communicator(group_name, timeout);
+  std::shared_ptr<RankContext> context(new RankContext());
+  context->rank_ = world->rank();
+  context->world_size_ = world->size();
+  context->timeout_ = timeout;
+  context->backend_ = world->backend();
+  context->process_group_ = group_name;
+  context->store_ = c10::make_intrusive<c10d::PrefixStore>("fragments", store);
+  for (const char* name : kGroupNames) context->groups_[name] = world;
+  return context;
+}
+
 Communicator& RankContext::group(const std::string& name) const {
   auto it = groups_.find(name);
   if (it == groups_.end()) fail("unknown communicator group '{}': expected tp, ep, tp×ep or world", name);

@@ -62,11 +62,19 @@ class RankContext {
   static std::shared_ptr<RankContext> connect(const RendezvousOptions& options);
   /// World size 1, no store, no peers.
   static std::shared_ptr<RankContext> single_rank();
+  /// Joins what torch.distributed set up in this process: collectives on its process group
+  /// `group_name` (make_process_group_communicator), the agreement steps on its `store` (under the
+  /// prefix "fragments/"). Every group name maps to that one group.
+  static std::shared_ptr<RankContext> over_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                         const std::string& group_name,
+                                                         std::chrono::milliseconds timeout);
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   const std::string& backend() const { return backend_; }
+  /// The torch.distributed process group this context runs on ("" where fragments connected its own).
+  const std::string& process_group() const { return process_group_; }
 
   /// The communicator of a named group; an unknown name is an error.
   Communicator& group(const std::string& name) const;
@@ -93,6 +101,7 @@ class RankContext {
   int world_size_ = 1;
   std::chrono::milliseconds timeout_{60000};
   std::string backend_ = "single";
+  std::string process_group_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::map<std::string, std::shared_ptr<Communicator>> groups_;
   int64_t exchanges_ = 0;

@@ -76,9 +76,8 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
     result.module = torch::jit::load(path, device, extra, /*load_debug_files=*/false);
   } catch (const c10::Error& e) {
     if (is_torch_export_archive(path))
-      fail("{}: a torch.export archive (.pt2); frag run and fragments.load take TorchScript rank files for now "
-           "(frag inspect and frag rewrite take both; a rewritten .pt2 runs with torch.export.load under "
-           "fragments.launch, see the README)",
+      fail("{}: a torch.export archive (.pt2), not a TorchScript file: program::ShardedModel::load (frag run) "
+           "and fragments.load take both formats",
            path);
     fail("{}: not a loadable TorchScript file: {}", path, first_line(e.what_without_backtrace()));
   } catch (const std::bad_alloc&) {
@@ -96,28 +95,33 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
   return result;
 }
 
+void check_export_across_ranks(RankContext& context, const std::string& path, const ExportInfo& info,
+                               std::string error) {
+  if (error.empty() && info.tp_size != context.world_size())
+    error = fmt::format("{} was exported for tp_size {} but the world size is {}", path, info.tp_size,
+                        context.world_size());
+  else if (error.empty() && info.tp_rank != context.rank())
+    error = fmt::format("{} holds tp_rank {} but was given to rank {}: pass the rank files in rank order", path,
+                        info.tp_rank, context.rank());
+  context.agree("load", error);
+  auto ids = context.exchange("export_id", info.export_id);
+  for (size_t r = 0; r < ids.size(); ++r)
+    if (ids[r] != ids[0])  // every rank sees the same ids: the same error everywhere
+      throw RankAgreementError(
+          fmt::format("rank files come from different exports: rank 0 has export {} but rank {} has export {}",
+                      ids[0].empty() ? "(none)" : ids[0], r, ids[r].empty() ? "(none)" : ids[r]));
+}
+
 RankModule load_and_check_rank_module(RankContext& context, const std::string& path,
                                       const torch::Device& device) {
   RankModule result;
   std::string error;
   try {
     result = load_rank_module(path, device);
-    if (result.info.tp_size != context.world_size())
-      error = fmt::format("{} was exported for tp_size {} but the world size is {}", path,
-                          result.info.tp_size, context.world_size());
-    else if (result.info.tp_rank != context.rank())
-      error = fmt::format("{} holds tp_rank {} but was given to rank {}: pass the rank files in rank order",
-                          path, result.info.tp_rank, context.rank());
   } catch (const Error& e) {
     error = e.what();
   }
-  context.agree("load", error);
-  auto ids = context.exchange("export_id", result.info.export_id);
-  for (size_t r = 0; r < ids.size(); ++r)
-    if (ids[r] != ids[0])  // every rank sees the same ids: the same error everywhere
-      throw RankAgreementError(
-          fmt::format("rank files come from different exports: rank 0 has export {} but rank {} has export {}",
-                      ids[0].empty() ? "(none)" : ids[0], r, ids[r].empty() ? "(none)" : ids[r]));
+  check_export_across_ranks(context, path, result.info, error);
   return result;
 }
 

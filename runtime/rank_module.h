@@ -48,6 +48,11 @@ RankModule load_rank_module(const std::string& path, const torch::Device& device
 RankModule load_and_check_rank_module(RankContext& context, const std::string& path,
                                       const torch::Device& device = torch::kCPU);
 
+/// The checks of load_and_check_rank_module on what a rank file of either format says (`info`, read from
+/// `path`; `error`: why this rank could not read it). Every rank throws the same frag::Error if any fails.
+void check_export_across_ranks(RankContext& context, const std::string& path, const ExportInfo& info,
+                               std::string error);
+
 /// The user-facing message inside an error raised through the TorchScript interpreter (which wraps it in
 /// a traceback): the raised exception's message, one line.
 std::string interpreter_message(const std::string& text);

@@ -97,9 +97,8 @@ std::vector<std::string> run_inputs(const RunArguments& args, int world) {
 std::pair<std::string, int64_t> vocabulary_of(frag::program::ShardedModel& model) {
   for (const auto& layer : model.table().layers) {
     if (layer.kind != "VocabParallelEmbedding") continue;
-    for (const auto& named : model.module().named_modules())
-      if (named.name == layer.path && named.value.hasattr("org_vocab_size"))
-        return {layer.path, named.value.attr("org_vocab_size").toInt()};
+    const auto config = model.program().int_attributes(layer.path);
+    if (auto vocab = config.find("org_vocab_size"); vocab != config.end()) return {layer.path, vocab->second};
   }
   return {"", 0};
 }

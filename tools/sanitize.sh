@@ -30,7 +30,7 @@ tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_lay
 # recording off (TORCH_FR_BUFFER_SIZE=0), so they run in the tier. frag's ranks are processes: no race there.
 more=(tests/program/sharded_model_test tests/tools/frag_inspect_test tests/tools/frag_inspect_pt2_test
       tests/tools/frag_rewrite_test
-      tests/tools/frag_run_test)
+      tests/tools/frag_run_test tests/tools/frag_run_pt2_test)
 
 mode=tier; targets=()
 case "${1:-}" in

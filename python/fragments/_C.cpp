@@ -10,6 +10,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
+#include "program/exported_rank.h"
 #include "program/sharded_model.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
@@ -99,6 +100,70 @@ py::dict saved_dict(const program::SavedTensors& saved) {
   }
   return out;
 }
+
+/// A .pt2 program run by torch.export in Python (python/fragments/_exported.py: ExportedRunner) for the
+/// C++ plan engine. Each call takes the GIL (the forward is entered with it released) and stays on the
+/// calling thread, so the rank context and intervention runtime ShardedModel::forward made current there
+/// are the ones the graph's ops find.
+class PythonProgram : public program::RankProgram {
+ public:
+  PythonProgram(const std::string& path, program::PreparedExport prepared, py::object runner)
+      : RankProgram(path, prepared.locations),
+        modules_(std::move(prepared.modules)),
+        attributes_(std::move(prepared.attributes)),
+        runner_(std::move(runner)),
+        dtype_(prepared.dtype) {}
+  ~PythonProgram() override {
+    py::gil_scoped_acquire gil;
+    runner_ = py::object();
+  }
+  PythonProgram(const PythonProgram&) = delete;
+  PythonProgram& operator=(const PythonProgram&) = delete;
+
+  at::ScalarType dtype() const override { return dtype_; }
+  std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }
+  std::map<std::string, int64_t> int_attributes(const std::string& module) const override {
+    auto found = attributes_.find(module);
+    return found == attributes_.end() ? std::map<std::string, int64_t>{} : found->second;
+  }
+  std::optional<Arity> forward_arity(const std::string& module) const override {
+    auto arity = call([&] {
+      py::object found = runner_.attr("arity")(module);
+      return found.is_none() ? std::nullopt : std::optional<int64_t>(found.cast<int64_t>());
+    });
+    if (!arity) fail("unknown module '{}' (not a submodule of {})", module, path());
+    if (*arity < 0) return std::nullopt;
+    return Arity{static_cast<size_t>(*arity), static_cast<size_t>(*arity)};
+  }
+  torch::Tensor run(const std::string& module, const std::vector<torch::Tensor>& inputs) const override {
+    return call([&] { return runner_.attr("run")(module, inputs).cast<torch::Tensor>(); });
+  }
+  torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+                        Use use) override {
+    return call([&] {
+      py::object locations = kept ? py::cast(*kept) : py::none();
+      return runner_.attr("forward")(input_ids, locations, use == Use::kOnce).cast<torch::Tensor>();
+    });
+  }
+
+ private:
+  /// Runs `f` with the GIL (every Python object it makes dies inside); a Python exception becomes a
+  /// frag::Error with its message (the ops' own errors, a hook's included, arrive as RuntimeErrors).
+  template <typename F>
+  static auto call(F&& f) -> decltype(f()) {
+    py::gil_scoped_acquire gil;
+    try {
+      return f();
+    } catch (py::error_already_set& e) {
+      fail("{}", std::string(py::str(e.value())));
+    }
+  }
+
+  std::vector<std::pair<std::string, std::string>> modules_;
+  std::map<std::string, std::map<std::string, int64_t>> attributes_;
+  py::object runner_;
+  at::ScalarType dtype_;
+};
 
 /// One rank of a model, as Python holds it.
 struct PyModel {
@@ -213,32 +278,66 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RankContext, std::shared_ptr<RankContext>>(m, "RankContext")
       .def_property_readonly("rank", &RankContext::rank)
       .def_property_readonly("world_size", &RankContext::world_size)
-      .def_property_readonly("backend", &RankContext::backend);
+      .def_property_readonly("backend", &RankContext::backend)
+      .def_property_readonly("process_group", &RankContext::process_group);
   m.def("connect_from_env", &connect_from_env, py::arg("timeout_s"), py::arg("backend"),
         "Meets the other ranks with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's variables).");
   m.def("single_rank", &RankContext::single_rank);
+  m.def(
+      "join_process_group",
+      [](const c10::intrusive_ptr<c10d::Store>& store, const std::string& group_name, double timeout_s) {
+        py::gil_scoped_release release;
+        return RankContext::over_process_group(
+            store, group_name, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+      },
+      py::arg("store"), py::arg("group_name"), py::arg("timeout_s"),
+      "A rank context over torch.distributed's process group `group_name` and its store (this process "
+      "called init_process_group): fragments' collectives run on that group.");
+  m.def("is_torch_export_archive", &frag::runtime::is_torch_export_archive, py::arg("path"),
+        "True when `path` is a torch.export archive (.pt2).");
   m.def("set_process_rank_context", &frag::runtime::set_process_rank_context, py::arg("context"),
         "Makes `context` the one the frag:: collectives of any program in this process run on (a plain "
         "torch.jit.load or torch.export.load of a rank file included).");
 
   py::class_<PyModel>(m, "ShardedModel")
       .def(py::init([](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device) {
-             auto model = std::make_shared<ShardedModel>(
-                 ShardedModel::load(context, path, torch::Device(device)));
+             std::shared_ptr<ShardedModel> model;
+             {
+               py::gil_scoped_release release;  // collectives: other ranks' threads may need the GIL
+               model = std::make_shared<ShardedModel>(ShardedModel::load(context, path, torch::Device(device)));
+             }
              return PyModel{context, model, path};
            }),
            py::arg("context"), py::arg("path"), py::arg("device") = "cpu")
+      .def_static(
+          "exported",
+          [](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device,
+             const py::function& make_runner) {
+            // C++ prepares (checks across ranks, rewrites in memory, indexes the table); Python loads and runs.
+            frag::program::PreparedExport prepared;
+            {
+              py::gil_scoped_release release;
+              prepared = frag::program::prepare_exported_rank(*context, path);
+            }
+            py::list names;
+            for (size_t id = 0; id < prepared.locations->size(); ++id)
+              names.append(prepared.locations->at(static_cast<int64_t>(id)).name);
+            py::object runner =
+                make_runner(path, py::bytes(prepared.rewritten), names, device);
+            auto program = std::make_shared<PythonProgram>(path, std::move(prepared), std::move(runner));
+            auto model = std::make_shared<ShardedModel>(ShardedModel::over(context, std::move(program)));
+            return PyModel{context, model, path};
+          },
+          py::arg("context"), py::arg("path"), py::arg("device"), py::arg("make_runner"),
+          "One rank of a .pt2 program: C++ prepares it and runs its plans, make_runner(path, rewritten bytes, "
+          "location names in id order, device) returns what runs it (fragments._exported.ExportedRunner).")
       .def_property_readonly("rank", [](const PyModel& m) { return m.context->rank(); })
       .def_property_readonly("world_size", [](const PyModel& m) { return m.context->world_size(); })
       .def_property_readonly("python_calls", [](const PyModel& m) { return m.python_calls; })
       .def_property_readonly("dtype",
                              [](PyModel& m) -> py::object {
-                               for (const auto& p : m.model->module().parameters())
-                                 if (p.is_floating_point())
-                                   return py::reinterpret_borrow<py::object>(
-                                       reinterpret_cast<PyObject*>(torch::getTHPDtype(p.scalar_type())));
                                return py::reinterpret_borrow<py::object>(
-                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(at::kFloat)));
+                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(m.model->program().dtype())));
                              })
       .def("inspect_json",
            [](const PyModel& m) {
@@ -266,10 +365,7 @@ PYBIND11_MODULE(_C, m) {
            [](PyModel& m) {
              // (path, class name) of every submodule, the root as "".
              py::list out;
-             for (const auto& item : m.model->module().named_modules()) {
-               auto type = item.value.type()->name();
-               out.append(py::make_tuple(item.name, type ? type->name() : std::string()));
-             }
+             for (const auto& [path, type] : m.model->program().named_modules()) out.append(py::make_tuple(path, type));
              return out;
            })
       .def("head_layout",

@@ -12,6 +12,8 @@ import socket
 import time
 import traceback
 
+import torch
+
 from . import _C
 
 _CONTEXT = None
@@ -28,13 +30,22 @@ class RankFailed(RuntimeError):
 def rank_context():
     """This process's rank context: from torchrun's variables when WORLD_SIZE > 1, else a single rank.
 
+    Where torch.distributed is set up in this process (``init_process_group`` before the first
+    ``fragments.load``), the context joins it instead: collectives run on its default process group (its
+    Gloo or NCCL), the ranks' agreement goes through its store, and no second rendezvous is made.
+
     It is also the process's context for the model's own collectives (``frag::all_reduce`` /
     ``all_gather``): a rank file loaded with plain ``torch.jit.load`` or ``torch.export.load`` (original or
     rewritten) runs them over it once this was called."""
     global _CONTEXT
     if _CONTEXT is None:
         world = os.environ.get("WORLD_SIZE", "1")
-        if world.strip() not in ("", "1"):
+        distributed = torch.distributed
+        if distributed.is_available() and distributed.is_initialized():
+            timeout = float(os.environ.get("FRAGMENTS_TIMEOUT", "60"))
+            _CONTEXT = _C.join_process_group(distributed.distributed_c10d._get_default_store(),
+                                             distributed.group.WORLD.group_name, timeout)
+        elif world.strip() not in ("", "1"):
             timeout = float(os.environ.get("FRAGMENTS_TIMEOUT", "60"))
             backend = os.environ.get("FRAGMENTS_BACKEND", "gloo")
             _CONTEXT = _C.connect_from_env(timeout, backend)

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from . import _C
+from ._exported import ExportedRunner
 from ._launch import rank_context
 
 
@@ -548,7 +549,10 @@ class Model:
         if device is None:  # NCCL ranks run on their GPU (LOCAL_RANK), Gloo ranks on the CPU
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if context.backend == "nccl" else "cpu"
         self.path = path.format(rank=context.rank) if "{rank}" in path else path
-        self._c = _C.ShardedModel(context, self.path, device)
+        if _C.is_torch_export_archive(self.path):  # run by torch.export here, its plans by the C++ engine
+            self._c = _C.ShardedModel.exported(context, self.path, device, ExportedRunner)
+        else:
+            self._c = _C.ShardedModel(context, self.path, device)
         self.rank, self.world_size = context.rank, context.world_size
         self.dtype = self._c.dtype
         self._location_kinds = {name: kind for name, kind, _ in self._c.locations()}
@@ -610,5 +614,7 @@ class Model:
 
 def load(path, device=None):
     """Loads this rank's file (`"dir/rank{rank}.pt"`: the rank from the launch context) onto `device`
-    (default: the CPU, or under backend "nccl" the GPU of LOCAL_RANK)."""
+    (default: the CPU, or under backend "nccl" the GPU of LOCAL_RANK). A TorchScript file (.pt) runs in
+    C++; a torch.export archive (.pt2, plain or frag rewrite's) runs with torch.export in this process,
+    its plans alike (fragments._exported)."""
     return Model(path, device)

@@ -4,7 +4,8 @@
 // column-parallel and down projection row-parallel at tp 2, each module's call
 // signature preserved as the kit exports it), pass, FileCheck of the graph
 // printed one node a line. Then the table's whole / rank-local lists, the
-// inserted nodes' metadata, the outputs, and the refusals.
+// inserted nodes' metadata, the outputs, the refusals, and the graph bound to
+// location ids (passes/bind_location_ids_exported).
 //
 //===----------------------------------------------------------------------===//
 #include "passes/insert_fragment_ops_exported.h"
@@ -12,6 +13,8 @@
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
 #include "ir/fragment_table.h"
+#include "ir/location_table.h"
+#include "passes/bind_location_ids.h"
 
 #include <torch/csrc/jit/testing/file_check.h>
 
@@ -158,10 +161,91 @@ TEST(InsertFragmentOpsExported, InsertedNodesCarryMetadataAndTheSignatureFollows
   // Inserted nodes run where the call site is: up's output ops inside mlp, mlp's output ops at the root.
   for (const auto& n : graph["nodes"]) {
     const std::string name = n["name"];
-    if (name == "frag_h") EXPECT_EQ(n["metadata"]["nn_module_stack"], "L__self__mlp,mlp,kit.MLP");
-    if (name == "frag_z_1") EXPECT_FALSE(n["metadata"].contains("nn_module_stack"));
+    if (name == "frag_h") {
+      EXPECT_EQ(n["metadata"]["nn_module_stack"], "L__self__mlp,mlp,kit.MLP");
+    }
+    if (name == "frag_z_1") {
+      EXPECT_FALSE(n["metadata"].contains("nn_module_stack"));
+    }
   }
   EXPECT_EQ(model["graph_module"]["signature"]["output_specs"][0]["user_output"]["arg"], graph["outputs"][0]);
+}
+
+TEST(InsertFragmentOpsExported, InsertedNodesKeepTheGraphsRootEntry) {
+  // PyTorch 2.11 starts every stack with the root ("L__self__,,<class>"); torch.export.unflatten needs it
+  // on every node that has a stack, so inserted nodes carry it too (at the root: the root alone).
+  json model = mlp_model();
+  const std::string root = "L__self__,,kit.Model";
+  for (auto& n : model["graph_module"]["graph"]["nodes"]) {
+    auto& metadata = n["metadata"];
+    metadata["nn_module_stack"] =
+        metadata.contains("nn_module_stack") ? root + ";" + metadata["nn_module_stack"].get<std::string>() : root;
+  }
+  auto table = mlp_table();
+  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  int checked = 0;
+  for (const auto& n : model["graph_module"]["graph"]["nodes"]) {
+    const std::string name = n["name"];
+    if (name == "frag_h") {
+      EXPECT_EQ(n["metadata"]["nn_module_stack"], root + ";L__self__mlp,mlp,kit.MLP");
+      ++checked;
+    }
+    if (name == "frag_z_1") {
+      EXPECT_EQ(n["metadata"]["nn_module_stack"], root);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2);
+}
+
+TEST(InsertFragmentOpsExported, BindingNamesEveryLocationById) {
+  // passes::bind_location_ids_exported, the C++ executor's step (program/nativert_program): the ops'
+  // ".at" overloads, the location an int of the table, no rule text left.
+  json model = mlp_model();
+  auto table = mlp_table();
+  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  const ir::LocationTable locations(table);
+  const auto id = [&](const char* name) { return std::to_string(*locations.find(name)); };
+  EXPECT_EQ(bind_location_ids_exported(model, locations, "mlp.pt2"),
+            static_cast<int64_t>(3 * 2 + table.whole.size()));
+  const std::string text = print(model);
+  FileCheck()
+      .check("h = aten.linear.default(")
+      ->check("frag_h = frag.gather.at(h, " + id("mlp.up.output") + ")")
+      ->check("frag_h_1 = frag.intervene.at(frag_h, " + id("mlp.up.output") + ", true)")
+      ->check("frag_h_2 = frag.split.at(frag_h_1, h, " + id("mlp.up.output") + ")")
+      ->check("frag.gather.at(a, " + id("mlp.down.input") + ")")
+      ->check("frag.intervene.at(z, " + id("mlp.down.output") + ", false)")
+      ->check_not("frag.gather.default")
+      ->check_not("rule")
+      ->run(text);
+  for (const char* op : {"frag.gather.default", "frag.intervene.default", "frag.split.default"})
+    EXPECT_EQ(text.find(op), std::string::npos) << op << " left in\n" << text;
+  // Bound again: nothing left in the file's form.
+  EXPECT_EQ(bind_location_ids_exported(model, locations, "mlp.pt2"), 0);
+}
+
+TEST(InsertFragmentOpsExported, BindingRefusesAGraphItsTableDoesNotDescribe) {
+  json model = mlp_model();
+  auto table = mlp_table();
+  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  auto other = table;
+  other.layers[0].output->rule = ir::FragmentRule::shard(0, ir::kTpGroup, 2);  // another rule at up.output
+  try {
+    bind_location_ids_exported(model, ir::LocationTable(other), "mlp.pt2");
+    FAIL() << "bound a graph to a table with another rule";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mlp.pt2: the graph's rule at mlp.up.output differs"), std::string::npos)
+        << e.what();
+  }
+  auto fewer = table;
+  fewer.whole.clear();
+  try {
+    bind_location_ids_exported(model, ir::LocationTable(fewer), "mlp.pt2");
+    FAIL() << "bound a graph with locations its table does not list";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("which its fragment table does not list"), std::string::npos) << e.what();
+  }
 }
 
 TEST(InsertFragmentOpsExported, RefusesARewrittenGraph) {

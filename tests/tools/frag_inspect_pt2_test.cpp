@@ -321,19 +321,6 @@ TEST(InspectPt2Inputs, RankFilesOfDifferentExportsDisagree) {
   EXPECT_NE(line.find(b), std::string::npos) << line;
 }
 
-TEST(InspectPt2Inputs, RunOfAnArchiveIsRefusedInWords) {
-  // Plans on .pt2 are not wired yet: one line that says so, not "a damaged TorchScript file".
-  auto folder = temporary_folder();
-  const std::string ids = folder + "/ids.txt";
-  std::ofstream(ids) << "1 2 3\n";
-  auto file = pt2_files("llama_tp2_pt2")[0];
-  auto line = refusal({"run", file, "--input", ids});
-  EXPECT_NE(line.find(file + ": a torch.export archive (.pt2)"), std::string::npos) << line;
-  EXPECT_NE(line.find("TorchScript rank files for now"), std::string::npos) << line;
-  EXPECT_EQ(line.find("not a loadable"), std::string::npos) << line;
-  remove_folder(folder);
-}
-
 TEST(InspectPt2Inputs, RewriteOfMixedFormatsIsRefused) {
   auto folder = temporary_folder();
   auto line = refusal({"rewrite", pt2_files("llama_tp2_pt2")[0], model_files("llama_tp2")[1], "-o", folder});

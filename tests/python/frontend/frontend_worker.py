@@ -218,3 +218,70 @@ def run_exported_pair(rank, original, rewritten, ids):
         with torch.no_grad():
             out.append(program.module()(ids))
     return tuple(out)
+
+
+def every_location(model, ids):
+    """A read-only plan saving at every fragmented and whole location, then generic edits; name -> tensor
+    (pt2_plan_test.py runs it on .pt2 and TorchScript exports of the same weights, and at tp=1).
+
+    Edits: add at a whole location, zero a slice of qkv across its q|k boundary, set a slice of gate|up
+    across its boundary, scale a shard; and a logit lens call chain."""
+    names = [name for name, kind, _ in model._c.locations() if kind != "rank_local"]
+    out = {}
+    with model.trace(ids):
+        plain = model.output.save()
+    with model.trace(ids):
+        saved = {name: fragments.Location(model, name).save() for name in names}
+        logits = model.output.save()
+    out["plain"], out["read_only"] = plain.value, logits.value
+    for name, value in saved.items():
+        value = value.value
+        if isinstance(value, list):  # not visited (an expert no token reached), or visited twice
+            for k, v in enumerate(value):
+                out[f"{name}#{k}"] = v
+        else:
+            out[name] = value
+    m = model.model
+    hidden = out["model.layers.0.output"].shape[-1]
+    q = model._head_layout("model.layers.0.self_attn.qkv_proj.output")["q"]
+    attn = m.layers[0].self_attn
+    gate_up = "model.layers.0.mlp.gate_up_proj.output"
+    if gate_up not in saved:
+        gate_up = "model.layers.0.mlp.shared_expert.gate_up_proj.output"
+    half = saved[gate_up].value.shape[-1] // 2
+    with model.trace(ids):
+        m.layers[0].output[:, -1] += _vector(hidden, 1).to(model.dtype)
+        attn.qkv_proj.output[..., q[1] - 4:q[1] + 4] = 0
+        fragments.Location(model, gate_up)[..., half - 3:half + 5] = 0.25
+        m.layers[1].self_attn.o_proj.input[:, 1:3, :8] *= 0.5
+        edited_resid = m.layers[1].output.save()
+        lens = model.lm_head(m.norm(m.layers[0].output)).save()
+        edited = model.output.save()
+    out.update(edited=edited.value, edited_resid=edited_resid.value, lens=lens.value)
+    return out
+
+
+def every_location_on_rank(rank, path, ids):
+    """every_location on this rank of a launched world (`path`: "dir/rank{rank}.pt2" or .pt)."""
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    return every_location(fragments.load(path), ids)
+
+
+def scenarios_on_rank(rank, path, ids, other_ids):
+    """scenarios on this rank of a launched world."""
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    return scenarios(fragments.load(path), ids, other_ids)
+
+
+def every_location_on_torch_distributed(rank, path, ids):
+    """every_location with torch.distributed set up first (init_process_group over launch's variables, so
+    its rank 0 serves the one rendezvous): fragments joins its default group. Adds "process_group", the
+    group fragments' context runs on."""
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    torch.distributed.init_process_group("gloo")
+    try:
+        out = every_location(fragments.load(path), ids)
+        out["process_group"] = fragments.rank_context().process_group
+    finally:
+        torch.distributed.destroy_process_group()
+    return out

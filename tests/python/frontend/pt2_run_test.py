@@ -89,14 +89,6 @@ class RewrittenPt2Test(unittest.TestCase):
                 rel = ((ranks[0][1] - tp1).abs().max() / tp1.abs().max()).item()
                 self.assertLessEqual(rel, TOLERANCE, "%s vs the TorchScript tp=1 export" % name)
 
-    def test_fragments_load_refuses_an_archive_in_words(self):
-        # Plans on .pt2 are not wired yet (issue 14): one clear error, not "a damaged TorchScript file".
-        path = os.path.join(self.rewritten["llama_tp2_pt2"], "rank0.pt2")
-        with self.assertRaises(fragments.FragError) as raised:
-            fragments.load(path)
-        self.assertIn("a torch.export archive (.pt2)", str(raised.exception))
-        self.assertNotIn("not a loadable", str(raised.exception))
-
     def test_without_fragments_the_rewritten_archive_names_the_missing_ops(self):
         path = os.path.join(self.rewritten["llama_tp2_pt2"], "rank0.pt2")
         run = subprocess.run([sys.executable, "-c", "import torch; torch.export.load(%r)" % path],

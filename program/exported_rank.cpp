@@ -1,0 +1,96 @@
+//===- program/exported_rank.cpp - A .pt2 rank file made ready for torch.export ===//
+#include "program/exported_rank.h"
+
+#include "ir/error.h"
+#include "passes/insert_fragment_ops_exported.h"
+#include "passes/rewrite_for_fragments.h"
+#include "runtime/exported_program.h"
+
+#include <fmt/format.h>
+
+#include <optional>
+#include <set>
+
+namespace frag::program {
+namespace {
+
+/// torch/_export/serde/schema.py's ScalarType codes of the floating-point types.
+std::optional<at::ScalarType> floating_type(int64_t code) {
+  switch (code) {
+    case 6: return at::kHalf;
+    case 7: return at::kFloat;
+    case 8: return at::kDouble;
+    case 13: return at::kBFloat16;
+    default: return std::nullopt;
+  }
+}
+
+at::ScalarType parameters_dtype(const nlohmann::json& model) {
+  const auto& graph = model.at("graph_module").at("graph");
+  for (const auto& spec : model.at("graph_module").at("signature").at("input_specs")) {
+    if (!spec.contains("parameter")) continue;
+    const auto& value = graph.at("tensor_values").find(spec.at("parameter").at("arg").at("name").get<std::string>());
+    if (value == graph.at("tensor_values").end()) continue;
+    if (auto type = floating_type(value->value("dtype", 0))) return *type;
+  }
+  return at::kFloat;
+}
+
+}  // namespace
+
+PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::string& path,
+                                     const std::string& rules_file) {
+  PreparedExport prepared;
+  runtime::ExportedProgram program;
+  std::string error;
+  try {
+    program = runtime::read_exported_program(path);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  runtime::check_export_across_ranks(context, path, program.info, error);
+  try {
+    ir::FragmentTable table;
+    if (!program.rule_table.empty()) {
+      nlohmann::json json;
+      try {
+        json = nlohmann::json::parse(program.rule_table);
+      } catch (const nlohmann::json::exception& e) {
+        fail("{}: its fragment table (extra/{}) is not valid JSON: {}", path, runtime::kRuleTableFile, e.what());
+      }
+      table = ir::table_from_json(json, path);
+    } else {
+      if (passes::has_fragment_ops_exported(program.model))
+        fail("{}: its graph holds fragment ops but no fragment table: give the original export or frag "
+             "rewrite's output",
+             path);
+      auto aliases = rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
+      table = passes::rewrite_exported_for_fragments(program.model, program.modules, aliases, path);
+      prepared.rewritten =
+          runtime::rewritten_archive(path, program.model, {{runtime::kRuleTableFile, ir::to_json(table).dump(1)}});
+    }
+    prepared.locations = std::make_shared<const ir::LocationTable>(std::move(table));
+    prepared.dtype = parameters_dtype(program.model);
+    prepared.model = std::move(program.model);
+  } catch (const Error& e) {
+    error = e.what();
+  } catch (const nlohmann::json::exception& e) {
+    error = fmt::format("{}: its graph (models/model.json) is not as torch.export writes it: {}", path, e.what());
+  }
+  context.agree("rewrite", error);
+  // Containers that run no node of their own (a ModuleList) are named by no stack: add every missing parent.
+  std::set<std::string> named;
+  for (const auto& module : program.modules) named.insert(module.path);
+  if (!named.count("")) prepared.modules.emplace_back("", "");
+  for (const auto& module : program.modules) {
+    for (size_t dot = module.path.find('.'); dot != std::string::npos; dot = module.path.find('.', dot + 1))
+      if (named.insert(module.path.substr(0, dot)).second) prepared.modules.emplace_back(module.path.substr(0, dot), "");
+    prepared.modules.emplace_back(module.path, module.class_name);
+    auto& integers = prepared.attributes[module.path];
+    for (const auto& [name, value] : module.attributes)
+      if (value.isInt()) integers[name] = value.toInt();
+  }
+  return prepared;
+}
+
+}  // namespace frag::program

@@ -1,0 +1,136 @@
+//===- program/nativert_program.cpp - A .pt2 rank file run by NativeRT in C++ ===//
+#include "program/nativert_program.h"
+
+#include "ir/error.h"
+#include "passes/bind_location_ids.h"
+#include "program/exported_rank.h"
+#include "runtime/exported_program.h"
+#include "runtime/rank_module.h"
+
+#include <torch/nativert/ModelRunnerHandle.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <cstdlib>
+#include <fstream>
+
+namespace frag::program {
+namespace {
+
+/// Writes `bytes` to a fresh private temporary file and returns its path.
+std::string temporary_archive(const std::string& bytes, const std::string& source) {
+  std::string name = (std::filesystem::temp_directory_path() / "frag-bound-XXXXXX.pt2").string();
+  const int fd = mkstemps(name.data(), 4);
+  if (fd < 0) fail("{}: cannot create a temporary file for the bound archive in {}", source, name);
+  const char* data = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t written = ::write(fd, data, left);
+    if (written <= 0) {
+      ::close(fd);
+      std::remove(name.c_str());
+      fail("{}: cannot write the bound archive to {} (disk full?)", source, name);
+    }
+    data += written;
+    left -= static_cast<size_t>(written);
+  }
+  ::close(fd);
+  return name;
+}
+
+/// Sends this process's stdout to /dev/null while it lives: PyTorch 2.11's NativeRT prints the graph
+/// signature to stdout when it loads a package, and frag's stdout is the user's (a generated text, say).
+class SilencedStdout {
+ public:
+  SilencedStdout() {
+    std::fflush(stdout);
+    saved_ = ::dup(STDOUT_FILENO);
+    const int null = ::open("/dev/null", O_WRONLY);
+    if (saved_ >= 0 && null >= 0) ::dup2(null, STDOUT_FILENO);
+    if (null >= 0) ::close(null);
+  }
+  ~SilencedStdout() {
+    std::fflush(stdout);
+    if (saved_ >= 0) {
+      ::dup2(saved_, STDOUT_FILENO);
+      ::close(saved_);
+    }
+  }
+  SilencedStdout(const SilencedStdout&) = delete;
+  SilencedStdout& operator=(const SilencedStdout&) = delete;
+
+ private:
+  int saved_ = -1;
+};
+
+}  // namespace
+
+std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& context, const std::string& path,
+                                                       const torch::Device& device, const std::string& rules_file) {
+  PreparedExport prepared = prepare_exported_rank(context, path, rules_file);
+  std::shared_ptr<NativeRtProgram> program(new NativeRtProgram(path, prepared.locations));
+  program->modules_ = std::move(prepared.modules);
+  program->attributes_ = std::move(prepared.attributes);
+  program->dtype_ = prepared.dtype;
+  std::string error;
+  try {
+    if (!device.is_cpu())
+      fail("{}: a .pt2 rank file runs on the CPU in frag run and the C++ API (asked for {}); on GPUs load it "
+           "with fragments.load in Python",
+           path, device.str());
+    passes::bind_location_ids_exported(prepared.model, *prepared.locations, path);
+    // NativeRT reads a package from a file: the bound archive goes to a private temporary file, which is
+    // removed as soon as it is read (NativeRT keeps the weights in memory).
+    const std::string bound =
+        temporary_archive(runtime::rewritten_archive(path, prepared.model, {}), path);
+    try {
+      SilencedStdout silenced;
+      program->runner_ = std::make_unique<torch::nativert::ModelRunnerHandle>(bound, "model");
+    } catch (const std::exception& e) {
+      std::remove(bound.c_str());
+      fail("{}: PyTorch's runtime for exported programs (NativeRT) cannot load it: {}", path,
+           runtime::interpreter_message(e.what()));
+    }
+    std::remove(bound.c_str());
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  context.agree("nativert", error);
+  return program;
+}
+
+NativeRtProgram::NativeRtProgram(std::string path, std::shared_ptr<const ir::LocationTable> locations)
+    : RankProgram(std::move(path), std::move(locations)) {}
+
+NativeRtProgram::~NativeRtProgram() = default;
+
+std::map<std::string, int64_t> NativeRtProgram::int_attributes(const std::string& module) const {
+  auto found = attributes_.find(module);
+  return found == attributes_.end() ? std::map<std::string, int64_t>{} : found->second;
+}
+
+std::optional<runtime::ModuleTree::Arity> NativeRtProgram::forward_arity(const std::string& module) const {
+  fail("{}: calling {} on its own (a logit lens, a \"call\" step) needs the Python front end for a .pt2 rank file "
+       "(fragments.load): frag run and the C++ API run the archive's whole graph (NativeRT)",
+       path(), module);
+}
+
+torch::Tensor NativeRtProgram::run(const std::string& module, const std::vector<torch::Tensor>&) const {
+  forward_arity(module);
+  return {};
+}
+
+torch::Tensor NativeRtProgram::forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>*, Use) {
+  // Every location's ops stay in the graph (NativeRT runs it whole); where nothing waits they are a lookup.
+  torch::NoGradGuard no_grad;
+  c10::IValue out = runner_->run({input_ids}, {});
+  if (out.isTensor()) return out.toTensor();
+  if (out.isTuple() && !out.toTupleRef().elements().empty()) return out.toTupleRef().elements()[0].toTensor();
+  if (out.isList() && out.toListRef().size() > 0) return out.toListRef()[0].toTensor();
+  fail("{}: its forward returned {}, not logits", path(), out.tagKind());
+}
+
+}  // namespace frag::program

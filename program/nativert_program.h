@@ -1,0 +1,57 @@
+//===- program/nativert_program.h - A .pt2 rank file run by NativeRT in C++ -*- C++ -*-===//
+//
+// For frag run and the C++ API on torch.export archives, without Python:
+// program/exported_rank.h prepares the archive (checks across ranks, rewrites
+// a plain export in memory, indexes the table), passes/bind_location_ids
+// binds its graph's fragment ops to the table's ids, and PyTorch's native
+// runtime for exported programs (torch::nativert::ModelRunnerHandle) runs it.
+//
+// NativeRT runs the whole graph: every location's ops stay (idle ones are a
+// lookup), and a module's own forward cannot be called alone, so call
+// wrappers (a logit lens, a plan's "call" step) are refused in words here;
+// the Python front end runs them on .pt2 (fragments.load).
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "program/rank_program.h"
+#include "runtime/rank_context.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::nativert {
+class ModelRunnerHandle;
+}
+
+namespace frag::program {
+
+class NativeRtProgram : public RankProgram {
+ public:
+  /// Prepares and loads this rank's .pt2 (CPU only); every rank fails alike.
+  static std::shared_ptr<NativeRtProgram> load(runtime::RankContext& context, const std::string& path,
+                                               const torch::Device& device, const std::string& rules_file = "");
+  ~NativeRtProgram() override;
+  NativeRtProgram(const NativeRtProgram&) = delete;
+  NativeRtProgram& operator=(const NativeRtProgram&) = delete;
+
+  at::ScalarType dtype() const override { return dtype_; }
+  std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }
+  std::map<std::string, int64_t> int_attributes(const std::string& path) const override;
+  std::optional<Arity> forward_arity(const std::string& path) const override;
+  torch::Tensor run(const std::string& path, const std::vector<torch::Tensor>& inputs) const override;
+  torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept, Use use) override;
+
+ private:
+  NativeRtProgram(std::string path, std::shared_ptr<const ir::LocationTable> locations);
+
+  std::unique_ptr<torch::nativert::ModelRunnerHandle> runner_;
+  std::vector<std::pair<std::string, std::string>> modules_;
+  std::map<std::string, std::map<std::string, int64_t>> attributes_;
+  at::ScalarType dtype_ = at::kFloat;
+};
+
+}  // namespace frag::program
