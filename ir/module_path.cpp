@@ -31,4 +31,21 @@ std::map<std::string, int64_t> int_attributes_at(const torch::jit::Module& root,
   return out;
 }
 
+std::vector<std::string> split_stack_entry(const std::string& entry) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  int depth = 0;
+  for (size_t i = 0; i < entry.size(); ++i) {
+    const char c = entry[i];
+    if (c == '[' || c == '(') ++depth;
+    else if (c == ']' || c == ')') --depth;
+    else if (c == ',' && depth == 0) {
+      parts.push_back(entry.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  parts.push_back(entry.substr(start));
+  return parts;
+}
+
 }  // namespace frag::ir

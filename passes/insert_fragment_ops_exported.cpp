@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
+#include "ir/module_path.h"
 
 #include <fmt/format.h>
 
@@ -63,24 +64,10 @@ void for_each_tensor(json& argument, const F& f) {
   }
 }
 
-/// The path of one nn_module_stack entry "key,path,class", split at commas outside brackets (as PyTorch
-/// splits it).
+/// The path of one nn_module_stack entry "key,path,class" ("" for the root or a malformed entry).
 std::string stack_entry_path(const std::string& entry) {
-  int depth = 0;
-  size_t first = std::string::npos;
-  for (size_t i = 0; i < entry.size(); ++i) {
-    const char c = entry[i];
-    if (c == '[' || c == '(') ++depth;
-    else if (c == ']' || c == ')') --depth;
-    else if (c == ',' && depth == 0) {
-      if (first == std::string::npos) {
-        first = i;
-      } else {
-        return entry.substr(first + 1, i - first - 1);
-      }
-    }
-  }
-  return "";
+  auto parts = ir::split_stack_entry(entry);
+  return parts.size() >= 3 ? parts[1] : "";
 }
 
 /// "model.layers.0@1" (a second call of one module) -> "model.layers.0".
@@ -450,7 +437,7 @@ class ExportedFragmentOpInserter {
         if (end == std::string::npos) end = text.size();
         const std::string entry = text.substr(start, end - start);
         const std::string path = stack_entry_path(entry);
-        if (!path.empty()) classes_.emplace(path, entry.substr(entry.rfind(',') + 1));
+        if (!path.empty()) classes_.emplace(path, ir::split_stack_entry(entry).back());
         else if (root_entry_.empty() && entry.rfind("L__self__,", 0) == 0) root_entry_ = entry;
         start = end + 1;
       }

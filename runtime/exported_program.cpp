@@ -2,6 +2,7 @@
 #include "runtime/exported_program.h"
 
 #include "ir/error.h"
+#include "ir/module_path.h"
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/utils/generated_serialization_types.h>
@@ -43,25 +44,6 @@ nlohmann::json parse_json(const std::string& text, const std::string& path, cons
   }
 }
 
-/// One "key,path,class" entry of nn_module_stack, split as torch/_export/serde/serialize.py splits it:
-/// at commas outside brackets and parentheses.
-std::vector<std::string> split_stack_entry(const std::string& entry) {
-  std::vector<std::string> parts;
-  size_t start = 0;
-  int depth = 0;
-  for (size_t i = 0; i < entry.size(); ++i) {
-    const char c = entry[i];
-    if (c == '[' || c == '(') ++depth;
-    else if (c == ']' || c == ')') --depth;
-    else if (c == ',' && depth == 0) {
-      parts.push_back(entry.substr(start, i - start));
-      start = i + 1;
-    }
-  }
-  parts.push_back(entry.substr(start));
-  return parts;
-}
-
 /// path -> class of every module some node of the graph runs in, in first-seen order.
 std::vector<std::pair<std::string, std::string>> module_tree(const torch::_export::ExportedProgram& program,
                                                             const std::string& path) {
@@ -76,7 +58,7 @@ std::vector<std::pair<std::string, std::string>> module_tree(const torch::_expor
     while (start <= stack.size()) {
       size_t end = stack.find(';', start);
       if (end == std::string::npos) end = stack.size();
-      const auto parts = split_stack_entry(stack.substr(start, end - start));
+      const auto parts = ir::split_stack_entry(stack.substr(start, end - start));
       if (parts.size() != 3)
         fail("{}: node '{}': nn_module_stack entry '{}' has {} fields, expected 3 (key,path,class)", path,
              node.get_name().value_or("?"), stack.substr(start, end - start), parts.size());

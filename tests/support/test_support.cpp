@@ -44,15 +44,20 @@ std::string frag_binary() {
   return std::filesystem::absolute(data_path("tools/frag")).string();
 }
 
-std::vector<std::string> model_files(const std::string& export_name) {
+std::vector<std::string> model_files(const std::string& export_name, const std::string& extension) {
   std::vector<std::string> files;
   for (int r = 0;; ++r) {
-    std::string path = data_path("tests/models/" + export_name + "/rank" + std::to_string(r) + ".pt");
+    std::string path = data_path("tests/models/" + export_name + "/rank" + std::to_string(r) + "." + extension);
     if (!std::filesystem::exists(path)) break;
     files.push_back(std::filesystem::absolute(path).string());
   }
   if (files.empty()) throw std::runtime_error("no rank files for export " + export_name);
   return files;
+}
+
+void remove_flat_folder(const std::string& folder) {
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) ::unlink(entry.path().c_str());
+  ::rmdir(folder.c_str());
 }
 
 std::string temporary_folder() {

@@ -38,11 +38,15 @@ std::string data_path(const std::string& relative);
 /// The frag executable.
 std::string frag_binary();
 
-/// Rank files of a reference export, e.g. model_files("llama_tp2") -> {…/rank0.pt, …/rank1.pt}.
-std::vector<std::string> model_files(const std::string& export_name);
+/// Rank files of a reference export, e.g. model_files("llama_tp2") -> {…/rank0.pt, …/rank1.pt};
+/// `extension` "pt2" for its torch.export archives (model_files("llama_tp2_pt2", "pt2")).
+std::vector<std::string> model_files(const std::string& export_name, const std::string& extension = "pt");
 
 /// A fresh empty folder for one test's outputs.
 std::string temporary_folder();
+/// Removes a flat folder (temporary_folder's). Not std::filesystem::remove_all: libtorch exports a copy
+/// of it that the dynamic linker may pick, and that copy crashed in a test here.
+void remove_flat_folder(const std::string& folder);
 
 struct CommandResult {
   int exit_code = -1;

@@ -27,8 +27,6 @@
 #include <map>
 #include <set>
 
-#include <unistd.h>
-
 namespace frag {
 namespace {
 
@@ -38,23 +36,7 @@ using testing::lines_of;
 using testing::model_files;
 using testing::temporary_folder;
 
-/// Removes a flat temporary folder. Not std::filesystem::remove_all: libtorch exports a copy of it that the
-/// dynamic linker may pick, and that copy crashed here.
-void remove_folder(const std::string& folder) {
-  for (const auto& entry : std::filesystem::directory_iterator(folder)) ::unlink(entry.path().c_str());
-  ::rmdir(folder.c_str());
-}
-
-std::vector<std::string> pt2_files(const std::string& export_name) {
-  std::vector<std::string> files;
-  for (int r = 0;; ++r) {
-    auto path = testing::data_path("tests/models/" + export_name + "/rank" + std::to_string(r) + ".pt2");
-    if (!std::filesystem::exists(path)) break;
-    files.push_back(std::filesystem::absolute(path).string());
-  }
-  if (files.empty()) throw std::runtime_error("no .pt2 rank files for export " + export_name);
-  return files;
-}
+std::vector<std::string> pt2_files(const std::string& export_name) { return model_files(export_name, "pt2"); }
 
 /// The one error line of a refused run; empty (with a failure) otherwise.
 std::string refusal(const std::vector<std::string>& args) {
@@ -152,7 +134,7 @@ TEST_P(InspectPt2, RewriteEmbedsTheTableAndInsertsOneTriplePerFragmentedLocation
   line = refusal({"rewrite", outputs[0], "-o", folder + "/again.pt2"});
   EXPECT_NE(line.find("already rewritten"), std::string::npos) << line;
   EXPECT_FALSE(std::filesystem::exists(folder + "/again.pt2"));
-  remove_folder(folder);
+  testing::remove_flat_folder(folder);
 }
 
 TEST(InspectPt2Text, TextReportListsTheSameRows) {
@@ -219,7 +201,7 @@ class DamagedPt2 : public ::testing::Test {
     folder_ = temporary_folder();
     original_ = pt2_files("llama_tp2_pt2")[0];
   }
-  void TearDown() override { remove_folder(folder_); }
+  void TearDown() override { testing::remove_flat_folder(folder_); }
 
   std::string damaged(const std::string& name,
                       const std::function<std::string(const std::string&, std::string)>& edit) {
@@ -326,7 +308,7 @@ TEST(InspectPt2Inputs, RewriteOfMixedFormatsIsRefused) {
   auto line = refusal({"rewrite", pt2_files("llama_tp2_pt2")[0], model_files("llama_tp2")[1], "-o", folder});
   EXPECT_NE(line.find("torch.export archive"), std::string::npos) << line;
   EXPECT_TRUE(std::filesystem::is_empty(folder));
-  remove_folder(folder);
+  testing::remove_flat_folder(folder);
 }
 
 TEST_F(DamagedPt2, AnArchiveWithoutCallSignaturesIsRefusedByRewriteAndInspect) {

@@ -20,8 +20,6 @@
 #include <filesystem>
 #include <map>
 
-#include <unistd.h>
-
 namespace frag {
 namespace {
 
@@ -35,23 +33,7 @@ using testing::write_text;
 
 constexpr double kTolerance = 1e-5;
 
-/// Removes a flat temporary folder. Not std::filesystem::remove_all: libtorch exports a copy of it that the
-/// dynamic linker may pick, and that copy crashed here (frag_inspect_pt2_test).
-void remove_folder(const std::string& folder) {
-  for (const auto& entry : std::filesystem::directory_iterator(folder)) ::unlink(entry.path().c_str());
-  ::rmdir(folder.c_str());
-}
-
-std::vector<std::string> pt2_files(const std::string& export_name) {
-  std::vector<std::string> files;
-  for (int r = 0;; ++r) {
-    auto path = testing::data_path("tests/models/" + export_name + "/rank" + std::to_string(r) + ".pt2");
-    if (!std::filesystem::exists(path)) break;
-    files.push_back(std::filesystem::absolute(path).string());
-  }
-  if (files.empty()) throw std::runtime_error("no .pt2 rank files for export " + export_name);
-  return files;
-}
+std::vector<std::string> pt2_files(const std::string& export_name) { return model_files(export_name, "pt2"); }
 
 std::string ids_file(const std::string& folder) {
   std::string path = folder + "/ids.txt";
@@ -150,7 +132,7 @@ TEST_P(RunPt2, SavesAtEveryLocationAndEditsAsTheTorchScriptExport) {
   expect_close(edited, edited_ts, "edits, .pt2 vs TorchScript");
   ASSERT_EQ(edited.count("logits"), 1u);
   EXPECT_GT((edited.at("logits") - plain.at("logits")).abs().max().item<double>(), 1e-3);  // the edits acted
-  remove_folder(folder);
+  testing::remove_flat_folder(folder);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, RunPt2,
@@ -174,7 +156,7 @@ TEST(RunPt2Refusals, AnAdHocCallIsRefusedInWords) {
   EXPECT_NE(lines[0].find("needs the Python front end"), std::string::npos) << lines[0];
   EXPECT_NE(lines[0].find("rank0.pt2"), std::string::npos) << lines[0];
   EXPECT_FALSE(std::filesystem::exists(folder + "/lens.safetensors"));
-  remove_folder(folder);
+  testing::remove_flat_folder(folder);
 }
 
 }  // namespace
