@@ -66,8 +66,7 @@ PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::s
              path);
       auto aliases = rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
       table = passes::rewrite_exported_for_fragments(program.model, program.modules, aliases, path);
-      prepared.rewritten =
-          runtime::rewritten_archive(path, program.model, {{runtime::kRuleTableFile, ir::to_json(table).dump(1)}});
+      prepared.rewritten_here = true;
     }
     prepared.locations = std::make_shared<const ir::LocationTable>(std::move(table));
     prepared.dtype = parameters_dtype(program.model);
@@ -91,6 +90,17 @@ PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::s
       if (value.isInt()) integers[name] = value.toInt();
   }
   return prepared;
+}
+
+ExportedRankProgram::ExportedRankProgram(const std::string& path, PreparedExport& prepared)
+    : RankProgram(path, prepared.locations),
+      modules_(std::move(prepared.modules)),
+      attributes_(std::move(prepared.attributes)),
+      dtype_(prepared.dtype) {}
+
+std::map<std::string, int64_t> ExportedRankProgram::int_attributes(const std::string& path) const {
+  auto found = attributes_.find(path);
+  return found == attributes_.end() ? std::map<std::string, int64_t>{} : found->second;
 }
 
 }  // namespace frag::program

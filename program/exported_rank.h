@@ -12,6 +12,7 @@
 #pragma once
 
 #include "ir/location_table.h"
+#include "program/rank_program.h"
 #include "runtime/rank_context.h"
 
 #include <c10/core/ScalarType.h>
@@ -32,9 +33,10 @@ struct PreparedExport {
   nlohmann::json model;
   /// The dtype of the first floating-point parameter (the model computes in it).
   at::ScalarType dtype = at::kFloat;
-  /// The rewritten archive, where the file is a plain export (rewritten here, in memory); empty where the
-  /// file is one frag rewrite wrote: load the file itself.
-  std::string rewritten;
+  /// True where the file is a plain export rewritten here, in memory (`model` differs from the file's
+  /// graph); false where frag rewrite wrote the file. Each executor writes the archive it needs from
+  /// `model` (runtime::rewritten_archive): the archive's bytes are made once, by the one who reads them.
+  bool rewritten_here = false;
   /// (path, class name) of every module the archive names and of their parents (containers such as a
   /// ModuleList run no node: their class is ""), the root as "" first; parents before children.
   std::vector<std::pair<std::string, std::string>> modules;
@@ -45,5 +47,22 @@ struct PreparedExport {
 /// Prepares this rank's .pt2 file; every rank fails alike if any rank fails.
 PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::string& path,
                                      const std::string& rules_file = "");
+
+/// What every executor of a .pt2 (NativeRtProgram here, PythonProgram in python/fragments/_C.cpp) answers
+/// from its preparation alone: the dtype, the modules and their recorded integer config.
+class ExportedRankProgram : public RankProgram {
+ public:
+  /// Takes `prepared`'s locations, modules and config (moved out of it).
+  ExportedRankProgram(const std::string& path, PreparedExport& prepared);
+
+  at::ScalarType dtype() const override { return dtype_; }
+  std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }
+  std::map<std::string, int64_t> int_attributes(const std::string& path) const override;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> modules_;
+  std::map<std::string, std::map<std::string, int64_t>> attributes_;
+  at::ScalarType dtype_;
+};
 
 }  // namespace frag::program

@@ -71,10 +71,7 @@ class SilencedStdout {
 std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& context, const std::string& path,
                                                        const torch::Device& device, const std::string& rules_file) {
   PreparedExport prepared = prepare_exported_rank(context, path, rules_file);
-  std::shared_ptr<NativeRtProgram> program(new NativeRtProgram(path, prepared.locations));
-  program->modules_ = std::move(prepared.modules);
-  program->attributes_ = std::move(prepared.attributes);
-  program->dtype_ = prepared.dtype;
+  std::shared_ptr<NativeRtProgram> program(new NativeRtProgram(path, prepared));
   std::string error;
   try {
     if (!device.is_cpu())
@@ -102,15 +99,10 @@ std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& con
   return program;
 }
 
-NativeRtProgram::NativeRtProgram(std::string path, std::shared_ptr<const ir::LocationTable> locations)
-    : RankProgram(std::move(path), std::move(locations)) {}
+NativeRtProgram::NativeRtProgram(const std::string& path, PreparedExport& prepared)
+    : ExportedRankProgram(path, prepared) {}
 
 NativeRtProgram::~NativeRtProgram() = default;
-
-std::map<std::string, int64_t> NativeRtProgram::int_attributes(const std::string& module) const {
-  auto found = attributes_.find(module);
-  return found == attributes_.end() ? std::map<std::string, int64_t>{} : found->second;
-}
 
 std::optional<runtime::ModuleTree::Arity> NativeRtProgram::forward_arity(const std::string& module) const {
   fail("{}: calling {} on its own (a logit lens, a \"call\" step) needs the Python front end for a .pt2 rank file "

@@ -14,7 +14,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include "program/rank_program.h"
+#include "program/exported_rank.h"
 #include "runtime/rank_context.h"
 
 #include <map>
@@ -29,7 +29,7 @@ class ModelRunnerHandle;
 
 namespace frag::program {
 
-class NativeRtProgram : public RankProgram {
+class NativeRtProgram : public ExportedRankProgram {
  public:
   /// Prepares and loads this rank's .pt2 (CPU only); every rank fails alike.
   static std::shared_ptr<NativeRtProgram> load(runtime::RankContext& context, const std::string& path,
@@ -38,20 +38,14 @@ class NativeRtProgram : public RankProgram {
   NativeRtProgram(const NativeRtProgram&) = delete;
   NativeRtProgram& operator=(const NativeRtProgram&) = delete;
 
-  at::ScalarType dtype() const override { return dtype_; }
-  std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }
-  std::map<std::string, int64_t> int_attributes(const std::string& path) const override;
   std::optional<Arity> forward_arity(const std::string& path) const override;
   torch::Tensor run(const std::string& path, const std::vector<torch::Tensor>& inputs) const override;
   torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept, Use use) override;
 
  private:
-  NativeRtProgram(std::string path, std::shared_ptr<const ir::LocationTable> locations);
+  NativeRtProgram(const std::string& path, PreparedExport& prepared);
 
   std::unique_ptr<torch::nativert::ModelRunnerHandle> runner_;
-  std::vector<std::pair<std::string, std::string>> modules_;
-  std::map<std::string, std::map<std::string, int64_t>> attributes_;
-  at::ScalarType dtype_ = at::kFloat;
 };
 
 }  // namespace frag::program

@@ -11,6 +11,7 @@
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
 #include "program/exported_rank.h"
+#include "runtime/exported_program.h"
 #include "program/sharded_model.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
@@ -105,14 +106,10 @@ py::dict saved_dict(const program::SavedTensors& saved) {
 /// C++ plan engine. Each call takes the GIL (the forward is entered with it released) and stays on the
 /// calling thread, so the rank context and intervention runtime ShardedModel::forward made current there
 /// are the ones the graph's ops find.
-class PythonProgram : public program::RankProgram {
+class PythonProgram : public program::ExportedRankProgram {
  public:
-  PythonProgram(const std::string& path, program::PreparedExport prepared, py::object runner)
-      : RankProgram(path, prepared.locations),
-        modules_(std::move(prepared.modules)),
-        attributes_(std::move(prepared.attributes)),
-        runner_(std::move(runner)),
-        dtype_(prepared.dtype) {}
+  PythonProgram(const std::string& path, program::PreparedExport& prepared, py::object runner)
+      : ExportedRankProgram(path, prepared), runner_(std::move(runner)) {}
   ~PythonProgram() override {
     py::gil_scoped_acquire gil;
     runner_ = py::object();
@@ -120,12 +117,6 @@ class PythonProgram : public program::RankProgram {
   PythonProgram(const PythonProgram&) = delete;
   PythonProgram& operator=(const PythonProgram&) = delete;
 
-  at::ScalarType dtype() const override { return dtype_; }
-  std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }
-  std::map<std::string, int64_t> int_attributes(const std::string& module) const override {
-    auto found = attributes_.find(module);
-    return found == attributes_.end() ? std::map<std::string, int64_t>{} : found->second;
-  }
   std::optional<Arity> forward_arity(const std::string& module) const override {
     auto arity = call([&] {
       py::object found = runner_.attr("arity")(module);
@@ -159,10 +150,7 @@ class PythonProgram : public program::RankProgram {
     }
   }
 
-  std::vector<std::pair<std::string, std::string>> modules_;
-  std::map<std::string, std::map<std::string, int64_t>> attributes_;
   py::object runner_;
-  at::ScalarType dtype_;
 };
 
 /// One rank of a model, as Python holds it.
@@ -315,16 +303,18 @@ PYBIND11_MODULE(_C, m) {
              const py::function& make_runner) {
             // C++ prepares (checks across ranks, rewrites in memory, indexes the table); Python loads and runs.
             frag::program::PreparedExport prepared;
+            std::string rewritten;  // the archive torch.export loads, where C++ rewrote a plain export
             {
               py::gil_scoped_release release;
               prepared = frag::program::prepare_exported_rank(*context, path);
+              if (prepared.rewritten_here) rewritten = frag::runtime::rewritten_archive(path, prepared.model, {});
             }
             py::list names;
             for (size_t id = 0; id < prepared.locations->size(); ++id)
               names.append(prepared.locations->at(static_cast<int64_t>(id)).name);
             py::object runner =
-                make_runner(path, py::bytes(prepared.rewritten), names, device);
-            auto program = std::make_shared<PythonProgram>(path, std::move(prepared), std::move(runner));
+                make_runner(path, py::bytes(rewritten), names, device);
+            auto program = std::make_shared<PythonProgram>(path, prepared, std::move(runner));
             auto model = std::make_shared<ShardedModel>(ShardedModel::over(context, std::move(program)));
             return PyModel{context, model, path};
           },
