@@ -363,6 +363,17 @@ char process_state(pid_t pid) {
   return at == std::string::npos || at + 2 >= stat.size() ? 0 : stat[at + 2];
 }
 
+/// Whether `signal_number` waits to be delivered to `pid` (sent to the thread or the process).
+bool signal_pending(pid_t pid, int signal_number) {
+  std::istringstream status(read_text("/proc/" + std::to_string(pid) + "/status"));
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("SigPnd:", 0) != 0 && line.rfind("ShdPnd:", 0) != 0) continue;
+    const unsigned long long mask = std::stoull(line.substr(line.find(':') + 1), nullptr, 16);
+    if (mask & (1ULL << (signal_number - 1))) return true;
+  }
+  return false;
+}
+
 /// The parent pid of `pid` (0 when it is gone).
 pid_t parent_of(pid_t pid) {
   std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
@@ -445,7 +456,10 @@ TEST_P(ASignalMidWrite, ToTheLauncherDuringRunOutRemovesTheTemporary) {
       << "rank 0 should stop with its temporary written";
   const pid_t rank0 = std::stoi(temporary.substr(std::string("out.safetensors.tmp.").size()));
   kill(launcher.pid(), signal_number);  // forwarded to the ranks
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Continued before the forwarded signal arrives, the rank would finish its write (a whole file, rightly
+  // kept). The launcher forwards at once, but a loaded machine may take a while to run it: wait for it.
+  ASSERT_TRUE(eventually([&] { return signal_pending(rank0, signal_number); }, std::chrono::seconds(30)))
+      << "the launcher should forward the signal to the stopped rank";
   kill(rank0, SIGCONT);  // a stopped rank takes the forwarded signal once continued
   const int status = launcher.wait(std::chrono::seconds(30));
   ASSERT_TRUE(WIFSIGNALED(status)) << status;
