@@ -4,6 +4,9 @@
 #include "ir/error.h"
 
 #include <algorithm>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace frag::ir {
 namespace {
@@ -29,20 +32,20 @@ std::string input_location(const std::string& path) { return path + ".input"; }
 std::string output_location(const std::string& path) { return path + ".output"; }
 
 void settle_location_lists(FragmentTable& table) {
-  std::vector<std::string> whole;
-  for (const auto& location : table.whole) {
-    const bool local = std::any_of(table.rank_local.begin(), table.rank_local.end(),
-                                   [&](const auto& l) { return l.location == location; });
-    if (!local && std::find(whole.begin(), whole.end(), location) == whole.end()) whole.push_back(location);
-  }
-  table.whole = std::move(whole);
+  // Linear: an 80-layer model lists about a thousand locations. The maps view the strings of the lists
+  // as they came, which stay in place until the settled lists replace them.
+  std::unordered_map<std::string_view, size_t> local_at;  // location -> its entry in `rank_local`
   std::vector<RankLocalLocation> rank_local;
   for (const auto& local : table.rank_local) {
-    auto seen = std::find_if(rank_local.begin(), rank_local.end(),
-                             [&](const auto& l) { return l.location == local.location; });
-    if (seen == rank_local.end()) rank_local.push_back(local);
-    else if (seen->whole_at.empty()) seen->whole_at = local.whole_at;
+    auto [seen, fresh] = local_at.try_emplace(local.location, rank_local.size());
+    if (fresh) rank_local.push_back(local);
+    else if (rank_local[seen->second].whole_at.empty()) rank_local[seen->second].whole_at = local.whole_at;
   }
+  std::unordered_set<std::string_view> listed;
+  std::vector<std::string> whole;
+  for (const auto& location : table.whole)
+    if (!local_at.count(location) && listed.insert(location).second) whole.push_back(location);
+  table.whole = std::move(whole);
   table.rank_local = std::move(rank_local);
 }
 

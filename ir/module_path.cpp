@@ -31,6 +31,10 @@ std::map<std::string, int64_t> int_attributes_at(const torch::jit::Module& root,
   return out;
 }
 
+std::string child_path(const std::string& parent, const std::string& name) {
+  return parent.empty() ? name : parent + "." + name;
+}
+
 std::vector<std::string> split_stack_entry(const std::string& entry) {
   std::vector<std::string> parts;
   size_t start = 0;

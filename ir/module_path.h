@@ -22,6 +22,9 @@ namespace frag::ir {
 /// Throws frag::Error naming the first part of `path` that is not a submodule.
 torch::jit::Module module_at(const torch::jit::Module& root, const std::string& path);
 
+/// The dotted path of `parent`'s submodule `name` ("" is the root).
+std::string child_path(const std::string& parent, const std::string& name);
+
 /// The integer attributes of the submodule at `path` (a layer's layout config:
 /// head_size, total_num_heads, …); empty where `path` is no submodule.
 std::map<std::string, int64_t> int_attributes_at(const torch::jit::Module& root, const std::string& path);

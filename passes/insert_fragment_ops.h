@@ -17,21 +17,23 @@
 // no per-instance lookup, and a location's ops exist exactly where it is
 // visited. The cost is a larger root graph, linear in the number of layers.
 //
-// A value that derives from a fragment but sits at no fragmented boundary
-// (act_fn between gate_up_proj and down_proj, attention internals) is
-// rank-local: it gets no op, and is listed in table.rank_local with the
-// fragmented location it derives from.
+// What each visit gets (triple, lone intervene, or nothing at a rank-local
+// value) is decided first, by analyze_location_flow over the same method
+// bodies (MethodSpecializer); this pass builds the graph.
 //
 //===----------------------------------------------------------------------===//
 #pragma once
 
 #include "ir/fragment_table.h"
+#include "passes/analyze_location_flow.h"
+#include "passes/method_specializer.h"
 
 #include <torch/script.h>
 
 namespace frag::passes {
 
-/// Rewrites root.forward in place and fills table.whole and table.rank_local.
+/// Rewrites root.forward in place and fills table.whole and table.rank_local
+/// (analyze_location_flow, then the insertion below).
 /// Rewrite a module before it first runs: LibTorch keeps the execution plan
 /// it built on a first run, so a rewrite after that does not take effect (the
 /// CLI and ShardedModel::load always rewrite straight after loading).
@@ -40,7 +42,9 @@ namespace frag::passes {
 void insert_fragment_ops(torch::jit::Module& root, ir::FragmentTable& table,
                          const std::string& source);
 
-/// Whether root.forward already holds ops inserted by insert_fragment_ops.
-bool has_fragment_ops(const torch::jit::Module& root);
+/// The insertion alone: `visits` from analyze_location_flow over the same `bodies`.
+void insert_fragment_ops(torch::jit::Module& root, const ir::FragmentTable& table,
+                         const std::vector<LocationVisit>& visits, MethodSpecializer& bodies,
+                         const std::string& source);
 
 }  // namespace frag::passes

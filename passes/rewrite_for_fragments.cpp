@@ -1,6 +1,7 @@
 //===- passes/rewrite_for_fragments.cpp - The whole pass pipeline --------===//
 #include "passes/rewrite_for_fragments.h"
 
+#include "passes/analyze_location_flow.h"
 #include "passes/insert_fragment_ops.h"
 #include "passes/insert_fragment_ops_exported.h"
 
@@ -15,8 +16,10 @@ ir::FragmentTable rewrite_for_fragments(torch::jit::Module& module, const LayerA
 
 ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const LayerAliases& aliases,
                                     const std::string& source) {
-  torch::jit::Module copy = module.clone();
-  return rewrite_for_fragments(copy, aliases, source);
+  ir::FragmentTable table = classify_parallel_layers(module, aliases, source);
+  MethodSpecializer bodies;
+  analyze_location_flow(module, table, bodies, source);
+  return table;
 }
 
 ir::FragmentTable rewrite_exported_for_fragments(nlohmann::json& model,

@@ -23,7 +23,7 @@ ir::FragmentTable rewrite_for_fragments(torch::jit::Module& module, const LayerA
                                         const std::string& source);
 
 /// The fragment table of `module`, including its whole and rank-local
-/// locations, without changing it (the rewrite runs on a clone).
+/// locations, without changing it (the rewrite's analysis alone).
 ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const LayerAliases& aliases,
                                     const std::string& source);
 
