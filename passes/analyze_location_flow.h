@@ -32,9 +32,15 @@ enum class VisitKind : uint8_t { kFragmented, kRankLocal, kWhole };
 struct LocationVisit {
   std::string location;
   VisitKind kind;
+  /// Where the call sits: the method whose graph holds it (nullptr inside a free function), that call's
+  /// index in MethodSpecializer::call_sites(*caller), and the module path of the caller's self.
+  torch::jit::GraphFunction* caller = nullptr;
+  size_t site = 0;
+  std::string caller_path;
 };
 
-/// Whether root.forward already holds ops inserted by insert_fragment_ops.
+/// Whether a method of root's tree holds fragment ops (a file rewritten either way: inlined into
+/// root.forward, or per class).
 bool has_fragment_ops(const torch::jit::Module& root);
 
 /// The visits of root.forward, in walk order. Fills table.whole and table.rank_local (settled: see

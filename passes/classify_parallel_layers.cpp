@@ -9,6 +9,7 @@
 #include "ir/error.h"
 #include "ir/json_file.h"
 #include "ir/module_description.h"
+#include "ir/module_path.h"
 
 #include <fmt/ranges.h>
 
@@ -291,15 +292,12 @@ Classifier classifier_for(const std::string& kind) {
 /// module-typed slots: named_modules visits every slot of every module and
 /// joins each path anew, which was most of the classification's time.
 template <typename Visit>
-void walk_modules(const torch::jit::Module& module, const std::string& path, const Visit& visit) {
-  visit(path, module);
-  const auto& type = module.type();
-  const auto& object = module._ivalue();
+void walk_modules(const c10::ivalue::Object& object, const std::string& path, const Visit& visit) {
+  visit(path, object);
+  const auto type = object.type();
   for (size_t i = 0; i < type->numAttributes(); ++i) {
     if (!type->getAttribute(i)->is_module()) continue;
-    const std::string& name = type->getAttributeName(i);
-    walk_modules(torch::jit::Module(object->getSlot(i).toObject()), path.empty() ? name : fmt::format("{}.{}", path, name),
-                 visit);
+    walk_modules(*object.getSlot(i).toObject(), ir::child_path(path, type->getAttributeName(i)), visit);
   }
 }
 
@@ -373,12 +371,12 @@ std::optional<int64_t> lm_head_padded_vocab(const std::vector<ir::ModuleDescript
 
 std::vector<ir::ModuleDescription> describe_modules(const torch::jit::Module& root, const LayerAliases& aliases) {
   std::vector<ir::ModuleDescription> modules;
-  walk_modules(root, "", [&](const std::string& path, const torch::jit::Module& module) {
+  walk_modules(*root._ivalue(), "", [&](const std::string& path, const c10::ivalue::Object& module) {
     const std::string class_name = plain_class_name(module.type()->name()->qualifiedName());
     if (kind_of(class_name, aliases).empty()) return;  // only known layers' attributes are read
     ir::ModuleDescription description{path, class_name, {}, {}, true, "module attributes"};
-    const auto& type = module.type();
-    const auto& object = module._ivalue();
+    const auto type = module.type();
+    const auto* object = &module;
     for (size_t i = 0; i < type->numAttributes(); ++i) {
       if (type->getAttribute(i)->is_module()) continue;
       const std::string& name = type->getAttributeName(i);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <unordered_set>
 
 namespace frag::passes {
 namespace {
@@ -23,6 +24,13 @@ void clear_debug_names(Block* block) {
   for (Node* node : block->nodes()) {
     for (Value* output : node->outputs()) output->setDebugName("");
     for (Block* inner : node->blocks()) clear_debug_names(inner);
+  }
+}
+
+void collect_calls(Block* block, std::vector<Node*>& calls) {
+  for (Node* node : block->nodes()) {
+    if (node->kind() == c10::prim::CallMethod) calls.push_back(node);
+    for (Block* inner : node->blocks()) collect_calls(inner, calls);
   }
 }
 
@@ -59,14 +67,32 @@ bool same_values(const std::vector<std::optional<c10::IValue>>& a, const std::ve
 
 }  // namespace
 
+std::vector<torch::jit::GraphFunction*> method_graphs(const torch::jit::Module& root) {
+  // Over the classes, not the instances: a Module per instance costs more than the whole walk.
+  std::vector<torch::jit::GraphFunction*> out;
+  std::unordered_set<const c10::ClassType*> seen;
+  std::vector<c10::ClassTypePtr> pending{root.type()};
+  while (!pending.empty()) {
+    c10::ClassTypePtr type = pending.back();
+    pending.pop_back();
+    if (!seen.insert(type.get()).second) continue;
+    for (torch::jit::Function* method : type->methods())
+      if (auto* graph_function = torch::jit::tryToGraphFunction(*method)) out.push_back(graph_function);
+    for (size_t i = 0; i < type->numAttributes(); ++i)
+      if (auto child = type->getAttribute(i)->cast<c10::ClassType>(); child && child->is_module()) pending.push_back(child);
+  }
+  return out;
+}
+
 std::shared_ptr<Graph> MethodSpecializer::method_body(torch::jit::GraphFunction& callee,
-                                                      const torch::jit::Module& instance) {
+                                                      const c10::ivalue::Object& instance) {
   Specializations& known = methods_[&callee];
   if (!known.scanned) {
     known.scanned = true;
     for (const auto& use : callee.graph()->inputs().at(0)->uses()) {
       if (use.user->kind() != c10::prim::GetAttr) continue;
       const std::string& name = use.user->s(c10::attr::name);
+      if (name == kModulePathAttribute) continue;
       if (instance.type()->hasAttribute(name))
         known.reads.push_back({name, instance.type()->getAttributeSlot(name), {}});
       else if (instance.type()->hasConstant(name))
@@ -77,12 +103,21 @@ std::shared_ptr<Graph> MethodSpecializer::method_body(torch::jit::GraphFunction&
   std::vector<std::optional<c10::IValue>> values;
   values.reserve(known.reads.size());
   for (const auto& read : known.reads) {
-    c10::IValue value = read.slot ? instance._ivalue()->getSlot(*read.slot) : read.constant;
+    c10::IValue value = read.slot ? instance.getSlot(*read.slot) : read.constant;
     values.push_back(foldable(value) ? std::make_optional(std::move(value)) : std::nullopt);
   }
   for (const auto& [folded, body] : known.bodies)
     if (same_values(folded, values)) return body;
   auto body = callee.graph()->copy();
+  // The copy's calls, in the same order as the method's own (a copy keeps the structure), indexed as
+  // their originals' sites once folding has removed what it removes.
+  std::unordered_map<const Node*, size_t> copied_sites;
+  {
+    std::vector<Node*> copied;
+    collect_calls(body->block(), copied);
+    TORCH_INTERNAL_ASSERT(copied.size() == sites_of(callee).calls.size(), "MethodSpecializer: a copy changed its calls");
+    for (size_t i = 0; i < copied.size(); ++i) copied_sites.emplace(copied[i], i);
+  }
   Value* self = body->inputs().at(0);
   std::vector<Node*> reads;
   for (const auto& use : self->uses())
@@ -107,8 +142,33 @@ std::shared_ptr<Graph> MethodSpecializer::method_body(torch::jit::GraphFunction&
     torch::jit::EliminateDeadCode(body);
   }
   clear_debug_names(body->block());
+  {
+    std::vector<Node*> kept;
+    collect_calls(body->block(), kept);
+    Sites& sites = sites_of(callee);
+    for (Node* call : kept) sites.index[call] = copied_sites.at(call);
+  }
   known.bodies.emplace_back(std::move(values), body);
   return body;
+}
+
+MethodSpecializer::Sites& MethodSpecializer::sites_of(torch::jit::GraphFunction& method) {
+  auto [sites, fresh] = sites_.try_emplace(&method);
+  if (fresh) {
+    collect_calls(method.graph()->block(), sites->second.calls);
+    for (size_t i = 0; i < sites->second.calls.size(); ++i) sites->second.index.emplace(sites->second.calls[i], i);
+  }
+  return sites->second;
+}
+
+const std::vector<Node*>& MethodSpecializer::call_sites(torch::jit::GraphFunction& method) {
+  return sites_of(method).calls;
+}
+
+std::optional<size_t> MethodSpecializer::call_site(torch::jit::GraphFunction& method, const Node* call) {
+  const Sites& sites = sites_of(method);
+  auto found = sites.index.find(call);
+  return found == sites.index.end() ? std::nullopt : std::make_optional(found->second);
 }
 
 std::shared_ptr<Graph> MethodSpecializer::function_body(torch::jit::GraphFunction& function) {

@@ -26,14 +26,31 @@
 
 namespace frag::passes {
 
+/// The attribute a file rewritten per class gives each instance of a class whose methods compute
+/// locations from self (insert_fragment_ops_per_class): its module path. Never folded into a body (one
+/// body serves every instance); the inlining at load folds it per call site.
+inline constexpr const char* kModulePathAttribute = "_frag_path";
+
+/// Every method graph of every module class in root's tree, each once.
+std::vector<torch::jit::GraphFunction*> method_graphs(const torch::jit::Module& root);
+
 class MethodSpecializer {
  public:
   /// `callee` (a method of `instance`'s class) with `instance`'s config folded in.
   std::shared_ptr<torch::jit::Graph> method_body(torch::jit::GraphFunction& callee,
-                                                 const torch::jit::Module& instance);
+                                                 const c10::ivalue::Object& instance);
 
   /// A free function's graph (fragkit.distributed's all-reduce, a rotary helper).
   std::shared_ptr<torch::jit::Graph> function_body(torch::jit::GraphFunction& function);
+
+  /// The submodule calls (prim::CallMethod) of `method`'s own graph, in graph order. A call in a body
+  /// made by method_body names its place in this list (call_site): the per-class rewrite instruments
+  /// the method's own graph at the sites the analysis met in its bodies.
+  const std::vector<torch::jit::Node*>& call_sites(torch::jit::GraphFunction& method);
+
+  /// The index in call_sites(method) of `call`, a call of a body made by method_body(method, …) or of
+  /// `method`'s own graph; nullopt for a call of another graph (a free function's body).
+  std::optional<size_t> call_site(torch::jit::GraphFunction& method, const torch::jit::Node* call);
 
  private:
   /// What a method reads from self (found once per method), and its bodies by folded values.
@@ -49,6 +66,12 @@ class MethodSpecializer {
   };
   std::unordered_map<const torch::jit::GraphFunction*, Specializations> methods_;
   std::unordered_map<const torch::jit::GraphFunction*, std::shared_ptr<torch::jit::Graph>> functions_;
+  struct Sites {
+    std::vector<torch::jit::Node*> calls;
+    std::unordered_map<const torch::jit::Node*, size_t> index;  ///< own graph's and bodies' calls -> index
+  };
+  std::unordered_map<const torch::jit::GraphFunction*, Sites> sites_;
+  Sites& sites_of(torch::jit::GraphFunction& method);
 };
 
 }  // namespace frag::passes

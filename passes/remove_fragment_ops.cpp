@@ -22,7 +22,8 @@ const c10::Symbol kSplit = c10::Symbol::fromQualString(ir::kSplitOp);
 /// Finds the op groups to drop, checks their wiring, then removes them.
 class FragmentOpRemover {
  public:
-  explicit FragmentOpRemover(const std::unordered_set<std::string>& kept) : kept_(kept) {}
+  /// Removes the ops at every location not in `kept`; all of them when `kept` is nullptr.
+  explicit FragmentOpRemover(const std::unordered_set<std::string>* kept) : kept_(kept) {}
 
   int64_t run(torch::jit::Graph& graph) {
     collect(graph.block());
@@ -68,39 +69,46 @@ class FragmentOpRemover {
     for (Node* node : block->nodes()) {
       for (Block* inner : node->blocks()) collect(inner);
       if (node->kind() == kSplit) {
+        if (kept_ == nullptr) {
+          splits_.push_back(checked_triple(node, nullptr));
+          continue;
+        }
         const std::string location = location_of(node, 2);
-        if (kept_.count(location) == 0) splits_.push_back(checked_triple(node, location));
+        if (kept_->count(location) == 0) splits_.push_back(checked_triple(node, &location));
       } else if (node->kind() == kIntervene) {
         auto fragmented = torch::jit::toIValue(node->input(2));
         if (!fragmented || !fragmented->isBool())
-          fail("frag::intervene at {}: its 'fragmented' argument is not a constant", location_of(node, 1));
-        const std::string location = location_of(node, 1);
-        if (!fragmented->toBool() && kept_.count(location) == 0) lone_intervenes_.push_back(node);
+          fail("frag::intervene at {}: its 'fragmented' argument is not a constant",
+               kept_ == nullptr ? std::string("a location computed at run time") : location_of(node, 1));
+        if (fragmented->toBool()) continue;
+        if (kept_ == nullptr || kept_->count(location_of(node, 1)) == 0) lone_intervenes_.push_back(node);
       }
     }
   }
 
   /// The split of a gather → intervene → split chain whose middle values
   /// have no other use (so dropping the chain loses nothing).
-  static Node* checked_triple(Node* split, const std::string& location) {
+  /// `location`: the triple's, checked on all three ops (nullptr: they must share one location value).
+  static Node* checked_triple(Node* split, const std::string* location) {
     auto wired = [&] {
       Node* intervene = split->input(0)->node();
       if (intervene->kind() != kIntervene || intervene->output()->uses().size() != 1) return false;
       auto fragmented = torch::jit::toIValue(intervene->input(2));
       if (!fragmented || !fragmented->isBool() || !fragmented->toBool()) return false;
       Node* gather = intervene->input(0)->node();
-      return gather->kind() == kGather && gather->output()->uses().size() == 1 &&
-             gather->input(0) == split->input(1) && location_of(intervene, 1) == location &&
-             location_of(gather, 1) == location;
+      if (gather->kind() != kGather || gather->output()->uses().size() != 1 || gather->input(0) != split->input(1))
+        return false;
+      if (location == nullptr) return intervene->input(1) == split->input(2) && gather->input(1) == split->input(2);
+      return location_of(intervene, 1) == *location && location_of(gather, 1) == *location;
     };
     if (!wired())
       fail("frag::split at {}: not the end of a gather -> intervene -> split triple over one piece; "
            "the graph was changed after insert_fragment_ops",
-           location);
+           location == nullptr ? std::string("a location computed at run time") : *location);
     return split;
   }
 
-  const std::unordered_set<std::string>& kept_;
+  const std::unordered_set<std::string>* kept_;
   std::vector<Node*> splits_;
   std::vector<Node*> lone_intervenes_;
 };
@@ -108,7 +116,9 @@ class FragmentOpRemover {
 }  // namespace
 
 int64_t remove_fragment_ops_except(torch::jit::Graph& graph, const std::unordered_set<std::string>& kept) {
-  return FragmentOpRemover(kept).run(graph);
+  return FragmentOpRemover(&kept).run(graph);
 }
+
+int64_t remove_all_fragment_ops(torch::jit::Graph& graph) { return FragmentOpRemover(nullptr).run(graph); }
 
 }  // namespace frag::passes

@@ -30,4 +30,9 @@ namespace frag::passes {
 /// lone intervene), so a location called twice counts twice.
 int64_t remove_fragment_ops_except(torch::jit::Graph& graph, const std::unordered_set<std::string>& kept);
 
+/// Removes every frag::gather/intervene/split op, wherever its location comes from (a constant, or a
+/// value computed from self in a file rewritten per class). The same wiring checks; returns the number
+/// of op groups removed.
+int64_t remove_all_fragment_ops(torch::jit::Graph& graph);
+
 }  // namespace frag::passes

@@ -14,6 +14,12 @@ ir::FragmentTable rewrite_for_fragments(torch::jit::Module& module, const LayerA
   return table;
 }
 
+ir::FragmentTable rewrite_for_file(torch::jit::Module& module, const LayerAliases& aliases, const std::string& source) {
+  ir::FragmentTable table = classify_parallel_layers(module, aliases, source);
+  insert_fragment_ops_per_class(module, table, source);
+  return table;
+}
+
 ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const LayerAliases& aliases,
                                     const std::string& source) {
   ir::FragmentTable table = classify_parallel_layers(module, aliases, source);

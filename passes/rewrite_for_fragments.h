@@ -22,6 +22,11 @@ namespace frag::passes {
 ir::FragmentTable rewrite_for_fragments(torch::jit::Module& module, const LayerAliases& aliases,
                                         const std::string& source);
 
+/// The same in the form `frag rewrite` saves: the ops in each class's own methods
+/// (insert_fragment_ops_per_class), so the file holds each class's code once, as the export does.
+/// program::prepare_rank inlines it at load.
+ir::FragmentTable rewrite_for_file(torch::jit::Module& module, const LayerAliases& aliases, const std::string& source);
+
 /// The fragment table of `module`, including its whole and rank-local
 /// locations, without changing it (the rewrite's analysis alone).
 ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const LayerAliases& aliases,

@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 #include "passes/bind_location_ids.h"
+#include "passes/insert_fragment_ops.h"
 #include "passes/remove_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
 
@@ -35,6 +36,9 @@ PreparedRank prepare_rank(runtime::RankContext& context, const std::string& path
         fail("{}: its fragment table ({}) is not valid JSON: {}", path, runtime::kRuleTableFile, e.what());
       }
       table = ir::table_from_json(json, path);
+      // frag rewrite's file holds the ops in each class's methods: one forward with constant locations
+      // is what the runtime binds and specializes.
+      if (passes::is_rewritten_per_class(prepared.rank.module)) passes::inline_fragment_ops(prepared.rank.module, path);
     } else {
       auto aliases = rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
       table = passes::rewrite_for_fragments(prepared.rank.module, aliases, path);

@@ -293,7 +293,7 @@ int rewrite_command(const RewriteArguments& args) {
       if (rank.extra_files.count(runtime::kRuleTableFile) || passes::has_fragment_ops(rank.module))
         fail("{}: already rewritten by frag rewrite; give the original export", file);
       export_ids.push_back(rank.info.export_id);
-      tables.push_back(passes::rewrite_for_fragments(rank.module, aliases, file));
+      tables.push_back(passes::rewrite_for_file(rank.module, aliases, file));
       torch::jit::ExtraFilesMap extra(rank.extra_files.begin(), rank.extra_files.end());
       extra[runtime::kRuleTableFile] = ir::to_json(tables.back()).dump(1);
       // Serialized in memory, then written with every write checked: the archive writer aborts the process

@@ -15,6 +15,7 @@
 #include "ir/fragment_table.h"
 #include "ir/location_table.h"
 #include "passes/bind_location_ids.h"
+#include "passes/classify_parallel_layers.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/intervention_runtime.h"
 #include "tests/passes/pass_fixtures.h"
@@ -676,6 +677,131 @@ TEST(InsertFragmentOps, RewriteDoesNotDependOnTheRank) {
     EXPECT_EQ(ops0[i].rule, ops1[i].rule);
     EXPECT_EQ(ops0[i].fragmented, ops1[i].fragmented);
   }
+}
+
+// ----- the file form: ops in each class's own methods ------------------------
+
+/// Two instances of one Block class (one method graph), each holding an up (Column) → act → down (Row)
+/// chain, under a root that calls both.
+Module two_shared_blocks() {
+  Module block = holder({{"up", column(2, 0, 8, 16)},
+                         {"act", plain("__torch__.Act", kActSource)},
+                         {"down", row(2, 0, 16, 8, /*input_is_parallel=*/true, /*reduce_results=*/true)}},
+                        "__torch__.Block");
+  define(block, R"(
+def forward(self, x):
+    return self.down.forward(self.act.forward(self.up.forward(x)[0]))[0]
+)");
+  Module other = block.deepcopy();
+  Module root = holder({{"b0", block}, {"b1", other}});
+  define(root, "def forward(self, x):\n    return self.b1.forward(self.b0.forward(x))\n");
+  return root;
+}
+
+std::shared_ptr<torch::jit::Graph> method_graph(const Module& m) { return forward_graph(m); }
+
+TEST(InsertFragmentOpsPerClass, OpsGoIntoTheSharedMethodWithLocationsFromSelf) {
+  Module root = two_shared_blocks();
+  Module b0 = root.attr("b0").toModule();
+  ASSERT_EQ(b0.type(), root.attr("b1").toModule().type()) << "fixture: one Block class";
+  ir::FragmentTable table = classify_parallel_layers(root, {}, "file.pt");
+  EXPECT_EQ(insert_fragment_ops_per_class(root, table, "file.pt"), "");
+  // The Block's one graph: up.output a triple, act's sides rank-local (no op), down's input a triple, its
+  // output whole (down reduces) — each location self._frag_path + the rest.
+  FileCheck()
+      .check_count("prim::GetAttr[name=\"_frag_path\"]", 1, /*exactly=*/true)
+      ->run(*method_graph(b0));
+  FileCheck()
+      .check("prim::GetAttr[name=\"_frag_path\"]")
+      ->check("prim::CallMethod[name=\"forward\"]")
+      ->check("[value=\".up.output\"]")
+      ->check("aten::add(")
+      ->check("frag::gather(")
+      ->check("frag::intervene(")
+      ->check("frag::split(")
+      ->check("[value=\".down.input\"]")
+      ->check("frag::split(")
+      ->check("prim::CallMethod[name=\"forward\"]")
+      ->check("[value=\".down.output\"]")
+      ->check("frag::intervene(")
+      ->check_not("frag::gather(")
+      ->run(*method_graph(b0));
+  FileCheck().check_not(".act.")->run(*method_graph(b0));
+  // Each instance names itself; the root's own calls get constant locations.
+  EXPECT_EQ(b0.attr("_frag_path").toStringRef(), "b0");
+  EXPECT_EQ(root.attr("b1").toModule().attr("_frag_path").toStringRef(), "b1");
+  FileCheck()
+      .check("[value=\"b0.input\"]")
+      ->check("prim::CallMethod[name=\"forward\"]")
+      ->check("[value=\"b0.output\"]")
+      ->check("[value=\"b1.input\"]")
+      ->run(*forward_graph(root));
+  // The layers' own methods are untouched; the table is the inlining rewrite's.
+  EXPECT_FALSE(has_fragment_ops(root.attr("b0").toModule().attr("up").toModule()));
+  Module inlined = two_shared_blocks();
+  EXPECT_EQ(ir::to_json(table), ir::to_json(rewrite_for_fragments(inlined, {}, "file.pt")));
+  EXPECT_TRUE(has_fragment_ops(root));
+  EXPECT_TRUE(is_rewritten_per_class(root));
+  EXPECT_FALSE(is_rewritten_per_class(inlined));
+  method_graph(b0)->lint();
+  forward_graph(root)->lint();
+}
+
+TEST(InsertFragmentOpsPerClass, RunsAsTheOriginalAndInlinesAtLoadToTheInliningRewrite) {
+  torch::manual_seed(3);
+  Module root = two_shared_blocks();
+  Module original = root.clone();
+  ir::FragmentTable table = classify_parallel_layers(root, {}, "file.pt");
+  ASSERT_EQ(insert_fragment_ops_per_class(root, table, "file.pt"), "");
+  const auto x = torch::randn({3, 8});
+  const auto expected = original.forward({x}).toTensor();
+  EXPECT_TRUE(torch::equal(root.forward({x}).toTensor(), expected)) << "the file form runs as the export";
+  // Saved and loaded as frag rewrite writes it: the path attributes travel with the instances.
+  std::stringstream file;
+  root.save(file);
+  Module loaded = torch::jit::load(file);
+  ASSERT_TRUE(is_rewritten_per_class(loaded));
+  inline_fragment_ops(loaded, "file.pt");
+  Module inlined = two_shared_blocks();
+  rewrite_for_fragments(inlined, {}, "file.pt");
+  EXPECT_EQ(op_summary(frag_ops(loaded)), op_summary(frag_ops(inlined)));
+  auto ops = frag_ops(loaded);
+  expect_triple(ops, "b1.up.output", ir::FragmentRule::shard(-1, "tp", 2));
+  expect_triple(ops, "b0.down.input", ir::FragmentRule::shard(-1, "tp", 2));
+  expect_whole(ops, "b1.down.output");
+  FileCheck().check_not("prim::CallMethod")->check_not("_frag_path")->check_not("aten::add(str")->run(
+      *forward_graph(loaded));
+  forward_graph(loaded)->lint();
+  // Every other method is the export's own again (ad-hoc calls run them).
+  EXPECT_FALSE(has_fragment_ops(loaded.attr("b0").toModule()));
+  EXPECT_FALSE(is_rewritten_per_class(loaded));
+  EXPECT_TRUE(torch::equal(loaded.forward({x}).toTensor(), expected));
+  EXPECT_TRUE(torch::equal(loaded.attr("b1").toModule().forward({x}).toTensor(),
+                           original.attr("b1").toModule().forward({x}).toTensor()));
+  // A rewritten file is refused by a second rewrite, either form.
+  EXPECT_THROW(rewrite_for_file(loaded, {}, "again.pt"), frag::Error);
+  Module again = two_shared_blocks();
+  rewrite_for_file(again, {}, "file.pt");
+  EXPECT_THROW(rewrite_for_file(again, {}, "again.pt"), frag::Error);
+}
+
+TEST(InsertFragmentOpsPerClass, InstancesNeedingDifferentOpsFallBackToInlining) {
+  // b0's act sees a piece (rank-local), b1's act a whole value: one call site of the Act-calling class,
+  // two treatments.
+  Module block = holder({{"act", plain("__torch__.Act", kActSource)}}, "__torch__.Wrap");
+  define(block, "def forward(self, x):\n    return self.act.forward(x)\n");
+  Module other = block.deepcopy();
+  Module root = holder({{"up", column(2, 0, 8, 16)}, {"b0", block}, {"b1", other}});
+  define(root, "def forward(self, x):\n    return self.b0.forward(self.up.forward(x)[0]) + self.b1.forward(x)\n");
+  ir::FragmentTable table = classify_parallel_layers(root, {}, "mixed.pt");
+  const std::string why = insert_fragment_ops_per_class(root, table, "mixed.pt");
+  EXPECT_THAT(why, HasSubstr("act.input"));
+  EXPECT_THAT(why, HasSubstr("differ"));
+  // Rewritten by inlining instead: nothing in the classes, every op in root.forward.
+  EXPECT_FALSE(is_rewritten_per_class(root));
+  EXPECT_FALSE(has_fragment_ops(root.attr("b0").toModule()));
+  EXPECT_THAT(op_summary(frag_ops(root)), Contains("intervene@b1.act.input"));
+  FileCheck().check_not("prim::CallMethod")->run(*forward_graph(root));
 }
 
 }  // namespace

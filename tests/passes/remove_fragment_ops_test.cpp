@@ -11,6 +11,7 @@
 #include "passes/insert_fragment_ops.h"
 #include "ir/location_table.h"
 #include "passes/bind_location_ids.h"
+#include "passes/classify_parallel_layers.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/intervention_runtime.h"
 #include "tests/passes/pass_fixtures.h"
@@ -204,6 +205,34 @@ TEST(RemoveFragmentOps, RefusesATripleWhoseInterveneIsNotFragmented) {
       break;
     }
   expect_up_output_refused(*graph, "a triple with a whole-location intervene");
+}
+
+TEST(RemoveFragmentOps, AllOfThemInAClassMethodWhoseLocationsComeFromSelf) {
+  // A file rewritten per class: the Block's method computes its locations from self._frag_path.
+  Module block = holder({{"up", column(2, 0, 8, 16)}, {"act", plain("__torch__.Act", kActSource)}}, "__torch__.Block");
+  define(block, "def forward(self, x):\n    return self.act.forward(self.up.forward(x)[0])\n");
+  Module root = holder({{"b0", block}, {"b1", block.deepcopy()}});
+  define(root, "def forward(self, x):\n    return self.b0.forward(x) + self.b1.forward(x)\n");
+  Module original = root.clone();
+  ir::FragmentTable table = classify_parallel_layers(root, {}, "file.pt");
+  ASSERT_EQ(insert_fragment_ops_per_class(root, table, "file.pt"), "");
+  auto method = forward_graph(root.attr("b0").toModule());
+  FileCheck().check("frag::gather(")->check("frag::split(")->run(*method);
+  // The named form needs constant locations: refused in words, nothing changed.
+  const std::string before = method->toString();
+  try {
+    remove_fragment_ops_except(*method, {});
+    FAIL() << "a computed location was accepted";
+  } catch (const frag::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not a constant string"));
+  }
+  EXPECT_EQ(method->toString(), before);
+  // All of them: the triple at up.output and the lone intervene at up.input (act's sides are rank-local).
+  EXPECT_EQ(remove_all_fragment_ops(*method), 2);
+  FileCheck().check_not("frag::")->run(*method);
+  auto x = torch::randn({2, 8});
+  EXPECT_TRUE(torch::equal(root.attr("b0").toModule().forward({x}).toTensor(),
+                           original.attr("b0").toModule().forward({x}).toTensor()));
 }
 
 }  // namespace

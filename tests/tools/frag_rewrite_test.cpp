@@ -9,6 +9,7 @@
 // no temporary file behind.
 //
 //===----------------------------------------------------------------------===//
+#include "passes/insert_fragment_ops.h"
 #include "runtime/safetensors.h"
 #include "tests/support/test_support.h"
 
@@ -92,8 +93,11 @@ void count_ops(const torch::jit::Block* block, std::map<std::string, int>& count
   }
 }
 
-/// frag:: op counts in the saved forward graph.
-std::map<std::string, int> fragment_ops(const torch::jit::Module& module) {
+/// frag:: op counts in the forward a load runs: frag rewrite saves the ops in each class's methods (one
+/// decoder layer's code for all layers), and loading inlines them into one forward, one op group per visit.
+std::map<std::string, int> fragment_ops(torch::jit::Module module) {
+  EXPECT_TRUE(frag::passes::is_rewritten_per_class(module)) << "frag rewrite saved the inlined form";
+  frag::passes::inline_fragment_ops(module, "rewritten.pt");
   std::map<std::string, int> counts;
   auto& function = torch::jit::toGraphFunction(module.get_method("forward").function());
   count_ops(function.graph()->block(), counts);
