@@ -17,33 +17,55 @@
 namespace frag::tools {
 namespace {
 
-/// Registered temporaries. A signal handler may only read plain memory, so the
-/// names live in a fixed table of atomic pointers (strdup'd, freed on release).
+/// Registered outputs. A signal handler may only read plain memory, so each lives in a fixed table of
+/// atomics: the temporary's name and the target's (strdup'd), and the temporary's file identity once written.
+struct Registered {
+  std::atomic<char*> temporary{nullptr};
+  std::atomic<char*> target{nullptr};
+  std::atomic<bool> written{false};
+  std::atomic<dev_t> device{0};
+  std::atomic<ino_t> inode{0};
+};
 constexpr int kMaxTemporaries = 64;
-std::atomic<char*> registered[kMaxTemporaries];
+Registered registered[kMaxTemporaries];
 
-void register_temporary(const std::string& path) {
-  char* copy = strdup(path.c_str());
-  for (auto& slot : registered) {
+/// The slot now holding `temporary` → `target`, or -1 when the table is full (that output is then still
+/// removed on failure, only not on a signal).
+int register_temporary(const std::string& temporary, const std::string& target) {
+  char* name = strdup(temporary.c_str());
+  for (int i = 0; i < kMaxTemporaries; ++i) {
     char* expected = nullptr;
-    if (slot.compare_exchange_strong(expected, copy)) return;
-  }
-  std::free(copy);  // table full: this one is still removed on failure, only not on a signal
-}
-
-void release_temporary(const std::string& path) {
-  for (auto& slot : registered) {
-    char* name = slot.load();
-    if (name != nullptr && path == name && slot.compare_exchange_strong(name, nullptr)) {
-      std::free(name);
-      return;
+    if (registered[i].temporary.compare_exchange_strong(expected, name)) {
+      registered[i].written.store(false);
+      registered[i].target.store(strdup(target.c_str()));
+      return i;
     }
   }
+  std::free(name);
+  return -1;
 }
 
+void release_temporary(int slot) {
+  if (slot < 0) return;
+  Registered& entry = registered[slot];
+  std::free(entry.target.exchange(nullptr));
+  std::free(entry.temporary.exchange(nullptr));
+}
+
+/// Removes every registered temporary, and every target its temporary was already renamed onto (the file
+/// this process wrote, by device and inode): a command killed by a signal leaves nothing, even when its
+/// commit raced the signal (delivered to another thread while the writer renames). The temporary first:
+/// once it is unlinked no rename can follow; if it is gone, the rename happened and the target is ours.
 void remove_registered_and_die(int signal_number) {
-  for (auto& slot : registered)
-    if (char* name = slot.load(); name != nullptr) unlink(name);
+  for (auto& entry : registered) {
+    char* temporary = entry.temporary.load();
+    if (temporary == nullptr || unlink(temporary) == 0) continue;
+    char* target = entry.target.load();
+    struct stat info {};
+    if (target != nullptr && entry.written.load() && stat(target, &info) == 0 && info.st_dev == entry.device.load() &&
+        info.st_ino == entry.inode.load())
+      unlink(target);
+  }
   // SA_RESETHAND restored the default action and SA_NODEFER lets it through now.
   raise(signal_number);
 }
@@ -159,16 +181,24 @@ void remove_stale_temporaries(const std::string& target) {
 
 TemporaryFile::TemporaryFile(const std::string& target) : target_(target), path_(temporary_name(target)) {
   remove_stale_temporaries(target);
-  register_temporary(path_);
+  slot_ = register_temporary(path_, target_);
 }
 
 TemporaryFile::~TemporaryFile() {
-  if (!committed_) unlink(path_.c_str());
-  release_temporary(path_);
+  // A committed output stays registered until the process ends: a signal before then removes it too.
+  if (committed_) return;
+  unlink(path_.c_str());
+  release_temporary(slot_);
 }
 
 void TemporaryFile::write(const std::string& bytes) {
   write_file(path_, bytes);
+  struct stat info {};
+  if (slot_ >= 0 && stat(path_.c_str(), &info) == 0) {
+    registered[slot_].device.store(info.st_dev);
+    registered[slot_].inode.store(info.st_ino);
+    registered[slot_].written.store(true);
+  }
   // Fault injection for tests that signal a writer mid-write (tests/tools/frag_faults_test.cpp): the
   // process stops with its temporary written and not yet renamed.
   if (std::getenv("FRAG_FAULT_STOP_AFTER_WRITE") != nullptr) raise(SIGSTOP);

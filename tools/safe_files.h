@@ -3,8 +3,9 @@
 // What frag reads must be a regular file: a FIFO or a device would block
 // forever on open or read. What frag writes goes to a temporary beside the
 // target (X.tmp.<pid>) and is renamed into place; the temporary is removed on
-// failure, on SIGINT/SIGTERM/SIGHUP, and by a later run once its process is
-// gone (after a SIGKILL). A target that is a symbolic link, a device node or
+// failure, on SIGINT/SIGTERM/SIGHUP (with the outputs already renamed into
+// place: a killed command leaves nothing), and by a later run once its process
+// is gone (after a SIGKILL). A target that is a symbolic link, a device node or
 // one of the inputs is refused unless forced.
 //
 //===----------------------------------------------------------------------===//
@@ -38,7 +39,8 @@ OutputTarget check_output_target(const std::string& path, const std::vector<std:
 void require_distinct_files(const std::vector<std::string>& files, const std::string& what);
 
 /// Installs handlers for SIGINT, SIGTERM and SIGHUP that remove the registered
-/// temporaries and then die of the signal as before. Idempotent.
+/// temporaries, and the outputs already committed from them (a killed command
+/// leaves nothing), and then die of the signal as before. Idempotent.
 void remove_temporaries_on_signals();
 
 /// Removes `target`.tmp.<pid> files beside `target` whose process is gone.
@@ -48,7 +50,8 @@ void remove_stale_temporaries(const std::string& target);
 std::string temporary_name(const std::string& target);
 
 /// A temporary beside a target, registered for removal on signals until it is
-/// committed (renamed into place) or destroyed (removed).
+/// destroyed uncommitted (removed); once committed (renamed into place), the
+/// target stays registered until the process ends.
 class TemporaryFile {
  public:
   /// Removes stale temporaries of `target` first.
@@ -66,6 +69,7 @@ class TemporaryFile {
  private:
   std::string target_;
   std::string path_;
+  int slot_ = -1;  ///< in the table the signal handler reads (-1: not registered)
   bool committed_ = false;
 };
 
