@@ -17,7 +17,11 @@
 //              the inlining a load of it runs (passes::inline_fragment_ops); the
 //              targets (issue 13) are printed for this form;
 // and then the growth of the rewrite time with depth (80/40, 160/80; a linear
-// pass gives about 2.0). Then the same model as a torch.export archive (.pt2,
+// pass gives about 2.0). Each depth is measured in a process of its own (this
+// program again, --measure-one), from a fresh heap as each `frag rewrite` runs:
+// measured in one process, the deeper models ran in a heap the shallower ones
+// had grown and fragmented, and every pass (LibTorch's freeze and save too)
+// grew faster than its work (--one-process shows it). Then the same model as a torch.export archive (.pt2,
 // 80 layers by default, or --pt2 FILE): read (zip + JSON), rewrite
 // (classification + insert_fragment_ops_exported on the graph JSON) and save
 // (the archive copied with the rewritten graph and the table, in memory) beside
@@ -50,9 +54,14 @@
 #include <torch/script.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <fmt/format.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <stdexcept>
 
 #include <algorithm>
 #include <chrono>
@@ -235,6 +244,86 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
   return r;
 }
 
+/// The Stats of a Result, by name: a Result crosses from the measuring child process as JSON.
+const std::vector<std::pair<const char*, Stats Result::*>>& stat_fields() {
+  static const std::vector<std::pair<const char*, Stats Result::*>> fields{
+      {"load", &Result::load},
+      {"rewrite", &Result::rewrite},
+      {"rewrite_cpu", &Result::rewrite_cpu},
+      {"classify", &Result::classify},
+      {"insert", &Result::insert},
+      {"freeze", &Result::freeze},
+      {"save", &Result::save},
+      {"save_original", &Result::save_original},
+      {"file_rewrite", &Result::file_rewrite},
+      {"file_rewrite_cpu", &Result::file_rewrite_cpu},
+      {"file_save", &Result::file_save},
+      {"file_inline", &Result::file_inline}};
+  return fields;
+}
+
+nlohmann::json encode(const Result& r) {
+  nlohmann::json j = {{"file", r.file}, {"layers", r.layers}, {"parallel_layers", r.parallel_layers},
+                      {"fragmented", r.fragmented}, {"nodes_before", r.nodes_before},
+                      {"nodes_rewritten", r.nodes_rewritten}, {"nodes_frozen", r.nodes_frozen},
+                      {"blocks_rewritten", r.blocks_rewritten}, {"bytes", r.bytes},
+                      {"file_per_class", r.file_per_class}};
+  for (const auto& [name, field] : stat_fields()) j["stats"][name] = (r.*field).samples;
+  return j;
+}
+
+Result decode(const nlohmann::json& j) {
+  Result r;
+  r.file = j.at("file");
+  r.layers = j.at("layers");
+  r.parallel_layers = j.at("parallel_layers");
+  r.fragmented = j.at("fragmented");
+  r.nodes_before = j.at("nodes_before");
+  r.nodes_rewritten = j.at("nodes_rewritten");
+  r.nodes_frozen = j.at("nodes_frozen");
+  r.blocks_rewritten = j.at("blocks_rewritten");
+  r.bytes = j.at("bytes");
+  r.file_per_class = j.at("file_per_class");
+  for (const auto& [name, field] : stat_fields()) (r.*field).samples = j.at("stats").at(name).get<std::vector<double>>();
+  return r;
+}
+
+/// measure() in a child process of its own (this program again, with --measure-one): each depth starts from
+/// a fresh heap, as each `frag rewrite` does, instead of inheriting the fragments of the depths before it.
+Result measure_in_child(const std::string& self, const std::string& path, int reps, int warmup,
+                        const std::string& scratch) {
+  int out[2];
+  if (pipe(out) != 0) throw std::runtime_error("pipe failed");
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    close(out[0]);
+    close(out[1]);
+    std::vector<std::string> args{self, "--measure-one", "--reps", std::to_string(reps), "--warmup",
+                                  std::to_string(warmup), "--scratch", scratch, path};
+    std::vector<char*> argv;
+    for (auto& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    execv(self.c_str(), argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  std::string text;
+  char buffer[65536];
+  for (ssize_t n; (n = read(out[0], buffer, sizeof buffer)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  close(out[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    throw std::runtime_error(fmt::format("the measuring process failed (status {})", status));
+  return decode(nlohmann::json::parse(text));
+}
+
 /// The .pt2 path of one archive (see the file comment).
 struct ExportedResult {
   std::string file;
@@ -295,7 +384,8 @@ ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
 
 int main(int argc, char** argv) {
   int reps = 7, warmup = 1, profile_rewrite = 0, profile_save = 0;
-  bool file_form = false;
+  bool file_form = false, measure_one = false, one_process = false;
+  std::string scratch_option;
   std::string save_to, pt2;
   std::vector<std::string> files;
   CLI::App app{"Rewrite time vs model depth (rewrite_for_fragments, its two steps, LibTorch's freeze_module, "
@@ -319,6 +409,11 @@ int main(int argc, char** argv) {
   app.add_flag("--file-form", file_form,
                "With --profile-rewrite / --profile-save: frag rewrite's file form (rewrite_for_file), not the inlining "
                "rewrite");
+  app.add_flag("--one-process", one_process,
+               "Measure every depth in this process (default: each in a process of its own, from a fresh heap)");
+  app.add_flag("--measure-one", measure_one, "(internal) measure the one FILE.pt and print the result as JSON")
+      ->group("");
+  app.add_option("--scratch", scratch_option, "(internal) the folder for --measure-one's saves")->group("");
   app.add_option("--save-to", save_to, "With --profile-save: keep the saved rewritten file at this path");
   app.add_option("--pt2", pt2,
                  "A torch.export archive (FILE.pt2) for the .pt2 rows; with no files: rank 0 of "
@@ -369,6 +464,12 @@ int main(int argc, char** argv) {
                              files[0], stats.median(), stats.min(), cpu.median(), profile_rewrite);
     return 0;
   }
+  if (measure_one) {  // the child of measure_in_child
+    if (files.size() != 1 || scratch_option.empty()) return 2;
+    torch::set_num_threads(1);
+    std::cout << encode(measure(files[0], reps, warmup, scratch_option)).dump() << std::endl;
+    return 0;
+  }
   if (files.empty() && pt2.empty()) {
     if (auto found = frag::bench::find_reference_export(argv[0], "bench_llama_l80_tp2_pt2", "rank0.pt2"))
       pt2 = *found + "/rank0.pt2";
@@ -393,7 +494,8 @@ int main(int argc, char** argv) {
   for (const auto& file : files) {
     std::cerr << "measuring " << file << " (" << reps << " reps) ...\n";
     try {
-      results.push_back(measure(file, reps, warmup, scratch));
+      results.push_back(one_process ? measure(file, reps, warmup, scratch)
+                                    : measure_in_child("/proc/self/exe", file, reps, warmup, scratch));
     } catch (const std::exception& e) {
       std::cerr << "rewrite_benchmark: " << file << ": " << e.what() << "\n";
       std::filesystem::remove_all(scratch);
