@@ -40,6 +40,10 @@ class RankProgram : public runtime::ModuleTree {
 
   /// The dtype the model computes in (its first floating-point parameter's).
   virtual at::ScalarType dtype() const = 0;
+  /// Where forwards may be captured in CUDA graphs (program/captured_forwards.h): the storage of the first
+  /// weight, which a graph reads where it was (a change of it drops the graphs); nullptr where they may not
+  /// (CPUs, builds without CUDA graphs, torch.export programs).
+  virtual const void* capturable_weights() const { return nullptr; }
   /// (path, class name) of every module, the root as "".
   virtual std::vector<std::pair<std::string, std::string>> named_modules() const = 0;
   /// Runs forward(input_ids) without autograd, under the current rank context and intervention runtime,

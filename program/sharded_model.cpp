@@ -26,8 +26,10 @@ uint64_t digest(const std::string& text) {
   return hash;
 }
 
-/// Applies an edit step to the selected part of a whole: the one switch over edit actions.
-void apply_edit(const PlanStep& step, torch::Tensor& target, const std::string& location) {
+/// Applies an edit step to the selected part of a whole: the one switch over edit actions. `value` keeps
+/// the step's value on the whole's device and dtype, made on the first visit: later visits (and a CUDA
+/// graph's capture, which cannot copy from host memory) reuse it.
+void apply_edit(const PlanStep& step, torch::Tensor& target, const std::string& location, torch::Tensor& value) {
   switch (step.action) {
     case Action::kZero:
       target.zero_();
@@ -37,7 +39,8 @@ void apply_edit(const PlanStep& step, torch::Tensor& target, const std::string& 
       return;
     case Action::kSet:
     case Action::kAdd: {
-      auto value = step.value_tensor.to(target.device(), target.scalar_type());
+      if (!value.defined() || value.device() != target.device() || value.scalar_type() != target.scalar_type())
+        value = step.value_tensor.to(target.device(), target.scalar_type());
       try {
         if (step.action == Action::kSet) target.copy_(value.expand_as(target));
         else target.add_(value.expand_as(target));
@@ -110,8 +113,9 @@ ir::LocationId ShardedModel::checked_location(const std::string& location, const
 }
 
 void ShardedModel::add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit,
-                            const std::string& label, bool edits) {
+                            const std::string& label, bool edits, bool capturable) {
   runtime_->add(location, std::move(hook), visit, edits);
+  if (!capturable) ++callbacks_;
   if (visit) single_visits_.emplace_back(location, *visit);
   descriptors_.push_back(
       fmt::format("{}@{}#{}", label, locations().at(location).name, visit ? std::to_string(*visit) : "*"));
@@ -120,7 +124,7 @@ void ShardedModel::add_hook(ir::LocationId location, Hook hook, std::optional<in
 
 void ShardedModel::on(const std::string& location, Hook hook, std::optional<int64_t> visit,
                       const std::string& label, bool edits) {
-  add_hook(checked_location(location, label), std::move(hook), visit, label, edits);
+  add_hook(checked_location(location, label), std::move(hook), visit, label, edits, /*capturable=*/false);
 }
 
 void ShardedModel::save(const std::string& location, const std::string& name, std::optional<int64_t> visit) {
@@ -132,14 +136,19 @@ void ShardedModel::add_save(ir::LocationId location, const std::string& name, st
   add_hook(
       location,
       [this, name, index](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
-        auto& values = saved_[save_prefix_ + name];
         if (index)  // a copy of the slice alone, not a view that keeps the whole alive
-          values.push_back(index->select(whole.detach(), info.location).clone(at::MemoryFormat::Contiguous));
+          keep_saved(name, index->select(whole.detach(), info.location).clone(at::MemoryFormat::Contiguous));
         else  // a gathered whole that nothing edits after this save is kept as is: no copy
-          values.push_back(info.may_keep ? whole.detach() : whole.detach().clone());
+          keep_saved(name, info.may_keep ? whole.detach() : whole.detach().clone());
         return std::nullopt;
       },
-      visit, index ? fmt::format("save:{}[{}]", name, index->text) : "save:" + name, /*edits=*/false);
+      visit, index ? fmt::format("save:{}[{}]", name, index->text) : "save:" + name, /*edits=*/false,
+      /*capturable=*/true);
+}
+
+void ShardedModel::keep_saved(const std::string& name, torch::Tensor value) {
+  if (capturing_ != nullptr) capturing_->saves.emplace_back(name, std::move(value));  // a buffer of the graph
+  else saved_[save_prefix_ + name].push_back(std::move(value));
 }
 
 void ShardedModel::check_against_width(const PlanStep& step, int64_t width, const std::string& where) const {
@@ -239,7 +248,7 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, 
             saved_[save_prefix_ + step.as].push_back(result);
             return std::nullopt;
           },
-          step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false);
+          step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false, /*capturable=*/false);
       return;
     case Action::kSet:
     case Action::kAdd:
@@ -247,18 +256,22 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, 
     case Action::kZero:
       add_hook(
           location,
-          [step](torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+          [this, step, value = std::make_shared<torch::Tensor>()](
+              torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
             torch::Tensor target = step.index ? step.index->select(whole, info.location) : whole;
-            apply_edit(step, target, info.location);
+            apply_edit(step, target, info.location, *value);
+            // A graph replays reading this value where it is: it keeps it alive, whatever becomes of the hook.
+            if (capturing_ != nullptr && value->defined()) capturing_->held.push_back(*value);
             return std::nullopt;
           },
-          step.visit, fmt::format("edit:{}", step.describe()), /*edits=*/true);
+          step.visit, fmt::format("edit:{}", step.describe()), /*edits=*/true, /*capturable=*/true);
       return;
   }
 }
 
 void ShardedModel::clear() {
   runtime_->clear();
+  callbacks_ = 0;
   width_checks_.clear();
   descriptors_.clear();
   single_visits_.clear();
@@ -296,7 +309,80 @@ torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
   runtime::ScopedRankContext rank_scope(context_);
   runtime::ScopedInterventionRuntime runtime_scope(runtime_);
   runtime_->begin_forward();
-  return program_->forward(input_ids, kept_locations(), RankProgram::Use::kRepeated);
+  const auto* kept = kept_locations();
+  if (auto* entry = graph_entry(input_ids)) return forward_with_graph(*entry, input_ids, kept);
+  return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+}
+
+void ShardedModel::set_cuda_graphs(bool on) {
+  cuda_graphs_ = on;
+  if (!on) graphs_.clear();
+}
+
+CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_ids) {
+  if (!cuda_graphs_ || callbacks_ > 0 || !input_ids.is_cuda()) return nullptr;
+  const void* weights = program_->capturable_weights();
+  if (weights == nullptr || !context_->capturable()) return nullptr;
+  if (plan_text_at_changes_ != runtime_->changes()) {
+    plan_text_ = fmt::format("{}", fmt::join(descriptors_, "\n"));
+    plan_text_at_changes_ = runtime_->changes();
+  }
+  return &graphs_.entry(plan_text_, specialize_, weights, input_ids);
+}
+
+torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
+                                               const std::vector<ir::LocationId>* kept) {
+  if (!entry.captured()) {
+    if (entry.refused || entry.eager_runs < CapturedForwards::kEagerRunsFirst) {
+      ++entry.eager_runs;
+      return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+    }
+    capture(entry, input_ids, kept);
+    if (!entry.captured()) return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+  }
+  entry.input.copy_(input_ids);
+  entry.graph->replay();
+  ++graphs_.stats().replays;
+  runtime_->replayed(entry.counts);
+  for (const auto& [name, buffer] : entry.saves) saved_[save_prefix_ + name].push_back(buffer.clone());
+  auto logits = entry.output.clone();
+  try {
+    // As an eager forward ends: one wait for the collectives, which throws what failed or timed out.
+    context_->watch_replay();
+    context_->synchronize();
+  } catch (const Error& e) {
+    fail("{}: forward failed: {}", program_->path(), e.what());
+  }
+  return logits;
+}
+
+void ShardedModel::capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
+                           const std::vector<ir::LocationId>* kept) {
+  const auto before = runtime_->counts();
+  entry.input = input_ids.clone();
+  capturing_ = &entry;
+  try {
+    entry.graph = std::make_unique<runtime::CudaGraph>(
+        [&] { entry.output = program_->forward(entry.input, kept, RankProgram::Use::kRepeated); });
+  } catch (const Error& e) {
+    capturing_ = nullptr;
+    entry.saves.clear();
+    entry.held.clear();
+    entry.input = entry.output = torch::Tensor();
+    entry.refused = e.what();
+    ++graphs_.stats().refusals;
+    if (context_->rank() == 0)
+      fmt::print(stderr, "fragments: {}: input shape [{}] runs eagerly: {}\n", program_->path(),
+                 fmt::join(entry.shape, ", "), e.what());
+    runtime_->begin_forward();  // the eager forward that follows counts its own visits
+    return;
+  }
+  capturing_ = nullptr;
+  ++graphs_.stats().captures;
+  auto after = runtime_->counts();
+  for (size_t id = 0; id < after.collectives.size(); ++id) after.collectives[id] -= before.collectives[id];
+  entry.counts = std::move(after);
+  runtime_->begin_forward();  // the replay counts them
 }
 
 const std::vector<ir::LocationId>* ShardedModel::kept_locations() {

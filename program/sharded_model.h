@@ -20,6 +20,7 @@
 
 #include "ir/head_layout.h"
 #include "ir/location_table.h"
+#include "program/captured_forwards.h"
 #include "program/rank_program.h"
 #include "program/torchscript_program.h"
 #include "runtime/ad_hoc_call.h"
@@ -95,6 +96,7 @@ class ShardedModel {
   /// It runs a copy of the rewritten graph that keeps the fragment ops only at
   /// locations with interventions (program/forward_cache); elsewhere the
   /// forward is the original export's, with no op to dispatch. See set_specialize.
+  /// On a GPU a repeated forward replays a CUDA graph (set_cuda_graphs).
   torch::Tensor forward(const torch::Tensor& input_ids);
   /// Whether forward specializes the graph to the hooked locations or always
   /// runs the full rewrite (every location's ops, idle where nothing waits).
@@ -103,6 +105,15 @@ class ShardedModel {
   /// with GPU fusion allowed a fusion group may span a location whose ops were
   /// dropped, so a read-only plan could round differently from no plan.
   void set_specialize(bool specialize) { specialize_ = specialize; }
+  /// Whether forwards on a GPU replay CUDA graphs (program/captured_forwards.h): a plan and input shape
+  /// seen twice is captured on its third forward and replayed after, when nothing registered must call
+  /// back (no on() hook, no call step). Replays compute what eager forwards do, bit for bit. On by default;
+  /// turning it off drops the graphs. Weights must stay where they are while it is on (in-place changes
+  /// are fine): replacing the first weight's storage (module().to(...)) drops the graphs, others are not watched.
+  void set_cuda_graphs(bool on);
+  bool cuda_graphs() const { return cuda_graphs_; }
+  /// Captures, replays and refused captures so far.
+  const CapturedForwards::Stats& graph_stats() const { return graphs_.stats(); }
   /// The graph the next forward runs (specialized or the full rewrite), for inspection.
   std::shared_ptr<torch::jit::Graph> forward_graph();
 
@@ -131,8 +142,17 @@ class ShardedModel {
   ShardedModel() = default;
   /// The id of a location a step or hook may act at (fragmented or whole); else frag::Error.
   ir::LocationId checked_location(const std::string& location, const std::string& what) const;
+  /// `capturable`: the hook only enqueues GPU work (a save, an edit), so a CUDA graph may hold it.
   void add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit, const std::string& label,
-                bool edits);
+                bool edits, bool capturable);
+  /// Where a save's value goes: saved_, or during a capture the graph's list of buffers.
+  void keep_saved(const std::string& name, torch::Tensor value);
+  /// The cache entry when this forward may use a CUDA graph, else nullptr.
+  CapturedForwards::Entry* graph_entry(const torch::Tensor& input_ids);
+  torch::Tensor forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
+                                   const std::vector<ir::LocationId>* kept);
+  /// Captures the forward into `entry`; where CUDA refuses, marks it refused (it runs eagerly from then on).
+  void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept);
   void agree_on_interventions();
   /// `where` names the plan step in errors its hooks raise while the forward runs (a call chain that fails).
   void register_step(const PlanStep& step, ir::LocationId location, const std::string& where);
@@ -169,6 +189,13 @@ class ShardedModel {
   std::vector<WidthCheck> width_checks_;
   std::map<ir::LocationId, int64_t> probed_widths_;
   bool specialize_ = true;
+  bool cuda_graphs_ = true;
+  int64_t callbacks_ = 0;  ///< hooks registered that are not capturable
+  CapturedForwards graphs_;
+  /// Set while a forward is captured: where its saves and the tensors its edits read go.
+  CapturedForwards::Entry* capturing_ = nullptr;
+  std::string plan_text_;  ///< descriptors_ joined, for the graph cache's key
+  int64_t plan_text_at_changes_ = -1;
   int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `kept_` was taken
   std::vector<ir::LocationId> kept_;
 };

@@ -1,6 +1,8 @@
 //===- program/torchscript_program.cpp - A TorchScript rank file as a program ===//
 #include "program/torchscript_program.h"
 
+#include "runtime/cuda_graph.h"
+
 #include <torch/csrc/jit/api/function_impl.h>
 
 namespace frag::program {
@@ -20,6 +22,13 @@ at::ScalarType TorchScriptProgram::dtype() const {
   for (const auto& p : prepared_.rank.module.parameters())
     if (p.is_floating_point()) return p.scalar_type();
   return at::kFloat;
+}
+
+const void* TorchScriptProgram::capturable_weights() const {
+  if (!runtime::CudaGraph::available()) return nullptr;
+  for (const auto& p : prepared_.rank.module.parameters())
+    if (p.is_floating_point()) return p.is_cuda() ? p.data_ptr() : nullptr;
+  return nullptr;
 }
 
 std::vector<std::pair<std::string, std::string>> TorchScriptProgram::named_modules() const {

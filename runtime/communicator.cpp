@@ -30,6 +30,7 @@ class SingleRankCommunicator final : public Communicator {
   int rank() const override { return 0; }
   int size() const override { return 1; }
   std::string backend() const override { return "single"; }
+  bool capturable() const override { return true; }
 
  protected:
   torch::Tensor do_all_reduce(const torch::Tensor& x) override { return x.clone(); }

@@ -53,6 +53,13 @@ class Communicator {
   /// for backends whose collectives finish before they return.
   virtual void synchronize() {}
 
+  /// Whether a CUDA graph may capture this communicator's collectives: they are enqueued on the current
+  /// stream and nothing waits on the host (runtime/cuda_graph.h). Single-rank and NCCL communicators.
+  virtual bool capturable() const { return false; }
+  /// After a replayed graph: watches everything enqueued on the current stream so far as if it were one
+  /// collective (the replay's own ran unwatched), so synchronize() waits for it and the timeout holds.
+  virtual void watch_replay() {}
+
   /// Collectives this communicator has run since it was made.
   int64_t collective_count() const { return collective_count_.load(); }
 

@@ -89,6 +89,27 @@ int64_t InterventionRuntime::visits_at(const std::string& location) const {
   return entry == nullptr || entry->forward != forward_ ? 0 : entry->visits;
 }
 
+InterventionRuntime::Counts InterventionRuntime::counts() const {
+  Counts counts;
+  counts.visits.reserve(states_.size());
+  counts.collectives.reserve(states_.size());
+  for (const auto& entry : states_) {
+    counts.visits.push_back(entry.forward == forward_ ? entry.visits : 0);
+    counts.collectives.push_back(entry.collectives);
+  }
+  return counts;
+}
+
+void InterventionRuntime::replayed(const Counts& forward) {
+  TORCH_INTERNAL_ASSERT(forward.visits.size() == states_.size() && forward.collectives.size() == states_.size());
+  for (size_t id = 0; id < states_.size(); ++id) {
+    if (forward.visits[id] == 0 && forward.collectives[id] == 0) continue;
+    Location& entry = in_this_forward(static_cast<ir::LocationId>(id));
+    entry.visits = forward.visits[id];
+    entry.collectives += forward.collectives[id];
+  }
+}
+
 bool InterventionRuntime::waiting(const Location& state, int64_t visit) {
   for (const auto& registered : state.hooks)
     if (!registered.visit || *registered.visit == visit) return true;

@@ -91,6 +91,17 @@ class InterventionRuntime {
   /// graph specialized to the hooked locations has none elsewhere).
   int64_t visits_at(const std::string& location) const;
 
+  /// Per location id: visits in the current forward, and collectives since construction. A forward
+  /// replayed from a CUDA graph runs no op: program/captured_forwards.h takes these around the captured
+  /// forward and hands the difference to replayed(), so visits_at and collectives_at read as if it ran.
+  struct Counts {
+    std::vector<int64_t> visits;
+    std::vector<int64_t> collectives;
+  };
+  Counts counts() const;
+  /// Counts a replay of a forward that did `forward` (visits, and the collectives it added), after begin_forward.
+  void replayed(const Counts& forward);
+
   // The op kernels (runtime/fragment_ops.cpp) call these with bound ids.
   torch::Tensor gather(const torch::Tensor& piece, ir::LocationId location);
   torch::Tensor intervene(const torch::Tensor& value, ir::LocationId location, bool fragmented);

@@ -16,6 +16,7 @@
 #include "ir/error.h"
 #include "runtime/collective_watchdog.h"
 #include "runtime/communicator.h"
+#include "runtime/cuda_graph.h"
 
 #ifdef FRAG_WITH_NCCL
 #include <cuda_runtime.h>
@@ -107,6 +108,13 @@ class NcclCommunicator final : public Communicator {
 
   void synchronize() override { watchdog_->wait_all(); }
 
+#ifdef FRAG_WITH_C10_CUDA
+  // On the current stream, with no host wait: a CUDA graph may hold them (not in sync-each mode).
+  bool capturable() const override { return !sync_each_; }
+#endif
+
+  void watch_replay() override { watch_stream("a replayed CUDA graph's collectives"); }
+
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
@@ -165,10 +173,17 @@ class NcclCommunicator final : public Communicator {
       // peer): its enqueue completes before the next call may start.
       if (status == ncclInProgress) wait_for_comm(what);
     }
-    cudaEvent_t event = next_event();
-    check_cuda(cudaEventRecord(event, s), "cudaEventRecord");
-    watchdog_->watch(event, what);
+    // A collective captured in a CUDA graph has not run: its replay is watched instead (watch_replay).
+    if (CudaGraph::capturing()) return;
+    watch_stream(what);
     if (sync_each_) synchronize();
+  }
+
+  /// A marker behind what the current stream holds so far, for the watchdog.
+  void watch_stream(const char* what) {
+    cudaEvent_t event = next_event();
+    check_cuda(cudaEventRecord(event, stream()), "cudaEventRecord");
+    watchdog_->watch(event, what);
   }
 
   cudaEvent_t next_event() {

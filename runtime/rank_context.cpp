@@ -184,14 +184,25 @@ Communicator& RankContext::group(const std::string& name) const {
   return *it->second;
 }
 
+std::vector<Communicator*> RankContext::communicators() const {
+  // The groups may share one communicator: each once.
+  std::vector<Communicator*> distinct;
+  for (const auto& [name, group] : groups_)
+    if (std::find(distinct.begin(), distinct.end(), group.get()) == distinct.end()) distinct.push_back(group.get());
+  return distinct;
+}
+
 void RankContext::synchronize() const {
-  // The groups may share one communicator: synchronize each once.
-  std::vector<Communicator*> done;
-  for (const auto& [name, group] : groups_) {
-    if (std::find(done.begin(), done.end(), group.get()) != done.end()) continue;
-    done.push_back(group.get());
-    group->synchronize();
-  }
+  for (Communicator* communicator : communicators()) communicator->synchronize();
+}
+
+bool RankContext::capturable() const {
+  const auto all = communicators();
+  return std::all_of(all.begin(), all.end(), [](const Communicator* c) { return c->capturable(); });
+}
+
+void RankContext::watch_replay() const {
+  for (Communicator* communicator : communicators()) communicator->watch_replay();
 }
 
 std::vector<std::string> RankContext::exchange(const std::string& step, const std::string& value) {

@@ -83,6 +83,10 @@ class RankContext {
   /// returns before they ran) and throws the error of one that failed or
   /// timed out. The forward calls it once at its end.
   void synchronize() const;
+  /// Whether every communicator's collectives may be captured in a CUDA graph (Communicator::capturable).
+  bool capturable() const;
+  /// After a replayed CUDA graph: every communicator watches the stream's work (Communicator::watch_replay).
+  void watch_replay() const;
 
   /// Every rank posts `value` under `step`; returns all ranks' values in rank
   /// order. Goes through the store, not a collective, so ranks that have
@@ -96,6 +100,7 @@ class RankContext {
 
  private:
   RankContext() = default;
+  std::vector<Communicator*> communicators() const;
 
   int rank_ = 0;
   int world_size_ = 1;

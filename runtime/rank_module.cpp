@@ -2,6 +2,7 @@
 #include "runtime/rank_module.h"
 
 #include "ir/error.h"
+#include "runtime/cuda_graph.h"
 #include "runtime/rank_context.h"
 
 #include <caffe2/serialize/inline_container.h>
@@ -180,8 +181,9 @@ torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_id
     output = forward == nullptr ? rank_module.module.forward({input_ids})
                                 : (*forward)({rank_module.module._ivalue(), input_ids});
     // Collectives run asynchronously (NCCL): one wait per forward, where a
-    // failed or timed-out one surfaces, instead of one per collective.
-    current_rank_context().synchronize();
+    // failed or timed-out one surfaces, instead of one per collective. A
+    // forward being captured has run nothing yet: its replay waits.
+    if (!CudaGraph::capturing()) current_rank_context().synchronize();
   } catch (const c10::Error& e) {
     fail("{}: forward failed: {}", rank_module.path, interpreter_message(e.what_without_backtrace()));
   } catch (const Error&) {

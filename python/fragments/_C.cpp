@@ -324,6 +324,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", [](const PyModel& m) { return m.context->rank(); })
       .def_property_readonly("world_size", [](const PyModel& m) { return m.context->world_size(); })
       .def_property_readonly("python_calls", [](const PyModel& m) { return m.python_calls; })
+      .def_property(
+          "cuda_graphs", [](const PyModel& m) { return m.model->cuda_graphs(); },
+          [](PyModel& m, bool on) { m.model->set_cuda_graphs(on); })
+      .def("graph_stats",
+           [](const PyModel& m) {
+             const auto& stats = m.model->graph_stats();
+             py::dict out;
+             out["captures"] = stats.captures;
+             out["replays"] = stats.replays;
+             out["refusals"] = stats.refusals;
+             return out;
+           })
       .def_property_readonly("dtype",
                              [](PyModel& m) -> py::object {
                                return py::reinterpret_borrow<py::object>(

@@ -602,6 +602,21 @@ class Model:
         return self._layouts[location]
 
     @property
+    def cuda_graphs(self):
+        """Whether traces on a GPU replay CUDA graphs (on by default): a plan and input shape seen twice is
+        captured on its third forward and replayed after, bit-identical to running it op by op. Traces with
+        Python callables (`.apply`) or ad-hoc module calls run eagerly. Set False to turn it off."""
+        return self._c.cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, on):
+        self._c.cuda_graphs = bool(on)
+
+    def graph_stats(self):
+        """{"captures", "replays", "refusals"}: CUDA graphs this rank captured, replayed, and could not capture."""
+        return self._c.graph_stats()
+
+    @property
     def python_calls(self):
         """How many times Python callables (`.apply`) have run on this rank."""
         return self._c.python_calls

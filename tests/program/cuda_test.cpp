@@ -11,6 +11,7 @@
 #include "tools/launcher.h"
 
 #include "runtime/collective_watchdog.h"
+#include "runtime/cuda_graph.h"
 
 #include <gtest/gtest.h>
 #include <atomic>
@@ -316,6 +317,185 @@ TEST(Cuda, FragRunOnTheGpuMatchesTheCpu) {
   auto cpu = run("cpu");
   auto gpu = run("cuda");
   EXPECT_LT((gpu - cpu).abs().max().item<double>(), kTolerance);
+}
+
+
+// ---- CUDA graphs (issue 17, item 2) -------------------------------------------------------------
+
+#define FRAG_REQUIRE_CUDA_GRAPHS()                                                            \
+  do {                                                                                        \
+    FRAG_REQUIRE_CUDA();                                                                      \
+    if (!CudaGraph::available()) GTEST_SKIP() << "this build cannot capture CUDA graphs (no c10_cuda)"; \
+  } while (0)
+
+/// Token ids of `batch` x `length`, different for each `round`: a replay must read the new ids.
+torch::Tensor round_ids(int64_t round, int64_t batch = 2, int64_t length = 8) {
+  return (torch::arange(batch * length, torch::kLong).reshape({batch, length}) * (7 + round) + 3 * round) % 1000;
+}
+
+TEST(Cuda, ACapturedForwardReplaysWhatTheEagerForwardComputesBitForBit) {
+  FRAG_REQUIRE_CUDA_GRAPHS();
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto folder = testing::temporary_folder();
+  // Saves (whole, fragmented, indexed, one visit) and every edit kind, at fragmented and whole locations.
+  const nlohmann::json plan = nlohmann::json::array(
+      {{{"at", "model.layers.0.mlp.gate_up_proj.output"}, {"do", "save"}, {"as", "gate_up"}},
+       {{"at", "model.layers.0.self_attn.qkv_proj.output"}, {"do", "zero"}, {"index", "...,0:8"}},
+       {{"at", "model.layers.0.output"}, {"do", "scale"}, {"by", 1.5}, {"index", "...,0:32"}},
+       {{"at", "model.layers.0.output"}, {"do", "save"}, {"as", "layer0"}},
+       {{"at", "model.layers.1.mlp.down_proj.input"}, {"do", "add"}, {"value", "v.safetensors:v"}},
+       {{"at", "model.layers.1.self_attn.o_proj.input"}, {"do", "set"}, {"value", "v.safetensors:v"},
+        {"index", "...,0:4"}, {"visit", 0}},
+       {{"at", "model.norm.output"}, {"do", "save"}, {"as", "normed"}},
+       {{"at", "lm_head.output"}, {"do", "save"}, {"as", "head"}}});
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    write_safetensors(folder + "/v.safetensors", {{"v", torch::full({1}, 0.25).to(dtype)}});
+    auto eager = ShardedModel::load(RankContext::single_rank(), model_files("llama_tp1")[0], gpu);
+    auto graphed = ShardedModel::load(RankContext::single_rank(), model_files("llama_tp1")[0], gpu);
+    eager.set_cuda_graphs(false);
+    for (auto* model : {&eager, &graphed}) {  // hooks keep the model's address: registered where it stays
+      model->module().to(dtype);
+      model->apply(Plan::from_json(plan, "plan", folder));
+    }
+    // Rounds 0-1 run eagerly, round 2 captures and replays, 3-4 replay; round 5 is a new shape (eager).
+    // (In fp32 the executor's fusers act from its second run on, so eager rounds compare run for run.)
+    for (int64_t round = 0; round < 6; ++round) {
+      SCOPED_TRACE("round " + std::to_string(round));
+      auto ids = (round == 5 ? round_ids(round, 1, 5) : round_ids(round)).to(gpu);
+      auto expected = eager.forward(ids);
+      auto logits = graphed.forward(ids);
+      EXPECT_TRUE(torch::equal(logits, expected))
+          << "max |diff| " << (logits.to(torch::kFloat) - expected.to(torch::kFloat)).abs().max().item<double>();
+      for (const char* name : {"gate_up", "layer0", "normed", "head"}) {
+        ASSERT_EQ(graphed.saved().at(name).size(), static_cast<size_t>(round + 1)) << name;
+        EXPECT_TRUE(torch::equal(graphed.saved().at(name).back(), eager.saved().at(name).back())) << name;
+      }
+      for (const char* location : {"model.layers.0.output", "model.layers.1.self_attn.o_proj.input"})
+        EXPECT_EQ(graphed.interventions().visits_at(location), eager.interventions().visits_at(location));
+      EXPECT_EQ(graphed.unreached_visits(), eager.unreached_visits());
+    }
+    // Saves outlive the next replay: round 2's copy still holds round 2's values.
+    EXPECT_FALSE(torch::equal(graphed.saved().at("head")[2], graphed.saved().at("head")[3]));
+    EXPECT_TRUE(torch::equal(graphed.saved().at("head")[2], eager.saved().at("head")[2]));
+    const auto& stats = graphed.graph_stats();
+    EXPECT_EQ(stats.captures, 1);
+    EXPECT_EQ(stats.replays, 3) << "rounds 2, 3 and 4";
+    EXPECT_EQ(stats.refusals, 0);
+    EXPECT_EQ(eager.graph_stats().captures, 0);
+  }
+  testing::remove_flat_folder(folder);
+}
+
+TEST(Cuda, ForwardsWithCallbacksRunEagerlyAndAChangeOfPlanCapturesAgain) {
+  FRAG_REQUIRE_CUDA_GRAPHS();
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto model = ShardedModel::load(RankContext::single_rank(), model_files("llama_tp1")[0], gpu);
+  int calls = 0;
+  model.on("model.layers.0.output", [&](torch::Tensor& whole, const VisitInfo&) -> std::optional<torch::Tensor> {
+    ++calls;
+    whole.mul_(2);
+    return std::nullopt;
+  });
+  auto ids = round_ids(0).to(gpu);
+  for (int i = 0; i < 4; ++i) model.forward(ids);
+  EXPECT_EQ(calls, 4) << "a C++ callback runs on every forward";
+  EXPECT_EQ(model.graph_stats().captures, 0);
+  model.clear();
+  model.save("model.layers.1.output", "layer1");
+  model.forward(ids);  // the executor's profiling run (fp32: it fuses from the next run on)
+  const auto plain = model.forward(ids);
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(torch::equal(model.forward(ids), plain));
+  EXPECT_EQ(model.graph_stats().captures, 1);
+  EXPECT_EQ(model.graph_stats().replays, 2);
+  // Another plan: its third forward captures its own.
+  model.save("model.layers.0.output", "layer0");
+  for (int i = 0; i < 3; ++i) model.forward(ids);
+  EXPECT_EQ(model.graph_stats().captures, 2);
+  EXPECT_EQ(model.saved().at("layer0").size(), 3u);
+  EXPECT_EQ(model.saved().at("layer1").size(), 7u);
+  // The first plan registered again (as Python registers a trace's plan per forward) finds its graph.
+  model.clear();
+  model.save("model.layers.1.output", "layer1");
+  EXPECT_TRUE(torch::equal(model.forward(ids), plain));
+  EXPECT_EQ(model.graph_stats().captures, 2);
+  EXPECT_EQ(model.graph_stats().replays, 4);
+  EXPECT_EQ(model.saved().at("layer1").size(), 8u);
+  // So does a change of the weights' storage: bf16 weights are a new capture, not a replay of fp32 ones.
+  model.module().to(torch::kBFloat16);
+  model.forward(ids);
+  auto bf16 = model.forward(ids);
+  EXPECT_EQ(bf16.scalar_type(), torch::kBFloat16);
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(torch::equal(model.forward(ids), bf16));
+  EXPECT_EQ(model.graph_stats().captures, 3);
+  EXPECT_EQ(model.graph_stats().replays, 6);
+}
+
+TEST(Cuda, ACaptureCudaRefusesIsAbandonedCleanly) {
+  FRAG_REQUIRE_CUDA_GRAPHS();
+  auto x = torch::ones({4}, torch::TensorOptions().device(torch::kCUDA));
+  // Reading a value back needs the host: CUDA refuses it inside a capture.
+  try {
+    CudaGraph refused([&] { (void)x.sum().item<float>(); });
+    FAIL() << "the capture should have been refused";
+  } catch (const frag::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA graph capture failed"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(CudaGraph::capturing());
+  // Nothing is left behind: eager work and a new capture work.
+  EXPECT_EQ(x.sum().item<float>(), 4.0f);
+  torch::Tensor out;
+  CudaGraph graph([&] { out = x * 2; });
+  x.fill_(3);
+  graph.replay();
+  EXPECT_TRUE(torch::equal(out.cpu(), torch::full({4}, 6.0f)));
+}
+
+TEST(Cuda, NcclCollectivesReplayFromACudaGraphAndTheReplayIsWatched) {
+  FRAG_REQUIRE_CUDA_GRAPHS();
+  if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL backend";
+  auto nccl = nccl_world_1(std::chrono::seconds(30));
+  ASSERT_TRUE(nccl->capturable());
+  auto x = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA)).reshape({2, 3});
+  nccl->all_reduce(x);  // first use sets the communicator up, outside the capture
+  nccl->synchronize();
+  torch::Tensor sum, stacked;
+  CudaGraph graph([&] {
+    sum = nccl->all_reduce(x);
+    stacked = nccl->all_gather_stacked(x * 2);
+  });
+  EXPECT_EQ(nccl->collective_count(), 3);
+  for (float k : {1.0f, -4.0f}) {
+    x.fill_(k);
+    graph.replay();
+    nccl->watch_replay();
+    nccl->synchronize();
+    EXPECT_TRUE(torch::equal(sum.cpu(), torch::full({2, 3}, k)));
+    EXPECT_TRUE(torch::equal(stacked.cpu(), torch::full({1, 2, 3}, 2 * k)));
+  }
+  EXPECT_FALSE(nccl_world_1(std::chrono::seconds(30), /*sync_each=*/true)->capturable())
+      << "a communicator that waits after each collective cannot be captured";
+}
+
+TEST(Cuda, AMoeForwardIsCapturedOrRunsEagerlyAndEitherWayMatches) {
+  FRAG_REQUIRE_CUDA_GRAPHS();
+  // The kit's MoE routes tokens to experts; whether its forward reads tensor values to branch decides
+  // whether CUDA can capture it. Either way the results equal the eager forward's.
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto eager = ShardedModel::load(RankContext::single_rank(), model_files("moe_tp1")[0], gpu);
+  eager.set_cuda_graphs(false);
+  auto graphed = ShardedModel::load(RankContext::single_rank(), model_files("moe_tp1")[0], gpu);
+  for (auto* model : {&eager, &graphed}) model->save("lm_head.output", "head");
+  for (int64_t round = 0; round < 5; ++round) {
+    auto ids = round_ids(round).to(gpu);
+    EXPECT_TRUE(torch::equal(graphed.forward(ids), eager.forward(ids))) << "round " << round;
+    EXPECT_TRUE(torch::equal(graphed.saved().at("head").back(), eager.saved().at("head").back()));
+  }
+  const auto& stats = graphed.graph_stats();
+  std::cout << "[ info ] moe_tp1: captures " << stats.captures << ", replays " << stats.replays << ", refusals "
+            << stats.refusals << "\n";
+  EXPECT_EQ(stats.captures + stats.refusals, 1) << "the third forward captures or is refused, once";
+  EXPECT_EQ(stats.replays, stats.captures == 1 ? 3 : 0);
 }
 
 }  // namespace

@@ -12,6 +12,10 @@
 //   FUSED (TorchScript's GPU fusers on, LibTorch's default and this runtime's
 //     before issue 17 item 4): the original; full rewrite and specialized, each
 //     with nothing registered and with layer saves.
+//   GRAPH (CUDA graphs, ShardedModel's default on GPUs): the original's forward
+//     captured by this benchmark (runtime::CudaGraph); rewritten with nothing
+//     registered, and with saves at the layer outputs, at every fragmented
+//     location and at every location, each replayed by ShardedModel.
 // Each variant's logits are compared with its family's original (bit for bit)
 // and its optimized graph's TensorExpr groups and frag:: ops counted
 // (FRAG_BENCH_GRAPH_DIR=DIR writes the graphs). Ratios: rewritten / original
@@ -25,6 +29,7 @@
 //===----------------------------------------------------------------------===//
 #include "ir/fragment_table.h"
 #include "passes/rewrite_for_fragments.h"
+#include "runtime/cuda_graph.h"
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
 #include "program/sharded_model.h"
@@ -114,9 +119,10 @@ int main(int argc, char** argv) {
       torch::cuda::synchronize();
       return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     };
+    enum Family { kFused, kOpByOp, kGraph };
     struct Variant {
       std::string name;
-      bool fused;  // runtime::set_gpu_fusion while this variant runs (its executor builds its plan so)
+      Family family;  // kFused: runtime::set_gpu_fusion on while it runs (its executor builds its plan so)
       std::function<torch::Tensor()> run;
       std::vector<double> ms;
       torch::Tensor logits;
@@ -131,9 +137,10 @@ int main(int argc, char** argv) {
     bench::replace_fragment_ops_with_raw_collectives(
         *torch::jit::toGraphFunction(raw.module.get_method("forward").function()).graph());
     std::vector<std::unique_ptr<ShardedModel>> models;
-    auto model = [&](bool specialize) -> ShardedModel& {
+    auto model = [&](bool specialize, bool graphs = false) -> ShardedModel& {
       models.push_back(std::make_unique<ShardedModel>(ShardedModel::load(context, path, device)));
       models.back()->set_specialize(specialize);
+      models.back()->set_cuda_graphs(graphs);
       return *models.back();
     };
     std::vector<std::string> layer_outputs;
@@ -145,8 +152,8 @@ int main(int argc, char** argv) {
     const auto fragmented_locations = models.back()->table().fragmented_locations();
     std::vector<std::string> all_locations = fragmented_locations;
     for (const auto& location : models.back()->table().whole) all_locations.push_back(location);
-    auto saving = [&](bool specialize, const std::vector<std::string>& locations) -> ShardedModel& {
-      auto& m = model(specialize);
+    auto saving = [&](bool specialize, const std::vector<std::string>& locations, bool graphs = false) -> ShardedModel& {
+      auto& m = model(specialize, graphs);
       for (const auto& location : locations) m.save(location, location);
       return m;
     };
@@ -157,34 +164,58 @@ int main(int argc, char** argv) {
         return out;
       };
     };
+    // The original's forward in a CUDA graph, as a peer would capture it: two eager forwards, then captured.
+    auto original_graphed = load_and_check_rank_module(*context, path, device);
+    std::unique_ptr<CudaGraph> original_graph;
+    torch::Tensor graph_ids = ids.clone(), graph_logits;
+    int original_graph_runs = 0;
+    auto original_replayed = [&] {
+      if (original_graph == nullptr && ++original_graph_runs <= 2) return run_forward(original_graphed, graph_ids);
+      if (original_graph == nullptr)
+        original_graph = std::make_unique<CudaGraph>([&] { graph_logits = run_forward(original_graphed, graph_ids); });
+      graph_ids.copy_(ids);
+      original_graph->replay();
+      return graph_logits.clone();
+    };
     std::vector<Variant> variants{
         // LibTorch's default: GPU fusers on (runtime::set_gpu_fusion(true)); the full rewrite was the GPU default.
-        {"FUSED original export", true, [&] { return run_forward(original_fused, ids); }},
-        {"FUSED full rewrite, nothing registered", true, forward_of(model(false))},
-        {fmt::format("FUSED full rewrite, saves at {} layer outputs", layer_outputs.size()), true,
+        {"FUSED original export", kFused, [&] { return run_forward(original_fused, ids); }},
+        {"FUSED full rewrite, nothing registered", kFused, forward_of(model(false))},
+        {fmt::format("FUSED full rewrite, saves at {} layer outputs", layer_outputs.size()), kFused,
          forward_of(saving(false, layer_outputs))},
-        {"FUSED specialized, nothing registered", true, forward_of(model(true))},
-        {"FUSED specialized, layer saves", true, forward_of(saving(true, layer_outputs))},
-        // The runtime's default: op by op on GPUs, specialized.
-        {"original export", false, [&] { return run_forward(original, ids); }},
-        {"rewritten, nothing registered", false, forward_of(model(true))},
-        {"full rewrite, nothing registered", false, forward_of(model(false))},
-        {fmt::format("rewritten, saves at {} layer outputs", layer_outputs.size()), false,
+        {"FUSED specialized, nothing registered", kFused, forward_of(model(true))},
+        {"FUSED specialized, layer saves", kFused, forward_of(saving(true, layer_outputs))},
+        // Op by op on GPUs, specialized, eager (set_cuda_graphs(false)).
+        {"original export", kOpByOp, [&] { return run_forward(original, ids); }},
+        {"rewritten, nothing registered", kOpByOp, forward_of(model(true))},
+        {"full rewrite, nothing registered", kOpByOp, forward_of(model(false))},
+        {fmt::format("rewritten, saves at {} layer outputs", layer_outputs.size()), kOpByOp,
          forward_of(saving(true, layer_outputs))},
-        {fmt::format("rewritten, saves at {} fragmented locations", fragmented_locations.size()), false,
+        {fmt::format("rewritten, saves at {} fragmented locations", fragmented_locations.size()), kOpByOp,
          forward_of(saving(true, fragmented_locations))},
-        {fmt::format("rewritten, saves at all {} locations", all_locations.size()), false,
+        {fmt::format("rewritten, saves at all {} locations", all_locations.size()), kOpByOp,
          forward_of(saving(true, all_locations))},
-        {"raw collectives of the fragmented saves, in the forward", false,
+        {"raw collectives of the fragmented saves, in the forward", kOpByOp,
          [&] {
            auto out = run_forward(raw, ids);
            bench::raw_kept().clear();
            return out;
          }},
+        // The runtime's default on GPUs: op by op, specialized, replayed from CUDA graphs.
+        {"GRAPH original export, captured", kGraph, original_replayed},
+        {"GRAPH rewritten, nothing registered", kGraph, forward_of(model(true, true))},
+        {fmt::format("GRAPH rewritten, saves at {} layer outputs", layer_outputs.size()), kGraph,
+         forward_of(saving(true, layer_outputs, true))},
+        {fmt::format("GRAPH rewritten, saves at {} fragmented locations", fragmented_locations.size()), kGraph,
+         forward_of(saving(true, fragmented_locations, true))},
+        {fmt::format("GRAPH rewritten, saves at all {} locations", all_locations.size()), kGraph,
+         forward_of(saving(true, all_locations, true))},
     };
     const size_t unfused0 = 5, idle = 6, layer_saves = 8, frag_saves = 9, all_saves = 10, raw_fwd = 11;
+    const size_t graph0 = 12, graph_idle = 13, graph_layer_saves = 14, graph_frag_saves = 15, graph_all_saves = 16;
+    const size_t first_of[] = {0, unfused0, graph0};
     auto run_variant = [&](Variant& v) {
-      set_gpu_fusion(v.fused);
+      set_gpu_fusion(v.family == kFused);
       auto out = v.run();
       set_gpu_fusion(false);
       return out;
@@ -222,7 +253,7 @@ int main(int argc, char** argv) {
     std::vector<double> med;
     for (auto& v : variants) med.push_back(median(v.ms));
     for (size_t k = 0; k < n; ++k) {
-      const size_t base = variants[k].fused ? 0 : unfused0;
+      const size_t base = first_of[variants[k].family];
       fmt::print("{:<56} {:>8.3f} {:>7.4f} {:>9} {:>6}  {}\n", variants[k].name, med[k], med[k] / med[base],
                  count(variants[k].graph, "prim::TensorExprGroup_"), count(variants[k].graph, "frag::"),
                  same(variants[k].logits, variants[base].logits));
@@ -230,9 +261,9 @@ int main(int argc, char** argv) {
         std::ofstream(fmt::format("{}/graph{:02d}.txt", graph_dir, k)) << variants[k].name << "\n" << variants[k].graph;
     }
     bool identical = true;
-    for (size_t k = unfused0; k < raw_fwd; ++k)
-      identical = identical && torch::equal(variants[k].logits, variants[unfused0].logits);
-    fmt::print("bit-identical to the original (nothing registered, read-only plans, full rewrite): {}\n",
+    for (size_t k = unfused0; k < variants.size(); ++k)
+      identical = identical && (k == raw_fwd || torch::equal(variants[k].logits, variants[unfused0].logits));
+    fmt::print("bit-identical to the original (nothing registered, read-only plans, full rewrite, CUDA graphs): {}\n",
                identical ? "yes" : "NO");
     fmt::print("op by op vs fused original: time {:.4f}x, logits {}\n", med[unfused0] / med[0],
                same(variants[unfused0].logits, variants[0].logits));
@@ -243,6 +274,17 @@ int main(int argc, char** argv) {
                  "{:.3f} ms vs {:.3f} ms\n",
                  (med[frag_saves] - med[idle]) / (med[raw_fwd] - med[idle]), med[frag_saves] - med[idle],
                  med[raw_fwd] - med[idle]);
+    fmt::print("CUDA graphs: captured original / op by op original {:.4f}; replayed rewritten / captured original "
+               "{:.4f} (idle), {:.4f} (layer saves), {:.4f} (fragmented saves), {:.4f} (all saves); replayed rewritten "
+               "/ op by op original {:.4f}\n",
+               med[graph0] / med[unfused0], med[graph_idle] / med[graph0], med[graph_layer_saves] / med[graph0],
+               med[graph_frag_saves] / med[graph0], med[graph_all_saves] / med[graph0], med[graph_idle] / med[unfused0]);
+    // The GRAPH variants' models are the last ones made: each must have replayed, not run eagerly.
+    for (size_t k = models.size() - (variants.size() - graph0 - 1); k < models.size(); ++k) {
+      const auto& stats = models[k]->graph_stats();
+      fmt::print("  graph model {}: captures {}, replays {}, refused {}\n", k, stats.captures, stats.replays,
+                 stats.refusals);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "gpu_forward_benchmark: error: " << e.what() << "\n";

@@ -280,6 +280,19 @@ class FrontEndTest(unittest.TestCase):
             model.model.norm.input2  # noqa: B018
         self.assertIn("did you mean input", str(caught.exception))
 
+    def test_cuda_graphs_switch_and_a_cpu_never_captures(self):
+        # Capture and replay are tested on a GPU (tests/program/cuda_test.cpp); here the Python switch and
+        # its counters: CPU forwards always run op by op, however often a trace repeats.
+        model = fragments.load(os.path.join(MODELS, "llama_tp1", "rank0.pt"))
+        self.assertTrue(model.cuda_graphs, "on by default")
+        for _ in range(4):
+            with model.trace(token_ids(1)):
+                saved = model.model.layers[0].output.save()
+            self.assertEqual(saved.value.shape[0], 2)
+        self.assertEqual(model.graph_stats(), {"captures": 0, "replays": 0, "refusals": 0})
+        model.cuda_graphs = False
+        self.assertFalse(model.cuda_graphs)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
