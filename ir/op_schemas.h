@@ -11,6 +11,8 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include <ATen/core/interned_strings.h>
+
 namespace frag::ir {
 
 /// Sum over a named group, out of place.
@@ -49,5 +51,14 @@ inline constexpr const char* kAllGatherOp = "frag::all_gather";
 inline constexpr const char* kGatherOp = "frag::gather";
 inline constexpr const char* kInterveneOp = "frag::intervene";
 inline constexpr const char* kSplitOp = "frag::split";
+
+/// The fragment ops' node kinds, interned once for every pass that builds or matches them.
+inline const c10::Symbol kGatherKind = c10::Symbol::fromQualString(kGatherOp);
+inline const c10::Symbol kInterveneKind = c10::Symbol::fromQualString(kInterveneOp);
+inline const c10::Symbol kSplitKind = c10::Symbol::fromQualString(kSplitOp);
+/// frag::gather, frag::intervene or frag::split (either form).
+inline bool is_fragment_op(c10::Symbol kind) {
+  return kind == kGatherKind || kind == kInterveneKind || kind == kSplitKind;
+}
 
 }  // namespace frag::ir

@@ -4,6 +4,7 @@
 #include "ir/error.h"
 #include "ir/module_path.h"
 #include "ir/op_schemas.h"
+#include "passes/pending_rank_local.h"
 
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -21,15 +22,12 @@ using torch::jit::Block;
 using torch::jit::Node;
 using torch::jit::Value;
 
-const c10::Symbol kGather = c10::Symbol::fromQualString(ir::kGatherOp);
-const c10::Symbol kIntervene = c10::Symbol::fromQualString(ir::kInterveneOp);
-const c10::Symbol kSplit = c10::Symbol::fromQualString(ir::kSplitOp);
 const c10::Symbol kAllReduce = c10::Symbol::fromQualString(ir::kAllReduceOp);
 const c10::Symbol kAllGather = c10::Symbol::fromQualString(ir::kAllGatherOp);
 
 bool any_fragment_op(const Block* block) {
   for (const Node* node : block->nodes()) {
-    if (node->kind() == kGather || node->kind() == kIntervene || node->kind() == kSplit) return true;
+    if (ir::is_fragment_op(node->kind())) return true;
     for (const Block* inner : node->blocks())
       if (any_fragment_op(inner)) return true;
   }
@@ -269,11 +267,7 @@ class LocationFlowAnalysis {
     if (const ir::FragmentRule* rule = found == rules_.end() ? nullptr : found->second) {
       // A rank-local location holding this very value (act_fn's output, gathered as down_proj's input):
       // its whole value is read here.
-      if (auto pending = rank_local_values_.find(value); pending != rank_local_values_.end()) {
-        for (const size_t index : pending->second)
-          if (table_.rank_local[index].whole_at.empty()) table_.rank_local[index].whole_at = location;
-        rank_local_values_.erase(pending);
-      }
+      rank_local_values_.gathered(value, location, table_);
       record(location, VisitKind::kFragmented);
       const size_t piece = fresh(flows_[value].type);
       // The piece carries on into the model: rank-local from here on (unless one rank holds it all, as a
@@ -288,7 +282,7 @@ class LocationFlowAnalysis {
       // The piece a split handed back (act_fn's input): its whole is that split's location. Another value
       // may still be gathered whole later (act_fn's output as down_proj's input).
       auto piece = pieces_.find(through(value));
-      if (piece == pieces_.end()) rank_local_values_[value].push_back(table_.rank_local.size());
+      if (piece == pieces_.end()) rank_local_values_.add(value, table_.rank_local.size());
       table_.rank_local.push_back({location, *origin, piece == pieces_.end() ? "" : *piece->second});
       record(location, VisitKind::kRankLocal);
       return value;
@@ -323,7 +317,7 @@ class LocationFlowAnalysis {
   std::deque<std::string> origins_;
   /// Rank-local values not yet seen at a fragmented location -> their entries in table_.rank_local, whose
   /// whole_at that location becomes.
-  std::unordered_map<size_t, std::vector<size_t>> rank_local_values_;
+  PendingRankLocal<size_t> rank_local_values_;
   /// The pieces splits hand back to the model -> their fragmented location.
   std::unordered_map<size_t, const std::string*> pieces_;
 };

@@ -22,9 +22,6 @@ using torch::jit::Graph;
 using torch::jit::Node;
 using torch::jit::Value;
 
-const c10::Symbol kGather = c10::Symbol::fromQualString(ir::kGatherOp);
-const c10::Symbol kIntervene = c10::Symbol::fromQualString(ir::kInterveneOp);
-const c10::Symbol kSplit = c10::Symbol::fromQualString(ir::kSplitOp);
 
 /// Collects the string-form ops, then replaces them one by one.
 class LocationBinder {
@@ -43,13 +40,13 @@ class LocationBinder {
     for (Node* node : block->nodes()) {
       for (Block* inner : node->blocks()) collect(inner);
       const auto kind = node->kind();
-      if ((kind == kGather || kind == kIntervene || kind == kSplit) && is_string_form(node)) nodes_.push_back(node);
+      if (ir::is_fragment_op(kind) && is_string_form(node)) nodes_.push_back(node);
     }
   }
 
   /// The file's form names its location with a string; the bound form with an int.
   static bool is_string_form(const Node* node) {
-    const size_t at = node->kind() == kSplit ? 2 : 1;
+    const size_t at = node->kind() == ir::kSplitKind ? 2 : 1;
     return node->inputs().size() > at && node->input(at)->type()->kind() == c10::TypeKind::StringType;
   }
 
@@ -84,9 +81,9 @@ class LocationBinder {
 
   void bind(Node* node) {
     std::vector<Value*> inputs;
-    if (node->kind() == kGather) {
+    if (node->kind() == ir::kGatherKind) {
       inputs = {node->input(0), constant_id(id_for(node, 1, 2))};
-    } else if (node->kind() == kIntervene) {
+    } else if (node->kind() == ir::kInterveneKind) {
       inputs = {node->input(0), constant_id(id_for(node, 1, std::nullopt)), node->input(2)};
     } else {
       inputs = {node->input(0), node->input(1), constant_id(id_for(node, 2, 3))};

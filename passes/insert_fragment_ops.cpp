@@ -30,15 +30,35 @@ using torch::jit::Node;
 using torch::jit::Value;
 using torch::jit::WithInsertPoint;
 
-const c10::Symbol kGather = c10::Symbol::fromQualString(ir::kGatherOp);
-const c10::Symbol kIntervene = c10::Symbol::fromQualString(ir::kInterveneOp);
-const c10::Symbol kSplit = c10::Symbol::fromQualString(ir::kSplitOp);
 
 Value* insert_op(Graph& graph, c10::Symbol kind, const std::vector<Value*>& inputs, const c10::TypePtr& type) {
   Node* node = graph.insertNode(graph.create(kind, inputs, 1));
   node->output()->setType(type);
   return node->output();
 }
+
+/// The rule of each fragmented location of a table and its JSON text (a frag::split's rule argument),
+/// the text made once per rule: for both inserters.
+class RuleTexts {
+ public:
+  explicit RuleTexts(const ir::FragmentTable& table) {
+    for (const auto& layer : table.layers) {
+      if (layer.input) rules_[ir::input_location(layer.path)] = &layer.input->rule;
+      if (layer.output) rules_[ir::output_location(layer.path)] = &layer.output->rule;
+    }
+  }
+
+  const std::string& at(const std::string& location) {
+    const ir::FragmentRule* rule = rules_.at(location);
+    auto [text, fresh] = texts_.try_emplace(rule);
+    if (fresh) text->second = ir::to_json(*rule).dump();
+    return text->second;
+  }
+
+ private:
+  std::unordered_map<std::string, const ir::FragmentRule*> rules_;
+  std::unordered_map<const ir::FragmentRule*, std::string> texts_;
+};
 
 /// Inserts at the graph's insertion point what a visit of kind `kind` gets on `value`, with the location
 /// `loc` (a str value) and `rule_text` (a rule's JSON text; fragmented only); returns the value the model
@@ -48,12 +68,12 @@ Value* insert_location_ops(Graph& graph, VisitKind kind, Value* value, Value* lo
     case VisitKind::kRankLocal:
       return value;
     case VisitKind::kWhole:
-      return insert_op(graph, kIntervene, {value, loc, graph.insertConstant(false)}, value->type());
+      return insert_op(graph, ir::kInterveneKind, {value, loc, graph.insertConstant(false)}, value->type());
     case VisitKind::kFragmented: {
       Value* rule = graph.insertConstant(rule_text);
-      Value* whole = insert_op(graph, kGather, {value, loc, rule}, value->type());
-      Value* edited = insert_op(graph, kIntervene, {whole, loc, graph.insertConstant(true)}, value->type());
-      return insert_op(graph, kSplit, {edited, value, loc, rule}, value->type());
+      Value* whole = insert_op(graph, ir::kGatherKind, {value, loc, rule}, value->type());
+      Value* edited = insert_op(graph, ir::kInterveneKind, {whole, loc, graph.insertConstant(true)}, value->type());
+      return insert_op(graph, ir::kSplitKind, {edited, value, loc, rule}, value->type());
     }
   }
   TORCH_INTERNAL_ASSERT(false, "insert_fragment_ops: unknown visit kind");
@@ -89,10 +109,6 @@ class FragmentOpInserter {
   void run() {
     auto& function = torch::jit::toGraphFunction(root_.get_method("forward").function());
     graph_ = function.graph();
-    for (const auto& layer : table_.layers) {
-      if (layer.input) rules_[ir::input_location(layer.path)] = &layer.input->rule;
-      if (layer.output) rules_[ir::output_location(layer.path)] = &layer.output->rule;
-    }
     GRAPH_DUMP("before insert_fragment_ops:", graph_);
     // The root graph is rebuilt from a copy of itself, node by node, always
     // appending: inserting into the middle of a large graph renumbers its
@@ -277,15 +293,8 @@ class FragmentOpInserter {
     ++next_visit_;
     if (kind == VisitKind::kRankLocal) return value;
     WithInsertPoint guard(destination);
-    const std::string& rule = kind == VisitKind::kFragmented ? rule_text_of(rules_.at(location)) : kNoRule;
+    const std::string& rule = kind == VisitKind::kFragmented ? rule_texts_.at(location) : kNoRule;
     return insert_location_ops(*graph_, kind, value, graph_->insertConstant(location), rule);
-  }
-
-  /// A rule's JSON text, made once per rule.
-  const std::string& rule_text_of(const ir::FragmentRule* rule) {
-    auto [text, fresh] = rule_texts_.try_emplace(rule);
-    if (fresh) text->second = ir::to_json(*rule).dump();
-    return text->second;
   }
 
   inline static const std::string kNoRule;
@@ -299,12 +308,9 @@ class FragmentOpInserter {
   std::shared_ptr<Graph> graph_;
   /// Module paths and modules of the module-typed values of the rebuilt graph.
   std::unordered_map<Value*, std::pair<std::string, torch::jit::ObjectPtr>> paths_;
-  /// Fragment rules by location (from the table).
-  std::unordered_map<std::string, const ir::FragmentRule*> rules_;
   /// Constants of the source graphs (callee bodies) -> their one copy at the top of the root graph.
   std::unordered_map<const Node*, Value*> constants_;
-  /// Rule texts by rule (see rule_text_of).
-  std::unordered_map<const ir::FragmentRule*, std::string> rule_texts_;
+  RuleTexts rule_texts_{table_};
 };
 
 /// Inserts the ops into each class's own method graphs, at the call sites where the analysis met them.
@@ -316,10 +322,6 @@ class PerClassInserter {
 
   /// Empty when done; else why the visits do not allow it (nothing changed then).
   std::string run() {
-    for (const auto& layer : table_.layers) {
-      if (layer.input) rule_texts_[ir::input_location(layer.path)] = ir::to_json(layer.input->rule).dump();
-      if (layer.output) rule_texts_[ir::output_location(layer.path)] = ir::to_json(layer.output->rule).dump();
-    }
     if (std::string why = place(); !why.empty()) return why;
     // Classes whose methods compute locations from self get the path attribute, on every instance.
     std::unordered_set<const c10::ClassType*> relative;
@@ -433,7 +435,7 @@ class PerClassInserter {
   const ir::FragmentTable& table_;
   const std::vector<LocationVisit>& visits_;
   MethodSpecializer& bodies_;
-  std::unordered_map<std::string, std::string> rule_texts_;
+  RuleTexts rule_texts_{table_};
   std::map<Key, Placement> placements_;
   std::unordered_map<const Graph*, Value*> paths_;  ///< each method graph's read of self._frag_path
 };

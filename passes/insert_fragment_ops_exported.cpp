@@ -4,6 +4,7 @@
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
 #include "ir/module_path.h"
+#include "passes/pending_rank_local.h"
 
 #include <fmt/format.h>
 
@@ -309,11 +310,7 @@ class ExportedFragmentOpInserter {
                               json& nodes) {
     auto found = rules_.find(location);
     if (const ir::FragmentRule* rule = found == rules_.end() ? nullptr : found->second) {
-      if (auto pending = rank_local_values_.find(value); pending != rank_local_values_.end()) {
-        for (const size_t index : pending->second)
-          if (table_.rank_local[index].whole_at.empty()) table_.rank_local[index].whole_at = location;
-        rank_local_values_.erase(pending);
-      }
+      rank_local_values_.gathered(value, location, table_);
       const std::string& rule_text = rule_text_of(rule);
       const std::string whole = add_node(nodes, kGatherTarget,
                                          {tensor_input("piece", value), string_input("location", location),
@@ -335,7 +332,7 @@ class ExportedFragmentOpInserter {
     }
     if (const std::string* origin = origin_of(value)) {
       auto piece = pieces_.find(value);
-      if (piece == pieces_.end()) rank_local_values_[value].push_back(table_.rank_local.size());
+      if (piece == pieces_.end()) rank_local_values_.add(value, table_.rank_local.size());
       table_.rank_local.push_back({location, *origin, piece == pieces_.end() ? "" : *piece->second});
       return value;
     }
@@ -480,7 +477,7 @@ class ExportedFragmentOpInserter {
   std::unordered_map<std::string, const std::string*> origins_of_;
   std::deque<std::string> origin_texts_;
   /// Rank-local values not yet seen at a fragmented location -> their entries in table_.rank_local.
-  std::unordered_map<std::string, std::vector<size_t>> rank_local_values_;
+  PendingRankLocal<std::string> rank_local_values_;
   /// The pieces splits hand back to the model -> their fragmented location.
   std::unordered_map<std::string, const std::string*> pieces_;
   std::unordered_map<const ir::FragmentRule*, std::string> rule_texts_;

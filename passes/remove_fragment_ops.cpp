@@ -15,9 +15,6 @@ namespace {
 using torch::jit::Block;
 using torch::jit::Node;
 
-const c10::Symbol kGather = c10::Symbol::fromQualString(ir::kGatherOp);
-const c10::Symbol kIntervene = c10::Symbol::fromQualString(ir::kInterveneOp);
-const c10::Symbol kSplit = c10::Symbol::fromQualString(ir::kSplitOp);
 
 /// Finds the op groups to drop, checks their wiring, then removes them.
 class FragmentOpRemover {
@@ -68,14 +65,14 @@ class FragmentOpRemover {
   void collect(Block* block) {
     for (Node* node : block->nodes()) {
       for (Block* inner : node->blocks()) collect(inner);
-      if (node->kind() == kSplit) {
+      if (node->kind() == ir::kSplitKind) {
         if (kept_ == nullptr) {
           splits_.push_back(checked_triple(node, nullptr));
           continue;
         }
         const std::string location = location_of(node, 2);
         if (kept_->count(location) == 0) splits_.push_back(checked_triple(node, &location));
-      } else if (node->kind() == kIntervene) {
+      } else if (node->kind() == ir::kInterveneKind) {
         auto fragmented = torch::jit::toIValue(node->input(2));
         if (!fragmented || !fragmented->isBool())
           fail("frag::intervene at {}: its 'fragmented' argument is not a constant",
@@ -92,11 +89,12 @@ class FragmentOpRemover {
   static Node* checked_triple(Node* split, const std::string* location) {
     auto wired = [&] {
       Node* intervene = split->input(0)->node();
-      if (intervene->kind() != kIntervene || intervene->output()->uses().size() != 1) return false;
+      if (intervene->kind() != ir::kInterveneKind || intervene->output()->uses().size() != 1) return false;
       auto fragmented = torch::jit::toIValue(intervene->input(2));
       if (!fragmented || !fragmented->isBool() || !fragmented->toBool()) return false;
       Node* gather = intervene->input(0)->node();
-      if (gather->kind() != kGather || gather->output()->uses().size() != 1 || gather->input(0) != split->input(1))
+      if (gather->kind() != ir::kGatherKind || gather->output()->uses().size() != 1 ||
+          gather->input(0) != split->input(1))
         return false;
       if (location == nullptr) return intervene->input(1) == split->input(2) && gather->input(1) == split->input(2);
       return location_of(intervene, 1) == *location && location_of(gather, 1) == *location;

@@ -142,7 +142,7 @@ struct Result {
   size_t parallel_layers = 0, fragmented = 0;
   Stats load, rewrite, rewrite_cpu, classify, insert, freeze, save, save_original;
   /// frag rewrite's file form (per class): the rewrite, its save, and the inlining a load does.
-  Stats file_rewrite, file_rewrite_cpu, file_save, file_inline;
+  Stats file_rewrite, file_rewrite_cpu, file_save, file_save_original, file_inline;
   bool file_per_class = false;
   size_t nodes_before = 0, nodes_rewritten = 0, nodes_frozen = 0, blocks_rewritten = 0;
   uintmax_t bytes = 0;
@@ -168,13 +168,42 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
     r.layers = count_decoder_layers(module);
     r.nodes_before = forward_nodes(module);
   }
+  std::optional<torch::jit::Module> rewritten, file_form;
+  frag::ir::FragmentTable file_table;
+  // The file form first, as `frag rewrite` runs it: a load, then the rewrite, in a process that has done
+  // nothing else yet (after it, LibTorch's freeze of 160 layers churns gigabytes of heap, which shows in
+  // the wall clock of whatever runs next there). One unmeasured round warms the first-use registrations.
+  for (int i = -1; i < reps; ++i) {
+    auto per_class = load(path);
+    auto start = Clock::now();
+    const double file_cpu = thread_cpu_ms();
+    file_table = frag::passes::rewrite_for_file(per_class, aliases, path);
+    if (i < 0) continue;
+    r.file_rewrite.add(ms_since(start));
+    r.file_rewrite_cpu.add(thread_cpu_ms() - file_cpu);
+    r.file_per_class = frag::passes::is_rewritten_per_class(per_class);
+    file_form = per_class;
+  }
+  const std::string out = scratch + "/rewritten.pt";
+  {
+    // Its save and the original's, interleaved (same machine load), also before the freezes.
+    auto original = load(path);
+    torch::jit::ExtraFilesMap file_extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(file_table).dump(1)}};
+    for (int i = 0; i < std::max(3, reps / 2); ++i) {
+      auto start = Clock::now();
+      file_form->save(out, file_extra);
+      r.file_save.add(ms_since(start));
+      start = Clock::now();
+      original.save(out);
+      r.file_save_original.add(ms_since(start));
+    }
+  }
   for (int i = 0; i < warmup; ++i) {  // caches, allocator, first-use registrations
     auto a = load(path);
     frag::passes::rewrite_for_fragments(a, aliases, path);
     auto b = load(path);
     torch::jit::freeze_module(b);
   }
-  std::optional<torch::jit::Module> rewritten, file_form;
   frag::ir::FragmentTable table;
   for (int i = 0; i < reps; ++i) {
     auto start = Clock::now();
@@ -207,20 +236,10 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
     frag::passes::insert_fragment_ops(split, split_table, path);
     r.insert.add(ms_since(start));
 
-    // The file form, on another fresh load.
-    auto per_class = load(path);
-    start = Clock::now();
-    const double file_cpu = thread_cpu_ms();
-    frag::passes::rewrite_for_file(per_class, aliases, path);
-    r.file_rewrite.add(ms_since(start));
-    r.file_rewrite_cpu.add(thread_cpu_ms() - file_cpu);
-    r.file_per_class = frag::passes::is_rewritten_per_class(per_class);
-    file_form = per_class;
   }
   r.parallel_layers = table.layers.size();
   for (const auto& layer : table.layers) r.fragmented += (layer.input ? 1 : 0) + (layer.output ? 1 : 0);
 
-  const std::string out = scratch + "/rewritten.pt";
   torch::jit::ExtraFilesMap extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
   auto original = load(path);
   for (int i = 0; i < std::max(3, reps / 2); ++i) {  // the two saves interleaved: same machine load
@@ -230,9 +249,6 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
     start = Clock::now();
     original.save(out);
     r.save_original.add(ms_since(start));
-    start = Clock::now();
-    file_form->save(out, extra);
-    r.file_save.add(ms_since(start));
   }
   for (int i = 0; i < reps; ++i) {  // what a load of the saved file form adds: inlining it
     auto loaded = load(out);
@@ -258,6 +274,7 @@ const std::vector<std::pair<const char*, Stats Result::*>>& stat_fields() {
       {"file_rewrite", &Result::file_rewrite},
       {"file_rewrite_cpu", &Result::file_rewrite_cpu},
       {"file_save", &Result::file_save},
+      {"file_save_original", &Result::file_save_original},
       {"file_inline", &Result::file_inline}};
   return fields;
 }
@@ -384,7 +401,7 @@ ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
 
 int main(int argc, char** argv) {
   int reps = 7, warmup = 1, profile_rewrite = 0, profile_save = 0;
-  bool file_form = false, measure_one = false, one_process = false;
+  bool file_form = false, measure_one = false, one_process = false, save_original_only = false;
   std::string scratch_option;
   std::string save_to, pt2;
   std::vector<std::string> files;
@@ -406,6 +423,8 @@ int main(int argc, char** argv) {
                  "Only rewrite the one FILE.pt once and save it N times, for `perf record` (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 100000));
+  app.add_flag("--original", save_original_only,
+               "With --profile-save: save the loaded module as it is (LibTorch's writer alone, to compare with)");
   app.add_flag("--file-form", file_form,
                "With --profile-rewrite / --profile-save: frag rewrite's file form (rewrite_for_file), not the inlining "
                "rewrite");
@@ -432,9 +451,12 @@ int main(int argc, char** argv) {
     const frag::passes::LayerAliases aliases;
     if (profile_save > 0) {
       auto module = load(files[0]);
-      auto table = file_form ? frag::passes::rewrite_for_file(module, aliases, files[0])
-                             : frag::passes::rewrite_for_fragments(module, aliases, files[0]);
-      torch::jit::ExtraFilesMap extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
+      torch::jit::ExtraFilesMap extra;
+      if (!save_original_only) {
+        auto table = file_form ? frag::passes::rewrite_for_file(module, aliases, files[0])
+                               : frag::passes::rewrite_for_fragments(module, aliases, files[0]);
+        extra[frag::runtime::kRuleTableFile] = frag::ir::to_json(table).dump(1);
+      }
       const std::string out = save_to.empty()
                                   ? (std::filesystem::temp_directory_path() / "rewrite_benchmark_profile.pt").string()
                                   : save_to;
@@ -544,8 +566,8 @@ int main(int argc, char** argv) {
   for (const auto& r : results)
     std::cout << fmt::format("{:>6}  {:>9}  {:>8.1f} /{:>7.1f} {:>6.1f}  {:>9.1f} {:>9.1f} {:>6.2f}  {:>14.1f}\n", r.layers,
                              r.file_per_class ? "yes" : "no (inlined)", r.file_rewrite.median(), r.file_rewrite.min(),
-                             r.file_rewrite_cpu.median(), r.save_original.median(), r.file_save.median(),
-                             r.file_save.median() / r.save_original.median(), r.file_inline.median());
+                             r.file_rewrite_cpu.median(), r.file_save_original.median(), r.file_save.median(),
+                             r.file_save.median() / r.file_save_original.median(), r.file_inline.median());
   for (size_t i = 1; i < results.size(); ++i) {
     const auto& a = results[i - 1];
     const auto& b = results[i];
@@ -613,11 +635,13 @@ int main(int argc, char** argv) {
     std::cout << fmt::format("target: frag rewrite of 160 layers <= 2.1 x 80 layers: {} (x{:.2f} median, x{:.2f} min)\n",
                              growth <= 2.1 ? "MET" : "NOT MET", growth, growth_min);
     const double save_growth = l160->file_save.median() / l80->file_save.median();
-    std::cout << fmt::format("target: saving frag rewrite's file linear (160/80 <= 2.1): {} (x{:.2f})\n",
-                             save_growth <= 2.1 ? "MET" : "NOT MET", save_growth);
+    std::cout << fmt::format("target: saving frag rewrite's file linear (160/80 <= 2.1): {} (x{:.2f}; the original's "
+                             "save x{:.2f})\n",
+                             save_growth <= 2.1 ? "MET" : "NOT MET", save_growth,
+                             l160->file_save_original.median() / l80->file_save_original.median());
   }
   double worst = 0;
-  for (const auto& r : results) worst = std::max(worst, r.file_save.median() / r.save_original.median());
+  for (const auto& r : results) worst = std::max(worst, r.file_save.median() / r.file_save_original.median());
   if (!results.empty())
     std::cout << fmt::format("target: saving frag rewrite's file <= 2 x saving the original at every depth: {} (worst "
                              "x{:.2f})\n",
