@@ -251,6 +251,7 @@ int main(int argc, char** argv) {
     fmt::print("{:<56} {:>8} {:>7} {:>9} {:>6}  {}\n", "forward (median ms, rank 0)", "ms", "/orig", "TE groups",
                "frag::", "logits equal to its family's original");
     std::vector<double> med;
+    med.reserve(variants.size());
     for (auto& v : variants) med.push_back(median(v.ms));
     for (size_t k = 0; k < n; ++k) {
       const size_t base = first_of[variants[k].family];

@@ -157,6 +157,22 @@ int64_t count_decoder_layers(const torch::jit::Module& module) {
   return n;
 }
 
+/// Saves `rewritten` (with its table) and a fresh load of the original `path` to `out`, interleaved so both
+/// see the same machine load, `rounds` times each.
+void time_saves(const torch::jit::Module& rewritten, const frag::ir::FragmentTable& table, const std::string& path,
+                const std::string& out, int rounds, Stats& saved, Stats& original_saved) {
+  torch::jit::ExtraFilesMap extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
+  auto original = load(path);
+  for (int i = 0; i < rounds; ++i) {
+    auto start = Clock::now();
+    rewritten.save(out, extra);
+    saved.add(ms_since(start));
+    start = Clock::now();
+    original.save(out);
+    original_saved.add(ms_since(start));
+  }
+}
+
 Result measure(const std::string& path, int reps, int warmup, const std::string& scratch) {
   Result r;
   r.file = path;
@@ -185,19 +201,8 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
     file_form = per_class;
   }
   const std::string out = scratch + "/rewritten.pt";
-  {
-    // Its save and the original's, interleaved (same machine load), also before the freezes.
-    auto original = load(path);
-    torch::jit::ExtraFilesMap file_extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(file_table).dump(1)}};
-    for (int i = 0; i < std::max(3, reps / 2); ++i) {
-      auto start = Clock::now();
-      file_form->save(out, file_extra);
-      r.file_save.add(ms_since(start));
-      start = Clock::now();
-      original.save(out);
-      r.file_save_original.add(ms_since(start));
-    }
-  }
+  // Its save and the original's, also before the freezes.
+  time_saves(*file_form, file_table, path, out, std::max(3, reps / 2), r.file_save, r.file_save_original);
   for (int i = 0; i < warmup; ++i) {  // caches, allocator, first-use registrations
     auto a = load(path);
     frag::passes::rewrite_for_fragments(a, aliases, path);
@@ -240,16 +245,7 @@ Result measure(const std::string& path, int reps, int warmup, const std::string&
   r.parallel_layers = table.layers.size();
   for (const auto& layer : table.layers) r.fragmented += (layer.input ? 1 : 0) + (layer.output ? 1 : 0);
 
-  torch::jit::ExtraFilesMap extra{{frag::runtime::kRuleTableFile, frag::ir::to_json(table).dump(1)}};
-  auto original = load(path);
-  for (int i = 0; i < std::max(3, reps / 2); ++i) {  // the two saves interleaved: same machine load
-    auto start = Clock::now();
-    rewritten->save(out, extra);
-    r.save.add(ms_since(start));
-    start = Clock::now();
-    original.save(out);
-    r.save_original.add(ms_since(start));
-  }
+  time_saves(*rewritten, table, path, out, std::max(3, reps / 2), r.save, r.save_original);
   for (int i = 0; i < reps; ++i) {  // what a load of the saved file form adds: inlining it
     auto loaded = load(out);
     auto start = Clock::now();
@@ -320,6 +316,7 @@ Result measure_in_child(const std::string& self, const std::string& path, int re
     std::vector<std::string> args{self, "--measure-one", "--reps", std::to_string(reps), "--warmup",
                                   std::to_string(warmup), "--scratch", scratch, path};
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (auto& arg : args) argv.push_back(arg.data());
     argv.push_back(nullptr);
     execv(self.c_str(), argv.data());
@@ -472,6 +469,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::vector<torch::jit::Module> modules;
+    modules.reserve(static_cast<size_t>(profile_rewrite));
     for (int i = 0; i < profile_rewrite; ++i) modules.push_back(load(files[0]));
     Stats stats, cpu;
     for (auto& module : modules) {
