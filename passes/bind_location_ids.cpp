@@ -22,7 +22,6 @@ using torch::jit::Graph;
 using torch::jit::Node;
 using torch::jit::Value;
 
-
 /// Collects the string-form ops, then replaces them one by one.
 class LocationBinder {
  public:

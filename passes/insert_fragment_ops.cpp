@@ -30,7 +30,6 @@ using torch::jit::Node;
 using torch::jit::Value;
 using torch::jit::WithInsertPoint;
 
-
 Value* insert_op(Graph& graph, c10::Symbol kind, const std::vector<Value*>& inputs, const c10::TypePtr& type) {
   Node* node = graph.insertNode(graph.create(kind, inputs, 1));
   node->output()->setType(type);

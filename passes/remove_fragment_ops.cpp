@@ -15,7 +15,6 @@ namespace {
 using torch::jit::Block;
 using torch::jit::Node;
 
-
 /// Finds the op groups to drop, checks their wiring, then removes them.
 class FragmentOpRemover {
  public:

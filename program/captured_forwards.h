@@ -76,7 +76,6 @@ class CapturedForwards {
   Entry& entry(const std::string& plan, bool specialize, const void* weights, const torch::Tensor& input);
   /// Drops every entry (their graphs and buffers).
   void clear() { entries_.clear(); }
-  size_t size() const { return entries_.size(); }
 
   Stats& stats() { return stats_; }
   const Stats& stats() const { return stats_; }

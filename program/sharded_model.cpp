@@ -245,7 +245,7 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, 
             } catch (const Error& e) {  // a chain in the wrong order, say: name the step
               fail("{}: {}", where, e.what());
             }
-            saved_[save_prefix_ + step.as].push_back(result);
+            keep_saved(step.as, result);
             return std::nullopt;
           },
           step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false, /*capturable=*/false);
@@ -344,7 +344,7 @@ torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, c
   entry.graph->replay();
   ++graphs_.stats().replays;
   runtime_->replayed(entry.counts);
-  for (const auto& [name, buffer] : entry.saves) saved_[save_prefix_ + name].push_back(buffer.clone());
+  for (const auto& [name, buffer] : entry.saves) keep_saved(name, buffer.clone());
   auto logits = entry.output.clone();
   try {
     // As an eager forward ends: one wait for the collectives, which throws what failed or timed out.

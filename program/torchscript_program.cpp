@@ -18,17 +18,21 @@ std::shared_ptr<TorchScriptProgram> TorchScriptProgram::load(runtime::RankContex
   return std::shared_ptr<TorchScriptProgram>(new TorchScriptProgram(prepare_rank(context, path, device, rules_file)));
 }
 
-at::ScalarType TorchScriptProgram::dtype() const {
+std::optional<torch::Tensor> TorchScriptProgram::first_weight() const {
   for (const auto& p : prepared_.rank.module.parameters())
-    if (p.is_floating_point()) return p.scalar_type();
-  return at::kFloat;
+    if (p.is_floating_point()) return p;
+  return std::nullopt;
+}
+
+at::ScalarType TorchScriptProgram::dtype() const {
+  const auto weight = first_weight();
+  return weight ? weight->scalar_type() : at::kFloat;
 }
 
 const void* TorchScriptProgram::capturable_weights() const {
   if (!runtime::CudaGraph::available()) return nullptr;
-  for (const auto& p : prepared_.rank.module.parameters())
-    if (p.is_floating_point()) return p.is_cuda() ? p.data_ptr() : nullptr;
-  return nullptr;
+  const auto weight = first_weight();
+  return weight && weight->is_cuda() ? weight->data_ptr() : nullptr;
 }
 
 std::vector<std::pair<std::string, std::string>> TorchScriptProgram::named_modules() const {

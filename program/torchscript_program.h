@@ -13,6 +13,7 @@
 #include "program/rank_program.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace frag::program {
@@ -43,6 +44,8 @@ class TorchScriptProgram : public RankProgram {
 
  private:
   explicit TorchScriptProgram(PreparedRank prepared);
+  /// The module's first floating-point parameter: its dtype is the model's, its storage a graph's key.
+  std::optional<torch::Tensor> first_weight() const;
 
   PreparedRank prepared_;
   runtime::ScriptModuleTree modules_;
