@@ -248,7 +248,8 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, 
             keep_saved(step.as, result);
             return std::nullopt;
           },
-          step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false, /*capturable=*/false);
+          // The chain only enqueues GPU work (its modules' kernels, their collectives): a graph holds it.
+          step.visit, fmt::format("call:{}", step.describe()), /*edits=*/false, /*capturable=*/true);
       return;
     case Action::kSet:
     case Action::kAdd:
@@ -267,6 +268,16 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, 
           step.visit, fmt::format("edit:{}", step.describe()), /*edits=*/true, /*capturable=*/true);
       return;
   }
+}
+
+void ShardedModel::set_plan(const Plan& plan) {
+  std::string text;
+  for (const auto& step : plan.steps) text += step.describe() + "\n";
+  if (set_plan_at_changes_ == runtime_->changes() && text == set_plan_text_) return;
+  clear();
+  apply(plan);  // checks every step before registering any: a bad plan leaves nothing registered
+  set_plan_text_ = std::move(text);
+  set_plan_at_changes_ = runtime_->changes();
 }
 
 void ShardedModel::clear() {
@@ -292,9 +303,16 @@ std::vector<std::string> ShardedModel::unreached_visits() const {
 
 void ShardedModel::agree_on_interventions() {
   // In registration order: hooks at one location run in that order, so it is part of the plan.
-  const std::string mine = fmt::format(
-      "{:016x}", digest(fmt::format("{}\n{}", fmt::join(descriptors_, "\n"), ir::to_json(table()).dump())));
-  auto all = context_->exchange(fmt::format("interventions/{}", exchanges_++), mine);
+  if (table_digest_.empty()) table_digest_ = fmt::format("{:016x}", digest(ir::to_json(table()).dump()));
+  const std::string mine = fmt::format("{:016x}", digest(plan_text() + "\n" + table_digest_));
+  std::vector<std::string> all;
+  try {
+    all = context_->exchange(fmt::format("interventions/{}", exchanges_++), mine);
+  } catch (const Error& e) {
+    fail("{} (ranks compare plans before the first forward after a change of plan; a rank whose plan did not "
+         "change since its last forward does not: every rank must change its plan alike)",
+         e.what());
+  }
   for (size_t r = 0; r < all.size(); ++r)
     if (all[r] != all[0])
       fail("ranks hold different interventions or rule tables (digest {} on rank 0, {} on rank {}): every "
@@ -323,11 +341,15 @@ CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_id
   if (!cuda_graphs_ || callbacks_ > 0 || !input_ids.is_cuda()) return nullptr;
   const void* weights = program_->capturable_weights();
   if (weights == nullptr || !context_->capturable()) return nullptr;
+  return &graphs_.entry(plan_text(), specialize_, weights, input_ids);
+}
+
+const std::string& ShardedModel::plan_text() {
   if (plan_text_at_changes_ != runtime_->changes()) {
     plan_text_ = fmt::format("{}", fmt::join(descriptors_, "\n"));
     plan_text_at_changes_ = runtime_->changes();
   }
-  return &graphs_.entry(plan_text_, specialize_, weights, input_ids);
+  return plan_text_;
 }
 
 torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,

@@ -87,6 +87,13 @@ class ShardedModel {
   /// against widths learned from one single-token forward with read-only
   /// hooks (every rank alike).
   void apply(const Plan& plan);
+  /// Registers `plan` in place of everything registered: what a trace does before each forward. When
+  /// it is the plan the last set_plan registered (the same steps, values alike byte for byte) and
+  /// nothing was registered or cleared since, the registration stays as it is — its hooks, their
+  /// values on the device, the ranks' agreement, its CUDA graph — so a plan repeated forward after
+  /// forward costs what a plan registered once does. As with apply, a rank whose plan changed meets
+  /// the others in the digest exchange before its next forward.
+  void set_plan(const Plan& plan);
   /// Removes every intervention.
   void clear();
 
@@ -107,7 +114,7 @@ class ShardedModel {
   void set_specialize(bool specialize) { specialize_ = specialize; }
   /// Whether forwards on a GPU replay CUDA graphs (program/captured_forwards.h): a plan and input shape
   /// seen twice is captured on its third forward and replayed after, when nothing registered must call
-  /// back (no on() hook, no call step). Replays compute what eager forwards do, bit for bit. On by default;
+  /// back (no on() hook). Replays compute what eager forwards do, bit for bit. On by default;
   /// turning it off drops the graphs. Weights must stay where they are while it is on (in-place changes
   /// are fine): replacing the first weight's storage (module().to(...)) drops the graphs, others are not watched.
   void set_cuda_graphs(bool on);
@@ -142,7 +149,7 @@ class ShardedModel {
   ShardedModel() = default;
   /// The id of a location a step or hook may act at (fragmented or whole); else frag::Error.
   ir::LocationId checked_location(const std::string& location, const std::string& what) const;
-  /// `capturable`: the hook only enqueues GPU work (a save, an edit), so a CUDA graph may hold it.
+  /// `capturable`: the hook only enqueues GPU work (a save, an edit, a call step), so a CUDA graph may hold it.
   void add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit, const std::string& label,
                 bool edits, bool capturable);
   /// Where a save's value goes: saved_, or during a capture the graph's list of buffers.
@@ -154,6 +161,8 @@ class ShardedModel {
   /// Captures the forward into `entry`; where CUDA refuses, marks it refused (it runs eagerly from then on).
   void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept);
   void agree_on_interventions();
+  /// descriptors_ joined: what the ranks compare, and the CUDA graph cache's key.
+  const std::string& plan_text();
   /// `where` names the plan step in errors its hooks raise while the forward runs (a call chain that fails).
   void register_step(const PlanStep& step, ir::LocationId location, const std::string& where);
   /// Saves the whole at `location` under `name`, or only `index` of it (a plan's segment or heads).
@@ -194,8 +203,11 @@ class ShardedModel {
   CapturedForwards graphs_;
   /// Set while a forward is captured: where its saves and the tensors its edits read go.
   CapturedForwards::Entry* capturing_ = nullptr;
-  std::string plan_text_;  ///< descriptors_ joined, for the graph cache's key
+  std::string plan_text_;  ///< plan_text(), as of runtime_->changes() == plan_text_at_changes_
   int64_t plan_text_at_changes_ = -1;
+  std::string table_digest_;  ///< of the rule table (fixed at load), made at the first agreement
+  std::string set_plan_text_;  ///< the steps of the last set_plan, described
+  int64_t set_plan_at_changes_ = -1;  ///< runtime_->changes() right after it registered them
   int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `kept_` was taken
   std::vector<ir::LocationId> kept_;
 };

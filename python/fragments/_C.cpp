@@ -208,16 +208,22 @@ struct PyModel {
   }
 
   /// Runs one forward with `records` registered (and nothing else); returns
-  /// (logits, saved, unreached visits).
+  /// (logits, saved, unreached visits). A plan without callables stays registered
+  /// after its forward (ShardedModel::set_plan): a trace that repeats it, as a
+  /// decode loop does, registers nothing and exchanges nothing before its forward.
   py::tuple run(const py::list& records, const std::vector<py::tuple>& callables, const torch::Tensor& ids,
                 int64_t generate) {
-    model->clear();
     model->clear_saved();
     try {
-      model->apply(make_plan(records, "model.trace"));
-      for (const auto& c : callables)
-        on(c[0].cast<std::string>(), c[1].cast<py::function>(),
-           c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
+      if (callables.empty()) {
+        model->set_plan(make_plan(records, "model.trace"));
+      } else {  // Python functions: registered for this forward only, so the model holds none after it
+        model->clear();
+        model->apply(make_plan(records, "model.trace"));
+        for (const auto& c : callables)
+          on(c[0].cast<std::string>(), c[1].cast<py::function>(),
+             c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
+      }
       torch::Tensor out;
       {
         py::gil_scoped_release release;
@@ -225,7 +231,7 @@ struct PyModel {
       }
       auto unreached = model->unreached_visits();
       py::dict saved = saved_dict(model->saved());
-      model->clear();
+      if (!callables.empty()) model->clear();
       model->clear_saved();
       return py::make_tuple(out, saved, unreached);
     } catch (...) {

@@ -604,8 +604,9 @@ class Model:
     @property
     def cuda_graphs(self):
         """Whether traces on a GPU replay CUDA graphs (on by default): a plan and input shape seen twice is
-        captured on its third forward and replayed after, bit-identical to running it op by op. Traces with
-        Python callables (`.apply`) or ad-hoc module calls run eagerly. Set False to turn it off."""
+        captured on its third forward and replayed after, bit-identical to running it op by op; ad-hoc calls
+        recorded in a trace (a logit lens) replay with it. Traces with Python callables (`.apply`) run eagerly.
+        Set False to turn it off."""
         return self._c.cuda_graphs
 
     @cuda_graphs.setter

@@ -347,7 +347,9 @@ TEST(Cuda, ACapturedForwardReplaysWhatTheEagerForwardComputesBitForBit) {
        {{"at", "model.layers.1.self_attn.o_proj.input"}, {"do", "set"}, {"value", "v.safetensors:v"},
         {"index", "...,0:4"}, {"visit", 0}},
        {{"at", "model.norm.output"}, {"do", "save"}, {"as", "normed"}},
-       {{"at", "lm_head.output"}, {"do", "save"}, {"as", "head"}}});
+       {{"at", "lm_head.output"}, {"do", "save"}, {"as", "head"}},
+       // A call step: the chain's kernels and its vocab all-gather are captured with the forward.
+       {{"at", "model.layers.0.output"}, {"do", "call"}, {"modules", {"model.norm", "lm_head"}}, {"as", "lens"}}});
   for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
     SCOPED_TRACE(c10::toString(dtype));
     write_safetensors(folder + "/v.safetensors", {{"v", torch::full({1}, 0.25).to(dtype)}});
@@ -367,7 +369,7 @@ TEST(Cuda, ACapturedForwardReplaysWhatTheEagerForwardComputesBitForBit) {
       auto logits = graphed.forward(ids);
       EXPECT_TRUE(torch::equal(logits, expected))
           << "max |diff| " << (logits.to(torch::kFloat) - expected.to(torch::kFloat)).abs().max().item<double>();
-      for (const char* name : {"gate_up", "layer0", "normed", "head"}) {
+      for (const char* name : {"gate_up", "layer0", "normed", "head", "lens"}) {
         ASSERT_EQ(graphed.saved().at(name).size(), static_cast<size_t>(round + 1)) << name;
         EXPECT_TRUE(torch::equal(graphed.saved().at(name).back(), eager.saved().at(name).back())) << name;
       }

@@ -381,6 +381,46 @@ TEST(Specialization, MoreSetsOfLocationsThanTheCacheHolds) {
   }));
 }
 
+TEST(Plans, ARepeatedPlanStaysRegisteredAndAChangedOneReplacesIt) {
+  // What a trace does before every forward (python/fragments/_C.cpp): set_plan.
+  FRAG_REQUIRE_GLOO();
+  const std::string folder = temporary_folder();
+  write_safetensors(folder + "/v.safetensors", {{"a", torch::full({64}, 0.5)}, {"b", torch::full({64}, -0.5)}});
+  auto plan = [&](const std::string& at, const std::string& value) {
+    return Plan::from_json(nlohmann::json::array({{{"at", at}, {"do", "add"}, {"value", "v.safetensors:" + value}},
+                                                  {{"at", "model.layers.1.output"}, {"do", "save"}, {"as", "x"}}}),
+                           "plan.json", folder);
+  };
+  const std::string layer0 = "model.layers.0.output";
+  expect_no_errors(on_ranks("llama_tp2", [&](int, ShardedModel& model) {
+    const auto plain = model.forward(token_ids());
+    model.set_plan(plan(layer0, "a"));
+    const int64_t registered = model.interventions().changes();
+    const auto a = model.forward(token_ids());
+    EXPECT_FALSE(torch::equal(a, plain));
+    model.clear_saved();
+    model.set_plan(plan(layer0, "a"));  // made anew: the same steps, the same bytes
+    EXPECT_EQ(model.interventions().changes(), registered) << "a repeated plan is not registered again";
+    EXPECT_TRUE(torch::equal(model.forward(token_ids()), a));
+    ASSERT_EQ(model.saved().count("x"), 1u);
+    EXPECT_EQ(model.saved().at("x").size(), 1u) << "its save ran once, as registered once";
+    model.set_plan(plan(layer0, "b"));
+    EXPECT_NE(model.interventions().changes(), registered) << "other bytes under the same name: another plan";
+    EXPECT_FALSE(torch::equal(model.forward(token_ids()), a));
+    model.set_plan(plan(layer0, "a"));
+    EXPECT_TRUE(torch::equal(model.forward(token_ids()), a)) << "b's edit is gone";
+    // Something registered beside it by another call: the same plan set again replaces everything.
+    model.save(layer0, "beside");
+    model.set_plan(plan(layer0, "a"));
+    model.clear_saved();
+    EXPECT_TRUE(torch::equal(model.forward(token_ids()), a));
+    EXPECT_EQ(model.saved().count("beside"), 0u);
+    // A bad plan fails whole and leaves nothing registered.
+    EXPECT_THROW(model.set_plan(plan("model.layers.0.nonesuch", "a")), Error);
+    EXPECT_TRUE(torch::equal(model.forward(token_ids()), plain));
+  }));
+}
+
 TEST(Safety, ARankDivergentPlanIsRefusedNotHung) {
   FRAG_REQUIRE_GLOO();
   auto start = std::chrono::steady_clock::now();

@@ -25,6 +25,7 @@ torch.distributed's; at world 1 both are a single GPU.
   (two GPUs: the same under torchrun --nproc-per-node 2, or RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* per process)
 """
 import argparse
+import datetime
 import os
 import statistics
 import sys
@@ -71,9 +72,12 @@ def main():
     frag_eager = fragments.load(path, device=str(device))
     frag_eager.cuda_graphs = False
     frag_graphs = fragments.load(path, device=str(device))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29573")
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun: the agent's store
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:  # fragments' rendezvous holds MASTER_PORT: the peer meets on the port after it
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29573"))
+        store = dist.TCPStore(addr, port + 1, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
 
     dtype = getattr(torch, args.dtype)
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,

@@ -112,8 +112,18 @@ class FrontEndTest(unittest.TestCase):
         self.assertLessEqual(relative(results0["after_errors"], results0["logits"]), 0.0,
                              "after the errors a plain trace gives the plain logits")
         self.check_heads(results0)
+        self.check_repeats(results0)
         self.check_errors(errors0, world)
         self.check_frag_run(world, export, results0["plan_trace"], hidden)
+
+    def check_repeats(self, r):
+        """A trace repeated (its plan kept registered), one with another value, the first again, a plain one."""
+        self.assertTrue(torch.equal(r["rep_again"], r["rep_a"]), "the same trace again gives the same logits")
+        self.assertTrue(torch.equal(r["rep_resid_again"], r["rep_resid_a"]), "and the same saved value")
+        self.assertGreater(relative(r["rep_a"], r["logits"]), 1e-3, "the edit moved the logits")
+        self.assertGreater(relative(r["rep_b"], r["rep_a"]), 1e-3, "another value is another plan")
+        self.assertTrue(torch.equal(r["rep_a_after_b"], r["rep_a"]), "the first plan again, nothing of the second")
+        self.assertTrue(torch.equal(r["rep_plain"], r["logits"]), "a plain trace after them: the plain logits")
 
     def check_heads(self, r):
         """Head views equal the reshaped whole tensor; head edits land where they say."""

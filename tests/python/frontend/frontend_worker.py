@@ -62,6 +62,7 @@ def scenarios(model, ids, other_ids):
     # A logit lens on a tensor outside a trace: an ad-hoc call chain, whole in, whole out.
     out["lens_outside"] = model.lm_head(m.norm(resid.value))
     out.update(heads(model, ids))
+    out.update(repeats(model, ids, hidden))
     # Greedy generation with a steering edit at every step; saves are per-step lists.
     with model.generate(ids[:, :4], max_new_tokens=3):
         m.layers[0].output[:, -1] += 4 * _vector(hidden, 1)
@@ -70,6 +71,29 @@ def scenarios(model, ids, other_ids):
     out["gen_tokens"] = tokens.value
     out["gen_steps"] = torch.tensor([len(steps.value)] + [s.shape[1] for s in steps.value])
     out["gen_last"] = steps.value[-1]
+    return out
+
+
+def repeats(model, ids, hidden):
+    """The same trace again (a plan kept registered between forwards), another value, then plain traces:
+    each forward computes its own trace's plan and nothing of an earlier one."""
+    m = model.model
+
+    def edited(seed):
+        with model.trace(ids):
+            m.layers[0].output[:, -1] += _vector(hidden, seed)  # a new tensor each time, equal for equal seeds
+            resid = m.layers[1].output.save()
+            logits = model.output.save()
+        return resid.value, logits.value
+
+    out = {}
+    out["rep_resid_a"], out["rep_a"] = edited(1)
+    out["rep_resid_again"], out["rep_again"] = edited(1)
+    _, out["rep_b"] = edited(2)
+    _, out["rep_a_after_b"] = edited(1)
+    with model.trace(ids):
+        plain = model.output.save()
+    out["rep_plain"] = plain.value
     return out
 
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the GPU machine: the peer benchmark (tools/bench/peer_benchmark.py, issue 17 target (d)) in one go.
+# Builds the Python extension with the CMake build (FRAG_BUILD_DIR, NCCL on; tools/device/build_and_test.sh
+# must have configured it, or this configures it), exports the 8B-shaped 4-layer bf16 Llama at tp N
+# (tools/export_model.py; kept in FRAG_PEER_MODELS between calls) and runs the benchmark for a decode step
+# and a 128-token prefill, one process per GPU.
+#
+# Usage: tools/device/peer_run.sh [N]     (N GPUs, default 1)
+# Environment: FRAG_BUILD_DIR (default build/device), FRAG_PEER_MODELS (default $HOME/peer_models),
+#              FRAG_PEER_ITERATIONS (default 30), FRAG_PYTHON (default python3), OUT (logs copied there).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+N="${1:-1}"
+PY="${FRAG_PYTHON:-$(command -v python3)}"
+BUILD="${FRAG_BUILD_DIR:-build/device}"
+MODELS="${FRAG_PEER_MODELS:-$HOME/peer_models}/l8b_tp$N"
+shape=(--layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000)
+
+if [ ! -f "$MODELS/rank$((N - 1)).pt" ]; then
+  echo "== export ($MODELS)"
+  "$PY" tools/export_model.py --model llama --tp "$N" "${shape[@]}" --dtype bfloat16 --out "$MODELS" > /dev/null
+fi
+if [ ! -f "$BUILD/build.ninja" ] || ! grep -q "FRAG_BUILD_PYTHON:BOOL=ON" "$BUILD/CMakeCache.txt"; then
+  FRAG_BUILD_DIR="$BUILD" FRAG_BUILD_TARGETS="fragments_python" CTEST_ARGS="-R none" \
+    bash tools/device/build_and_test.sh -DFRAG_WITH_NCCL=ON -DFRAG_BUILD_PYTHON=ON > /dev/null || true
+fi
+echo "== build fragments_python (its Python sources are copied beside it)"
+cmake --build "$BUILD" -j "$(nproc)" --target fragments_python > "$BUILD/peer_build.log" 2>&1 ||
+  { tail -30 "$BUILD/peer_build.log"; exit 1; }
+
+for tokens in 1 128; do
+  echo "== peer benchmark, tp $N, $tokens token(s)"
+  args=("$MODELS/rank{rank}.pt" "${shape[@]}" --dtype bfloat16 --tokens "$tokens"
+        --iterations "${FRAG_PEER_ITERATIONS:-30}")
+  if [ "$N" = 1 ]; then
+    PYTHONPATH="$BUILD/python:tools" "$PY" tools/bench/peer_benchmark.py "${args[@]}"
+  else
+    PYTHONPATH="$BUILD/python:tools" NCCL_NVLS_ENABLE=0 "$PY" -m torch.distributed.run --standalone \
+      --nproc-per-node "$N" tools/bench/peer_benchmark.py "${args[@]}"
+  fi
+done 2>&1 | tee "$BUILD/peer_run.log"
+[ -n "${OUT:-}" ] && cp "$BUILD/peer_run.log" "$OUT/" || true
