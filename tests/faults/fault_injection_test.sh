@@ -5,6 +5,9 @@
 # Faults: a rank SIGKILLed mid-run, a rank SIGSTOPped mid-run, a full disk (/dev/full with --force, and a
 # file-size limit), SIGINT/SIGTERM during rewrite, an unreachable rendezvous (closed port) and a silent one
 # (a listener that accepts and never answers). Each: non-zero exit, a `frag: error:` line, within a bound.
+# FRAG_FAULT_DEVICE=cuda (a machine with 2 GPUs; tools/device/README.md): only the killed and the stalled
+# rank, over NCCL (`frag run --device cuda`, one GPU per rank, the watchdog's path); the other faults do not
+# depend on the device and run on CPUs.
 set -uo pipefail
 frag=$(realpath "${1:?usage: $0 FRAG LLAMA_TP1_RANK0}")
 tp1=$(realpath "${2:?usage: $0 FRAG LLAMA_TP1_RANK0}")
@@ -12,6 +15,7 @@ models=$(dirname "$(dirname "$tp1")")
 tp2_0=$models/llama_tp2/rank0.pt
 tp2_1=$models/llama_tp2/rank1.pt
 for f in "$frag" "$tp1" "$tp2_0" "$tp2_1"; do [ -e "$f" ] || { echo "FAIL: missing $f"; exit 1; }; done
+device=${FRAG_FAULT_DEVICE:-cpu}
 work=$(mktemp -d "${TEST_TMPDIR:-/tmp}/faults.XXXXXX")
 pids_to_kill=()
 cleanup() {
@@ -91,7 +95,7 @@ wait_mid_run() {
 # A long run (many generated tokens) so that a fault lands mid-run; rank 0's --out is never written.
 long_run() {  # long_run LOG TIMEOUT -> launcher pid in $launcher
   "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --generate 100000 --timeout "$2" \
-    --out "$work/long.safetensors" > "$1" 2>&1 &
+    --device "$device" --out "$work/long.safetensors" > "$1" 2>&1 &
   launcher=$!
   pids_to_kill+=("$launcher")
 }
@@ -107,7 +111,10 @@ if r1=$(rank_pid "$launcher" 1); then
   wait_bounded "$launcher" "$work/a.log"; t1=$(now)
   s=$(elapsed "$t0" "$t1")
   # The launcher exits as its first failed rank did: 128 + SIGKILL.
-  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" 'rank 0: error: .*forward failed: .*peer' 137
+  # Gloo sees the peer's socket close; NCCL reports the peer gone or the watchdog times the collective out.
+  killed_pattern='rank 0: error: .*forward failed: .*peer'
+  [ "$device" = cuda ] && killed_pattern='rank 0: error: .*forward failed: .*(peer|NCCL|timed out|timeout)'
+  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" "$killed_pattern" 137
   [ "$status" -eq 137 ] && ok "killed rank: the launcher exits 137 (its rank 1's death)" \
     || fail "killed rank: launcher exit $status, expected 137"
   grep -q 'frag: rank 0: error' "$work/a.log" && ok "killed rank: rank 0 printed its error" \
@@ -145,6 +152,7 @@ else
   fail "stalled rank: no rank 1 process appeared"; cat "$work/b.log"
 fi
 
+if [ "$device" = cpu ]; then
 # (c) A full disk: /dev/full (with --force, a device is written in place) and a 64 KiB file-size limit.
 t0=$(now); "$frag" rewrite "$tp1" -o /dev/full --force > "$work/c1.log" 2>&1; status=$?; t1=$(now)
 s=$(elapsed "$t0" "$t1")
@@ -231,6 +239,7 @@ for r in 0 1; do
   row "rendezvous: silent, rank $r" "error within --timeout ${timeout_e}s" "$s" "$work/e3$r.log"
 done
 kill "$listener" 2>/dev/null
+fi  # the faults that do not depend on the device
 
 echo
 echo "Time each fault took to surface (from the fault, or from the start where the fault is there from the start):"

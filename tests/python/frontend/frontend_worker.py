@@ -309,3 +309,38 @@ def every_location_on_torch_distributed(rank, path, ids):
     finally:
         torch.distributed.destroy_process_group()
     return out
+
+
+
+def replay_trace(model, ids, value):
+    """gpu_trace_test's trace: an edit, a save at a fragmented location (whole at tp 1), a logit lens."""
+    m = model.model
+    with model.trace(ids):
+        m.layers[0].output[:, -1] += value.to(model.dtype)
+        o_in = m.layers[1].self_attn.o_proj.input.save()
+        lens = model.lm_head(m.norm(m.layers[0].output)).save()
+        logits = model.output.save()
+    return o_in.value, lens.value, logits.value
+
+
+# Nine traces over two plans: the first five times (captured on its third forward), another value three
+# times (another plan, captured on its third), then the first again (its graph found in the cache).
+REPLAY_ROUNDS = [0.5] * 5 + [-0.5] * 3 + [0.5]
+
+
+def replay_rounds(rank, path, ids, width, device):
+    """Each round traced on an eager model (cuda_graphs off) and on one that replays, on `device` ("{rank}"
+    is replaced by the rank): every round's (eager, replayed) values on the CPU, and the replaying model's
+    graph_stats()."""
+    device = device.format(rank=rank)
+    eager = fragments.load(path, device=device)
+    eager.cuda_graphs = False
+    graphed = fragments.load(path, device=device)
+    ids = ids.to(device)
+    rounds = []
+    for value in REPLAY_ROUNDS:
+        vector = torch.full((width,), value)
+        expected = replay_trace(eager, ids, vector.clone())
+        got = replay_trace(graphed, ids, vector.clone())  # a new tensor each time, equal bytes
+        rounds.append(([t.cpu() for t in expected], [t.cpu() for t in got]))
+    return rounds, graphed.graph_stats()

@@ -1,64 +1,111 @@
-"""Python traces on a GPU: a repeated trace replays its CUDA graph, bit-identical to the eager forward.
+"""Python traces replayed from CUDA graphs: bit-identical to eager forwards, at tp 1 and tp 2.
 
-Runs where torch sees a CUDA GPU (the device machine: tools/device/README.md); elsewhere every test is
-skipped, loudly. The trace holds an edit, saves and a logit lens (an ad-hoc call): the plan stays registered
-between traces (ShardedModel::set_plan) and is captured on its third forward with the lens inside.
-Needs tests/models/llama_tp1 under FRAG_TEST_ROOT (default: the working directory) and `fragments`
-importable (python/fragments with its built _C).
+Each round traces an edit, a save at a fragmented location and a logit lens (an ad-hoc call) on two models
+of the same file, one eager (cuda_graphs off) and one that replays: a repeated trace keeps its plan
+registered (ShardedModel::set_plan) and is captured on its third forward, the lens inside
+(frontend_worker.replay_rounds: nine rounds over two plans).
+
+- one GPU: tp 1 (tests/models/llama_tp1); skipped, loudly, where torch sees no GPU.
+- tp 2, float32 and bfloat16 (tiny Llamas exported here with tools/export_model.py): on two GPUs over NCCL,
+  captured; without two GPUs over Gloo on CPUs, where nothing is captured (the same checks otherwise). The
+  ranks must agree bit for bit and equal tp 1 within the multi-GPU check's tolerance.
+
+Needs tests/models/llama_tp1 under FRAG_TEST_ROOT (default: the working directory), tools/export_model.py,
+and `fragments` importable (python/fragments with its built _C).
 """
 import os
+import subprocess
+import sys
+import tempfile
 import unittest
 
 import torch
 
-import fragments
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import fragments  # noqa: E402
+import frontend_worker as worker  # noqa: E402
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
-MODEL = os.path.join(ROOT, "tests", "models", "llama_tp1", "rank0.pt")
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "tools")
+WIDTH = 64  # the tiny Llama's hidden size
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+IDS = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
 
 
-@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU; this machine has none (skipped)")
-class GpuTraceTest(unittest.TestCase):
-    def trace(self, model, ids, value):
-        m = model.model
-        with model.trace(ids):
-            m.layers[0].output[:, -1] += value
-            resid = m.layers[1].self_attn.o_proj.input.save()  # fragmented at tp > 1
-            lens = model.lm_head(m.norm(m.layers[0].output)).save()
-            logits = model.output.save()
-        return resid.value, lens.value, logits.value
-
-    def test_a_repeated_trace_replays_what_the_eager_forward_computes(self):
-        eager = fragments.load(MODEL, device="cuda:0")
-        eager.cuda_graphs = False
-        graphed = fragments.load(MODEL, device="cuda:0")
-        self.assertTrue(graphed.cuda_graphs)
-        ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0)).cuda()
-        first = torch.full((64,), 0.5)
-        second = torch.full((64,), -0.5)
-        # Five traces of one plan (captured on the third), then another value (another plan: eager twice,
-        # then captured), then the first plan again (its graph found in the cache).
-        rounds = [first] * 5 + [second] * 3 + [first]
-        results = []
-        for i, value in enumerate(rounds):
-            expected = self.trace(eager, ids, value.clone())
-            got = self.trace(graphed, ids, value.clone())  # a new tensor each time, equal bytes
+class ReplayChecks:
+    def check_rounds(self, rounds, where):
+        """Every round's replayed values equal the eager model's, bit for bit; the plans moved the logits."""
+        for i, (expected, got) in enumerate(rounds):
             for name, a, b in zip(("o_proj input", "lens", "logits"), got, expected):
-                self.assertTrue(torch.equal(a, b), f"round {i}: {name} differs from the eager forward "
-                                                   f"(max |diff| {(a - b).abs().max().item():.3g})")
-            results.append(got[2])
-        self.assertFalse(torch.equal(results[4], results[5]), "another value changed the logits")
-        # (Round 0 is the executor's first run: in fp32 it fuses from the second on, so compare with round 4.)
-        self.assertTrue(torch.equal(results[8], results[4]), "the first plan again computes what it did")
-        stats = graphed.graph_stats()
+                self.assertTrue(torch.equal(a, b), f"{where}, round {i}: {name} differs from the eager forward "
+                                                   f"(max |diff| {(a.float() - b.float()).abs().max().item():.3g})")
+        logits = [got[2] for _, got in rounds]
+        self.assertFalse(torch.equal(logits[4], logits[5]), f"{where}: another value changed the logits")
+        # (Round 0 is the executor's first run: in fp32 on a GPU it fuses from the second on.)
+        self.assertTrue(torch.equal(logits[8], logits[4]), f"{where}: the first plan again computes what it did")
+
+    def check_stats(self, stats, captured, where):
         # Captured: the first plan at round 2, the second at round 7. Replayed: rounds 2-4, 7 and 8.
-        self.assertEqual(stats, {"captures": 2, "replays": 5, "refusals": 0}, stats)
-        self.assertEqual(eager.graph_stats()["captures"], 0)
-        # A saved value outlives the next replay (a copy out of the graph's buffer).
-        kept = self.trace(graphed, ids, first.clone())[0]
-        copy = kept.clone()
-        self.trace(graphed, ids, first.clone())
-        self.assertTrue(torch.equal(kept, copy))
+        expected = {"captures": 2, "replays": 5, "refusals": 0} if captured else \
+            {"captures": 0, "replays": 0, "refusals": 0}
+        self.assertEqual(stats, expected, where)
+
+
+@unittest.skipUnless(GPUS >= 1, "needs a CUDA GPU; this machine has none (skipped)")
+class OneGpuTest(unittest.TestCase, ReplayChecks):
+    def test_a_repeated_trace_replays_what_the_eager_forward_computes(self):
+        path = os.path.join(ROOT, "tests", "models", "llama_tp1", "rank0.pt")
+        rounds, stats = worker.replay_rounds(0, path, IDS, WIDTH, "cuda:0")
+        self.check_rounds(rounds, "tp 1")
+        self.check_stats(stats, True, "tp 1")
+
+
+class TwoRanksTest(unittest.TestCase, ReplayChecks):
+    @classmethod
+    def setUpClass(cls):
+        cls.folder = tempfile.TemporaryDirectory()
+        if GPUS < 2:
+            print("gpu_trace_test: fewer than 2 GPUs: tp 2 runs over Gloo on CPUs, nothing captured "
+                  "(the captured tp 2 path needs a machine with 2 GPUs)", file=sys.stderr)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.folder.cleanup()
+
+    def export(self, tp, dtype):
+        out = os.path.join(self.folder.name, f"llama_{dtype}_tp{tp}")
+        if not os.path.exists(os.path.join(out, f"rank{tp - 1}.pt")):
+            subprocess.run([sys.executable, os.path.join(TOOLS, "export_model.py"), "--model", "llama", "--tp",
+                            str(tp), "--dtype", dtype, "--out", out], check=True, capture_output=True, timeout=600)
+        return os.path.join(out, "rank{rank}.pt")
+
+    def check_tp2(self, dtype):
+        on_gpus = GPUS >= 2
+        device = "cuda:{rank}" if on_gpus else "cpu"
+        reference, _ = worker.replay_rounds(0, self.export(1, dtype).format(rank=0), IDS, WIDTH,
+                                            "cuda:0" if on_gpus else "cpu")
+        ranks = fragments.launch(worker.replay_rounds, world=2, backend="nccl" if on_gpus else "gloo",
+                                 args=(self.export(2, dtype), IDS, WIDTH, device), timeout=120)
+        for rank, (rounds, stats) in enumerate(ranks):
+            self.check_rounds(rounds, f"tp 2 {dtype}, rank {rank}")
+            self.check_stats(stats, on_gpus, f"tp 2 {dtype}, rank {rank}")
+        for (_, got0), (_, got1) in zip(ranks[0][0], ranks[1][0]):
+            for a, b in zip(got0, got1):
+                self.assertTrue(torch.equal(a, b), f"tp 2 {dtype}: the ranks' whole values differ")
+        # Against tp 1: multi_gpu_check's tolerances (float32 1e-4; bfloat16 8 roundings of the largest value).
+        for i, ((_, got), (ref, _)) in enumerate(zip(ranks[0][0], reference)):
+            for name, a, b in zip(("o_proj input", "lens", "logits"), got, ref):
+                scale = max(1.0, b.float().abs().max().item())
+                bound = 1e-4 * scale if dtype == "float32" else 0.03125 * scale
+                diff = (a.float() - b.float()).abs().max().item()
+                self.assertLessEqual(diff, bound, f"tp 2 {dtype}, round {i}: {name} vs tp 1")
+
+    def test_tp2_float32(self):
+        self.check_tp2("float32")
+
+    def test_tp2_bfloat16(self):
+        self.check_tp2("bfloat16")
 
 
 if __name__ == "__main__":
