@@ -238,6 +238,21 @@ class FrontEndTest(unittest.TestCase):
                 logits = torch.load(os.path.join(folder, f"logits{rank}.pt"))
                 self.assertLessEqual(relative(logits, expected.value), TOLERANCE, f"rank {rank} vs tp=1")
 
+    def test_a_plan_changed_on_one_rank_fails_both_within_the_timeout(self):
+        # A repeated trace keeps its plan registered and skips the ranks' digest exchange, so a rank that
+        # changes its plan meets a rank that did not in that exchange, not in a collective: it must fail
+        # with the reason, and the other rank's collective must fail too, both within the timeout.
+        timeout = 5
+        ranks = fragments.launch(worker.plan_changed_on_one_rank, world=2, backend="gloo",
+                                 args=(os.path.join(MODELS, "llama_tp2", "rank{rank}.pt"), token_ids(1)),
+                                 timeout=timeout)
+        (error0, seconds0), (error1, seconds1) = ranks
+        self.assertIn("every rank must change its plan alike", error1)
+        self.assertIn("FragError", error1)
+        self.assertNotEqual(error0, "no error", "rank 0's forward ran against a rank that never joined it")
+        for rank, seconds in enumerate((seconds0, seconds1)):
+            self.assertLess(seconds, timeout + 20, f"rank {rank} took {seconds:.1f} s to fail")
+
     def test_rewritten_file_loads_with_plain_jit_load(self):
         with tempfile.TemporaryDirectory() as folder:
             rewritten = os.path.join(folder, "rank0.pt")

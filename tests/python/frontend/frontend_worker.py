@@ -3,6 +3,7 @@
 `scenarios` is the same code at tp=1 (in the test's process) and on each rank of a launched world; it
 returns plain tensors and strings, which the test compares across ranks, with tp=1 and with `frag run`.
 """
+import time
 import warnings
 
 import torch
@@ -311,6 +312,28 @@ def every_location_on_torch_distributed(rank, path, ids):
     return out
 
 
+
+
+def plan_changed_on_one_rank(rank, path, ids):
+    """Two traces alike on both ranks (the second keeps its plan registered), then rank 1 changes its plan
+    while rank 0 keeps its own: (each rank's error or "no error", seconds that third trace took)."""
+    model = fragments.load(path)
+    m = model.model
+
+    def trace(more):
+        with model.trace(ids):
+            m.layers[0].output.save()
+            if more:
+                m.layers[1].output.save()
+
+    trace(False)
+    trace(False)
+    started = time.monotonic()
+    try:
+        trace(rank == 1)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}", time.monotonic() - started
+    return "no error", time.monotonic() - started
 
 def replay_trace(model, ids, value):
     """gpu_trace_test's trace: an edit, a save at a fragmented location (whole at tp 1), a logit lens."""
