@@ -103,23 +103,23 @@ std::pair<std::string, int64_t> vocabulary_of(frag::program::ShardedModel& model
   return {"", 0};
 }
 
-/// --repeat N (benchmarks): N forwards, each as a trace in the Python API runs one: clear, apply the plan
-/// (with the ranks' agreement), forward. Rank 0 prints the median per forward; the run then goes on as usual.
+/// --repeat N (benchmarks): N forwards, each as a trace in the Python API runs one: set the plan (registered
+/// and agreed on once: ShardedModel::set_plan keeps a repeated plan), forward. Rank 0 prints the median per
+/// forward; the run then goes on as usual.
 void time_forwards(frag::program::ShardedModel& model, const RunArguments& args,
                    const std::optional<frag::runtime::Plan>& plan, const torch::Tensor& ids) {
   std::vector<double> ms;
   ms.reserve(static_cast<size_t>(args.repeat));
   for (int i = 0; i < args.repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    model.clear();
-    if (plan) model.apply(*plan);
+    model.set_plan(plan ? *plan : frag::runtime::Plan{});
     model.forward(ids);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
     model.clear_saved();
   }
   std::sort(ms.begin(), ms.end());
   if (model.context().rank() == 0)
-    std::cerr << fmt::format("frag run: --repeat {}: median {:.3f} ms per forward (clear, apply the plan, forward); "
+    std::cerr << fmt::format("frag run: --repeat {}: median {:.3f} ms per forward (set the plan, forward); "
                              "min {:.3f}, max {:.3f}\n",
                              args.repeat, ms[ms.size() / 2], ms.front(), ms.back());
   model.clear();
@@ -296,7 +296,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   run_cmd->add_option("--device", run.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank)");
   run_cmd->add_option("--repeat", run.repeat,
-                      "Benchmarks: first run N timed forwards (clear, apply the plan, forward each) and print "
+                      "Benchmarks: first run N timed forwards (set the plan, forward each) and print "
                       "the median per forward on rank 0")
       ->check(CLI::Range(1, 100000));
   run_cmd->add_option("--plan", run.plan, "Interventions to apply (JSON; see README)")

@@ -6,8 +6,8 @@
 # file-size limit), SIGINT/SIGTERM during rewrite, an unreachable rendezvous (closed port) and a silent one
 # (a listener that accepts and never answers). Each: non-zero exit, a `frag: error:` line, within a bound.
 # FRAG_FAULT_DEVICE=cuda (a machine with 2 GPUs; tools/device/README.md): only the killed and the stalled
-# rank, over NCCL (`frag run --device cuda`, one GPU per rank, the watchdog's path); the other faults do not
-# depend on the device and run on CPUs.
+# rank, over NCCL (`frag run --device cuda`, one GPU per rank, the watchdog's path), and a rank killed while
+# forwards replay from a CUDA graph; the other faults do not depend on the device and run on CPUs.
 set -uo pipefail
 frag=$(realpath "${1:?usage: $0 FRAG LLAMA_TP1_RANK0}")
 tp1=$(realpath "${2:?usage: $0 FRAG LLAMA_TP1_RANK0}")
@@ -16,6 +16,9 @@ tp2_0=$models/llama_tp2/rank0.pt
 tp2_1=$models/llama_tp2/rank1.pt
 for f in "$frag" "$tp1" "$tp2_0" "$tp2_1"; do [ -e "$f" ] || { echo "FAIL: missing $f"; exit 1; }; done
 device=${FRAG_FAULT_DEVICE:-cpu}
+# A killed peer: Gloo sees its socket close; NCCL reports it gone or the watchdog times the collective out.
+killed_pattern='rank 0: error: .*forward failed: .*peer'
+[ "$device" = cuda ] && killed_pattern='rank 0: error: .*forward failed: .*(peer|NCCL|timed out|timeout)'
 work=$(mktemp -d "${TEST_TMPDIR:-/tmp}/faults.XXXXXX")
 pids_to_kill=()
 cleanup() {
@@ -111,9 +114,6 @@ if r1=$(rank_pid "$launcher" 1); then
   wait_bounded "$launcher" "$work/a.log"; t1=$(now)
   s=$(elapsed "$t0" "$t1")
   # The launcher exits as its first failed rank did: 128 + SIGKILL.
-  # Gloo sees the peer's socket close; NCCL reports the peer gone or the watchdog times the collective out.
-  killed_pattern='rank 0: error: .*forward failed: .*peer'
-  [ "$device" = cuda ] && killed_pattern='rank 0: error: .*forward failed: .*(peer|NCCL|timed out|timeout)'
   check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" "$killed_pattern" 137
   [ "$status" -eq 137 ] && ok "killed rank: the launcher exits 137 (its rank 1's death)" \
     || fail "killed rank: launcher exit $status, expected 137"
@@ -150,6 +150,29 @@ if r1=$(rank_pid "$launcher" 1); then
   rows+=("$(printf '%-26s | %-30s | %7s | %s' "  (launcher exit)" "<= timeout + 5 s" "$exit_s" "paused rank 1 ended by the launcher")")
 else
   fail "stalled rank: no rank 1 process appeared"; cat "$work/b.log"
+fi
+
+# (a2) GPUs only: a rank SIGKILLed while the forwards replay from a CUDA graph (`--repeat`: one input, captured
+# on its third forward); the marker watched behind each replay fails rank 0 within the timeout.
+if [ "$device" = cuda ]; then
+  timeout_r=10
+  "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --repeat 100000 --timeout $timeout_r \
+    --device cuda > "$work/r.log" 2>&1 &
+  launcher=$!
+  pids_to_kill+=("$launcher")
+  if r1=$(rank_pid "$launcher" 1); then
+    r0=$(rank_pid "$launcher" 0)
+    wait_mid_run "$r1"
+    t0=$(now); kill -KILL "$r1"
+    wait_bounded "$launcher" "$work/r.log"; t1=$(now)
+    s=$(elapsed "$t0" "$t1")
+    check "killed rank, replaying" "$status" "$s" $((timeout_r + 10)) "$work/r.log" "$killed_pattern" 137
+    if kill -0 "$r0" 2>/dev/null; then fail "killed rank, replaying: rank 0 (pid $r0) still alive"; kill -KILL "$r0"
+    else ok "killed rank, replaying: rank 0 ended too"; fi
+    row "rank SIGKILLed, replaying" "error, others end (< ${timeout_r}s)" "$s" "$work/r.log"
+  else
+    fail "killed rank, replaying: no rank 1 process appeared"; cat "$work/r.log"
+  fi
 fi
 
 if [ "$device" = cpu ]; then

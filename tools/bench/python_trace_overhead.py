@@ -1,6 +1,6 @@
 """Python front end overhead per forward, side by side in one run:
   - a trace (recording + typed plan + the C++ run) in fragments' Python API,
-  - the same typed steps handed to the C++ runtime directly (fragments._C: clear, apply, agreement, forward),
+  - the same typed steps handed to the C++ runtime directly (fragments._C: set the plan, forward),
   - the same plan as JSON through the C++ CLI itself: `frag run --world N --plan P --repeat R`, which
     clears, applies and runs the forward R times and prints its median per forward (run before and after
     the Python runs; their mean is the reference).
@@ -73,7 +73,7 @@ def plan_for_cli(folder, tokens, v):
 
 
 def cli_median(frag, path, world, plan, ids, repeats):
-    """frag run's own median per forward (clear, apply the plan, forward), from its --repeat line."""
+    """frag run's own median per forward (set the plan, forward), from its --repeat line."""
     out = subprocess.run([frag, "run", path, "--world", str(world), "--input", ids, "--plan", plan,
                           "--repeat", str(repeats)], capture_output=True, text=True, timeout=600)
     found = re.search(r"median ([0-9.]+) ms per forward", out.stderr)
