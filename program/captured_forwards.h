@@ -16,10 +16,11 @@
 //     plan registered again (a Python trace per forward) finds its graph; a
 //     change of the weights' storage drops them all.
 // Forwards that must call back stay eager: hooks registered with on() (C++ or
-// Python callables), plan steps that call modules, communicators that wait on
-// the host (torch.distributed groups, Gloo, FRAG_NCCL_SYNC_EACH), and shapes
-// whose capture CUDA refused (a model that reads tensor values to branch, such
-// as MoE routing that skips empty experts): those run as before.
+// Python callables), communicators that wait on the host (torch.distributed
+// groups, Gloo, FRAG_NCCL_SYNC_EACH), and shapes whose capture CUDA refused (a
+// model that reads tensor values to branch, such as MoE routing that skips
+// empty experts): those run as before. Plan steps that call modules (a logit
+// lens) only enqueue work and are captured with the forward.
 //
 //===----------------------------------------------------------------------===//
 #pragma once

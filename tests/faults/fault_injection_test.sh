@@ -95,36 +95,47 @@ wait_mid_run() {
   done
   sleep 3
 }
-# A long run (many generated tokens) so that a fault lands mid-run; rank 0's --out is never written.
-long_run() {  # long_run LOG TIMEOUT -> launcher pid in $launcher
-  "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --generate 100000 --timeout "$2" \
-    --device "$device" --out "$work/long.safetensors" > "$1" 2>&1 &
+# A long run so that a fault lands mid-run: many generated tokens (rank 0's --out is never written), or the
+# extra `frag run` arguments given (--repeat: forwards of one input).
+long_run() {  # long_run LOG TIMEOUT [ARGS...] -> launcher pid in $launcher
+  local log=$1 timeout=$2
+  shift 2
+  [ $# -gt 0 ] || set -- --generate 100000 --out "$work/long.safetensors"
+  "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --timeout "$timeout" --device "$device" "$@" \
+    > "$log" 2>&1 &
   launcher=$!
   pids_to_kill+=("$launcher")
 }
 
-# (a) A rank SIGKILLed mid-run: the launcher (and the other rank) end non-zero with an error.
-timeout_a=20
-long_run "$work/a.log" "$timeout_a"
-if r1=$(rank_pid "$launcher" 1); then
-  r0=$(rank_pid "$launcher" 0)
-  wait_mid_run "$r1"  # past loading and the rendezvous: the ranks are generating
-  kill -0 "$launcher" 2>/dev/null || { echo "the run ended before the fault:"; cat "$work/a.log"; }
-  t0=$(now); kill -KILL "$r1"
-  wait_bounded "$launcher" "$work/a.log"; t1=$(now)
-  s=$(elapsed "$t0" "$t1")
-  # The launcher exits as its first failed rank did: 128 + SIGKILL.
-  check "killed rank" "$status" "$s" $((timeout_a + 10)) "$work/a.log" "$killed_pattern" 137
-  [ "$status" -eq 137 ] && ok "killed rank: the launcher exits 137 (its rank 1's death)" \
-    || fail "killed rank: launcher exit $status, expected 137"
-  grep -q 'frag: rank 0: error' "$work/a.log" && ok "killed rank: rank 0 printed its error" \
-    || fail "killed rank: rank 0 printed no error"
-  if kill -0 "$r0" 2>/dev/null; then fail "killed rank: rank 0 (pid $r0) still alive"; kill -KILL "$r0"
-  else ok "killed rank: rank 0 ended too"; fi
-  row "rank SIGKILLed mid-run" "error, others end (< ${timeout_a}s)" "$s" "$work/a.log"
-else
-  fail "killed rank: no rank 1 process appeared"; cat "$work/a.log"
-fi
+# A rank SIGKILLed mid-run: the launcher (and the other rank) end non-zero with an error.
+# killed_mid_run NAME ROW TIMEOUT LOG [ARGS of long_run...]
+killed_mid_run() {
+  local name=$1 what=$2 timeout=$3 log=$4
+  shift 4
+  long_run "$log" "$timeout" "$@"
+  if r1=$(rank_pid "$launcher" 1); then
+    r0=$(rank_pid "$launcher" 0)
+    wait_mid_run "$r1"  # past loading and the rendezvous: the ranks are running
+    kill -0 "$launcher" 2>/dev/null || { echo "the run ended before the fault:"; cat "$log"; }
+    t0=$(now); kill -KILL "$r1"
+    wait_bounded "$launcher" "$log"; t1=$(now)
+    s=$(elapsed "$t0" "$t1")
+    # The launcher exits as its first failed rank did: 128 + SIGKILL.
+    check "$name" "$status" "$s" $((timeout + 10)) "$log" "$killed_pattern" 137
+    [ "$status" -eq 137 ] && ok "$name: the launcher exits 137 (its rank 1's death)" \
+      || fail "$name: launcher exit $status, expected 137"
+    grep -q 'frag: rank 0: error' "$log" && ok "$name: rank 0 printed its error" \
+      || fail "$name: rank 0 printed no error"
+    if kill -0 "$r0" 2>/dev/null; then fail "$name: rank 0 (pid $r0) still alive"; kill -KILL "$r0"
+    else ok "$name: rank 0 ended too"; fi
+    row "$what" "error, others end (< ${timeout}s)" "$s" "$log"
+  else
+    fail "$name: no rank 1 process appeared"; cat "$log"
+  fi
+}
+
+# (a) A rank SIGKILLed mid-run.
+killed_mid_run "killed rank" "rank SIGKILLed mid-run" 20 "$work/a.log"
 
 # (b) A rank SIGSTOPped mid-run: an error once --timeout has passed (not before: it is a stall, not a death).
 timeout_b=5
@@ -155,24 +166,7 @@ fi
 # (a2) GPUs only: a rank SIGKILLed while the forwards replay from a CUDA graph (`--repeat`: one input, captured
 # on its third forward); the marker watched behind each replay fails rank 0 within the timeout.
 if [ "$device" = cuda ]; then
-  timeout_r=10
-  "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --repeat 100000 --timeout $timeout_r \
-    --device cuda > "$work/r.log" 2>&1 &
-  launcher=$!
-  pids_to_kill+=("$launcher")
-  if r1=$(rank_pid "$launcher" 1); then
-    r0=$(rank_pid "$launcher" 0)
-    wait_mid_run "$r1"
-    t0=$(now); kill -KILL "$r1"
-    wait_bounded "$launcher" "$work/r.log"; t1=$(now)
-    s=$(elapsed "$t0" "$t1")
-    check "killed rank, replaying" "$status" "$s" $((timeout_r + 10)) "$work/r.log" "$killed_pattern" 137
-    if kill -0 "$r0" 2>/dev/null; then fail "killed rank, replaying: rank 0 (pid $r0) still alive"; kill -KILL "$r0"
-    else ok "killed rank, replaying: rank 0 ended too"; fi
-    row "rank SIGKILLed, replaying" "error, others end (< ${timeout_r}s)" "$s" "$work/r.log"
-  else
-    fail "killed rank, replaying: no rank 1 process appeared"; cat "$work/r.log"
-  fi
+  killed_mid_run "killed rank, replaying" "rank SIGKILLed, replaying" 10 "$work/r.log" --repeat 100000
 fi
 
 if [ "$device" = cpu ]; then

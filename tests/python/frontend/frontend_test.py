@@ -119,7 +119,7 @@ class FrontEndTest(unittest.TestCase):
     def check_repeats(self, r):
         """A trace repeated (its plan kept registered), one with another value, the first again, a plain one."""
         self.assertTrue(torch.equal(r["rep_again"], r["rep_a"]), "the same trace again gives the same logits")
-        self.assertTrue(torch.equal(r["rep_resid_again"], r["rep_resid_a"]), "and the same saved value")
+        self.assertTrue(torch.equal(r["rep_saved_again"], r["rep_saved_a"]), "and the same saved value")
         self.assertGreater(relative(r["rep_a"], r["logits"]), 1e-3, "the edit moved the logits")
         self.assertGreater(relative(r["rep_b"], r["rep_a"]), 1e-3, "another value is another plan")
         self.assertTrue(torch.equal(r["rep_a_after_b"], r["rep_a"]), "the first plan again, nothing of the second")

@@ -78,18 +78,13 @@ def scenarios(model, ids, other_ids):
 def repeats(model, ids, hidden):
     """The same trace again (a plan kept registered between forwards), another value, then plain traces:
     each forward computes its own trace's plan and nothing of an earlier one."""
-    m = model.model
-
-    def edited(seed):
-        with model.trace(ids):
-            m.layers[0].output[:, -1] += _vector(hidden, seed)  # a new tensor each time, equal for equal seeds
-            resid = m.layers[1].output.save()
-            logits = model.output.save()
-        return resid.value, logits.value
+    def edited(seed):  # a new tensor each time, equal for equal seeds
+        o_in, _, logits = replay_trace(model, ids, _vector(hidden, seed))
+        return o_in, logits
 
     out = {}
-    out["rep_resid_a"], out["rep_a"] = edited(1)
-    out["rep_resid_again"], out["rep_again"] = edited(1)
+    out["rep_saved_a"], out["rep_a"] = edited(1)
+    out["rep_saved_again"], out["rep_again"] = edited(1)
     _, out["rep_b"] = edited(2)
     _, out["rep_a_after_b"] = edited(1)
     with model.trace(ids):
