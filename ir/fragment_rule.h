@@ -42,15 +42,10 @@
 #include <nlohmann/json.hpp>
 
 #include "ir/error.h"
+#include "ir/group_id.h"
 
 namespace frag::ir {
 
-/// Conventional name of the tensor parallel group.
-inline constexpr const char* kTpGroup = "tp";
-/// Conventional name of the expert parallel group.
-inline constexpr const char* kEpGroup = "ep";
-/// Conventional name of the flat tp·ep group over which a FusedMoE partial sum runs.
-inline constexpr const char* kTpEpGroup = "tp×ep";
 
 /// How a rank's value relates to the whole tensor.
 enum class LayoutKind {

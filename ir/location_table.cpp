@@ -36,12 +36,14 @@ LocationTable::LocationTable(FragmentTable table) : table_(std::move(table)) {
   for (size_t i = 0; i < table_.layers.size(); ++i) {
     const auto& layer = table_.layers[i];
     layers_.emplace(layer.path, i);
-    if (layer.input) add({input_location(layer.path), LocationKind::kFragmented, layer.input, ""});
-    if (layer.output) add({output_location(layer.path), LocationKind::kFragmented, layer.output, ""});
+    if (layer.input)
+      add({input_location(layer.path), LocationKind::kFragmented, layer.input, group_id(layer.input->rule.group), ""});
+    if (layer.output)
+      add({output_location(layer.path), LocationKind::kFragmented, layer.output, group_id(layer.output->rule.group), ""});
   }
-  for (const auto& name : table_.whole) add({name, LocationKind::kWhole, std::nullopt, ""});
+  for (const auto& name : table_.whole) add({name, LocationKind::kWhole, std::nullopt, std::nullopt, ""});
   for (const auto& local : table_.rank_local)
-    add({local.location, LocationKind::kRankLocal, std::nullopt, local.derived_from});
+    add({local.location, LocationKind::kRankLocal, std::nullopt, std::nullopt, local.derived_from});
 }
 
 std::optional<LocationId> LocationTable::find(std::string_view name) const {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "ir/fragment_table.h"
+#include "ir/group_id.h"
 
 #include <cstdint>
 #include <optional>
@@ -39,6 +40,7 @@ struct LocationEntry {
   std::string name;
   LocationKind kind = LocationKind::kUnknown;
   std::optional<FragmentedSide> side;  ///< fragmented locations only
+  std::optional<GroupId> group;        ///< fragmented locations: the rule's group, bound at load (nullopt: unknown)
   std::string derived_from;            ///< rank-local locations only
 };
 

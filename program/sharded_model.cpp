@@ -1,6 +1,7 @@
 //===- program/sharded_model.cpp - The C++ API: one rank of a sharded model ===//
 #include "program/sharded_model.h"
 
+#include "ir/digest.h"
 #include "ir/error.h"
 #include "ir/module_path.h"
 #include "program/nativert_program.h"
@@ -15,16 +16,6 @@ namespace frag::program {
 namespace {
 
 using runtime::Action;
-
-/// FNV-1a: a digest for comparing texts across ranks (not for security).
-uint64_t digest(const std::string& text) {
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
 
 /// Applies an edit step to the selected part of a whole: the one switch over edit actions. `value` keeps
 /// the step's value on the whole's device and dtype, made on the first visit: later visits (and a CUDA
@@ -303,8 +294,8 @@ std::vector<std::string> ShardedModel::unreached_visits() const {
 
 void ShardedModel::agree_on_interventions() {
   // In registration order: hooks at one location run in that order, so it is part of the plan.
-  if (table_digest_.empty()) table_digest_ = fmt::format("{:016x}", digest(ir::to_json(table()).dump()));
-  const std::string mine = fmt::format("{:016x}", digest(plan_text() + "\n" + table_digest_));
+  if (table_digest_.empty()) table_digest_ = fmt::format("{:016x}", ir::fnv1a(ir::to_json(table()).dump()));
+  const std::string mine = fmt::format("{:016x}", ir::fnv1a(plan_text() + "\n" + table_digest_));
   std::vector<std::string> all;
   try {
     all = context_->exchange(fmt::format("interventions/{}", exchanges_++), mine);

@@ -83,7 +83,9 @@ torch::Tensor AdHocCaller::call_module(RankContext& context, const std::string& 
     inputs[0] = piece_from_whole(layer->input->rule, whole, context.group(layer->input->rule.group).rank());
   ScopedRankContext scope(std::shared_ptr<RankContext>(&context, [](RankContext*) {}));
   torch::Tensor output = modules_->run(path, inputs);
-  if (layer && layer->output) output = whole_from_piece(context, layer->output->rule, output, ir::output_location(path));
+  if (layer && layer->output)
+    output = whole_from_piece(context.group(layer->output->rule.group), layer->output->rule, output,
+                              ir::output_location(path));
   return output;
 }
 

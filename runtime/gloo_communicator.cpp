@@ -9,6 +9,8 @@
 #include "runtime/communicator.h"
 
 #ifdef FRAG_WITH_GLOO
+#include "runtime/c10d_work.h"
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
@@ -71,13 +73,7 @@ class GlooCommunicator final : public Communicator {
 
  private:
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
-    try {
-      work->wait(timeout_);
-    } catch (const std::exception& e) {
-      fail("gloo {} failed on rank {} of {} (a peer that dies or stays away fails it after the {} ms "
-           "timeout): {}",
-           what, rank_, size_, timeout_.count(), first_line(e.what()));
-    }
+    wait_for_work(work, timeout_, [&] { return fmt::format("gloo {}", what); }, rank_, size_);
   }
 
   int rank_;

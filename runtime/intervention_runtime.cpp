@@ -136,7 +136,9 @@ torch::Tensor InterventionRuntime::gather(const torch::Tensor& piece, ir::Locati
   Location& state = in_this_forward(location);
   const int64_t visit = open_visit(state);
   if (!waiting(state, visit)) return piece;
-  torch::Tensor whole = whole_from_piece(current_rank_context(), rule_of(*state.entry), piece, state.entry->name);
+  const ir::LocationEntry& entry = *state.entry;
+  const ir::FragmentRule& rule = rule_of(entry);
+  torch::Tensor whole = whole_from_piece(current_rank_context().group(entry.group, rule.group), rule, piece, entry.name);
   ++state.collectives;
   state.gathered = true;
   return whole;
@@ -193,7 +195,7 @@ torch::Tensor InterventionRuntime::split(const torch::Tensor& value, const torch
   Location& state = in_this_forward(location);
   if (!state.gathered || !state.edited) return piece;  // reads hand back the original piece
   const ir::FragmentRule& rule = rule_of(*state.entry);
-  const int64_t rank = current_rank_context().group(rule.group).rank();
+  const int64_t rank = current_rank_context().group(state.entry->group, rule.group).rank();
   return piece_from_whole(rule, value, rank).to(piece.options());
 }
 

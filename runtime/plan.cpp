@@ -1,6 +1,7 @@
 //===- runtime/plan.cpp - Intervention plans (JSON) ----------------------===//
 #include "runtime/plan.h"
 
+#include "ir/digest.h"
 #include "ir/error.h"
 #include "ir/json_file.h"
 #include "ir/location_table.h"
@@ -49,16 +50,6 @@ std::optional<Action> parse_action(const std::string& text) {
   for (const auto& [name, action] : kActions)
     if (text == name) return action;
   return std::nullopt;
-}
-
-/// FNV-1a over bytes: a digest for comparing values across ranks (not for security).
-uint64_t digest_bytes(const void* data, size_t size, uint64_t hash = 1469598103934665603ull) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) {
-    hash ^= bytes[i];
-    hash *= 1099511628211ull;
-  }
-  return hash;
 }
 
 }  // namespace
@@ -222,8 +213,8 @@ std::string PlanStep::describe() const {
                                  visit ? std::to_string(*visit) : "*", fmt::join(modules, ","));
   if (value_tensor.defined()) {
     auto t = value_tensor.contiguous();
-    uint64_t hash = digest_bytes(t.sizes().data(), t.sizes().size() * sizeof(int64_t));
-    hash = digest_bytes(t.data_ptr(), t.numel() * t.element_size(), hash);
+    uint64_t hash = ir::fnv1a_bytes(t.sizes().data(), t.sizes().size() * sizeof(int64_t));
+    hash = ir::fnv1a_bytes(t.data_ptr(), t.numel() * t.element_size(), hash);
     text += fmt::format("|{}:{:016x}", c10::toString(t.scalar_type()), hash);
   }
   return text;

@@ -8,6 +8,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
+#include "runtime/c10d_work.h"
 #include "runtime/communicator.h"
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -42,13 +43,8 @@ class ProcessGroupCommunicator final : public Communicator {
 
  private:
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
-    try {
-      work->wait(timeout_);
-    } catch (const std::exception& e) {
-      fail("{} on torch.distributed's group '{}' failed on rank {} of {} (a peer that dies or stays away fails "
-           "it after the {} ms timeout): {}",
-           what, name_, rank(), size(), timeout_.count(), first_line(e.what()));
-    }
+    wait_for_work(
+        work, timeout_, [&] { return fmt::format("{} on torch.distributed's group '{}'", what, name_); }, rank(), size());
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -61,8 +61,6 @@ std::string master_addr_from_env(const std::string& fallback) {
 std::string to_string(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
 std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
 
-/// Every group spans the whole world under pure tensor parallelism.
-constexpr const char* kGroupNames[] = {ir::kTpGroup, ir::kEpGroup, ir::kTpEpGroup, "world"};
 
 
 /// The TCP store, within the timeout. TCPStore's constructor bounds a refused
@@ -117,7 +115,7 @@ RendezvousOptions RendezvousOptions::from_env() {
 std::shared_ptr<RankContext> RankContext::single_rank() {
   std::shared_ptr<RankContext> context(new RankContext());
   auto single = make_single_rank_communicator();
-  for (const char* name : kGroupNames) context->groups_[name] = single;
+  context->groups_.fill(single);  // every group spans the whole world under pure tensor parallelism
   return context;
 }
 
@@ -159,7 +157,7 @@ std::shared_ptr<RankContext> RankContext::connect(const RendezvousOptions& optio
   } else {
     fail("unknown backend '{}': expected gloo or nccl", options.backend);
   }
-  for (const char* name : kGroupNames) context->groups_[name] = world;
+  context->groups_.fill(world);
   return context;
 }
 
@@ -174,20 +172,20 @@ std::shared_ptr<RankContext> RankContext::over_process_group(const c10::intrusiv
   context->backend_ = world->backend();
   context->process_group_ = group_name;
   context->store_ = c10::make_intrusive<c10d::PrefixStore>("fragments", store);
-  for (const char* name : kGroupNames) context->groups_[name] = world;
+  context->groups_.fill(world);
   return context;
 }
 
-Communicator& RankContext::group(const std::string& name) const {
-  auto it = groups_.find(name);
-  if (it == groups_.end()) fail("unknown communicator group '{}': expected tp, ep, tp×ep or world", name);
-  return *it->second;
+Communicator& RankContext::group(std::string_view name) const {
+  const auto id = ir::group_id(name);
+  if (!id) fail("unknown communicator group '{}': expected tp, ep, tp×ep or world", name);
+  return group(*id);
 }
 
 std::vector<Communicator*> RankContext::communicators() const {
   // The groups may share one communicator: each once.
   std::vector<Communicator*> distinct;
-  for (const auto& [name, group] : groups_)
+  for (const auto& group : groups_)
     if (std::find(distinct.begin(), distinct.end(), group.get()) == distinct.end()) distinct.push_back(group.get());
   return distinct;
 }

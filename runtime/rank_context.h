@@ -14,11 +14,14 @@
 #pragma once
 
 #include "ir/error.h"
+#include "ir/group_id.h"
 #include "runtime/communicator.h"
 #include "runtime/current.h"
 
+#include <array>
 #include <chrono>
-#include <map>
+#include <optional>
+#include <string_view>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,8 +79,13 @@ class RankContext {
   /// The torch.distributed process group this context runs on ("" where fragments connected its own).
   const std::string& process_group() const { return process_group_; }
 
-  /// The communicator of a named group; an unknown name is an error.
-  Communicator& group(const std::string& name) const;
+  /// The communicator of a group (an array index: ids are bound when a table is loaded).
+  Communicator& group(ir::GroupId id) const { return *groups_[static_cast<size_t>(id)]; }
+  /// The communicator of a named group; an unknown name (or none: nullopt) is an error naming `name`.
+  Communicator& group(std::string_view name) const;
+  Communicator& group(std::optional<ir::GroupId> id, std::string_view name) const {
+    return id ? group(*id) : group(name);
+  }
 
   /// Waits for every collective enqueued on this rank's communicators (NCCL
   /// returns before they ran) and throws the error of one that failed or
@@ -108,7 +116,7 @@ class RankContext {
   std::string backend_ = "single";
   std::string process_group_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::map<std::string, std::shared_ptr<Communicator>> groups_;
+  std::array<std::shared_ptr<Communicator>, ir::kGroupCount> groups_;  ///< by ir::GroupId
   int64_t exchanges_ = 0;
 };
 

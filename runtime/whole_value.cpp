@@ -199,9 +199,8 @@ torch::Tensor piece_from_whole(const ir::FragmentRule& rule, const torch::Tensor
   return whole.index_select(plan.dim, plan.offset);
 }
 
-torch::Tensor whole_from_piece(RankContext& context, const ir::FragmentRule& rule, const torch::Tensor& piece,
+torch::Tensor whole_from_piece(Communicator& group, const ir::FragmentRule& rule, const torch::Tensor& piece,
                                std::string_view location) {
-  Communicator& group = context.group(rule.group);
   if (group.size() != rule.group_size)
     fail("{} is fragmented over {} rank{} of group '{}', but this run's group has {}", location, rule.group_size,
          rule.group_size == 1 ? "" : "s", rule.group, group.size());

@@ -28,10 +28,10 @@
 namespace frag::runtime {
 
 /// The whole value of which `piece` is this rank's part under `rule`: the
-/// collective the rule asks for (ir::collective_for) over the rule's group,
+/// collective the rule asks for (ir::collective_for) over `group` (the rule's),
 /// then the fused assembly. Always a fresh tensor. A group whose size is not
 /// the rule's: frag::Error naming `location`.
-torch::Tensor whole_from_piece(RankContext& context, const ir::FragmentRule& rule, const torch::Tensor& piece,
+torch::Tensor whole_from_piece(Communicator& group, const ir::FragmentRule& rule, const torch::Tensor& piece,
                                std::string_view location);
 
 /// ir::whole_from_pieces(rule, gathered.unbind(0)) for an all-gather rule, in

@@ -3,43 +3,63 @@
 #   ir/       nothing of ours but ir/
 #   passes/   ir/            (graph rewriting; no collectives)
 #   runtime/  ir/            (executes prepared programs; never rewrites graphs)
-#   program/  ir/ passes/ runtime/
+#   program/  ir/ passes/ runtime/        (the C++ API)
+#   python/   ir/ runtime/ program/       (the Python front end: never the CLI in tools/)
+#   tools/    any layer, and tools/       (the CLI, benchmarks, examples: on top; never tests/)
 # Bazel enforces runtime/ -> passes/ too (passes/BUILD's visibility); this also
 # covers the CMake build and headers that Bazel would only see when compiled.
 set -uo pipefail
 root=${1:-$(cd "$(dirname "$0")/.." && pwd)}
-cd "$root" || exit 1
 status=0
 checks=0
 failures=0
-check() {
+# violations ROOT FOLDER ALLOWED: prints FOLDER's includes of our folders outside ALLOWED (a regex of names).
+violations() {
+  local tree=$1 folder=$2 allowed=$3
+  (cd "$tree" && grep -RnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"(ir|passes|runtime|program|python|tools|tests)/' \
+                     "$folder" --include='*.h' --include='*.cpp' --include='*.cc' |
+                grep -vE "#[[:space:]]*include[[:space:]]+\"($allowed)/")
+}
+declare -A ALLOWED=(
+  [ir]='ir'
+  [passes]='ir|passes'
+  [runtime]='ir|runtime'
+  [program]='ir|passes|runtime|program'
+  [python]='ir|runtime|program'
+  [tools]='ir|passes|runtime|program|tools'
+)
+for folder in ir passes runtime program python tools; do
   checks=$((checks + 1))
-  local folder=$1 allowed=$2
-  [ -d "$folder" ] || { echo "FAIL: no folder $folder under $root"; status=1; return; }
-  local bad
-  bad=$(grep -RnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"(ir|passes|runtime|program|tools)/' "$folder" \
-        --include='*.h' --include='*.cpp' | grep -vE "#[[:space:]]*include[[:space:]]+\"($allowed)/")
+  allowed=${ALLOWED[$folder]}
+  if [ ! -d "$root/$folder" ]; then
+    echo "FAIL: no folder $folder under $root"; status=1; failures=$((failures + 1)); continue
+  fi
+  bad=$(violations "$root" "$folder" "$allowed")
   if [ -n "$bad" ]; then
     echo "FAIL: $folder/ may include only $allowed/:"; echo "$bad"; status=1; failures=$((failures + 1))
   else
-    echo "ok: $folder/ includes only $allowed/ ($(grep -RlE '#include' "$folder" --include='*.h' --include='*.cpp' | wc -l) files)"
+    echo "ok: $folder/ includes only $allowed/ ($(cd "$root" && grep -RlE '#include' "$folder" --include='*.h' --include='*.cpp' | wc -l) files)"
   fi
-}
-check ir 'ir'
-check passes 'ir|passes'
-check runtime 'ir|runtime'
-check program 'ir|passes|runtime|program'
-# The checker must catch a violation: a runtime file including a pass is refused.
+done
+# The check must catch a violation: planted wrong includes, one per rule that matters most, go through the
+# same function as the tree above.
 probe=$(mktemp -d)
-mkdir -p "$probe/runtime"
-echo '#include "passes/insert_fragment_ops.h"' > "$probe/runtime/bad.cpp"
-if (cd "$probe" && grep -RnE '#include "(passes|program)/' runtime >/dev/null); then
-  echo "ok: a planted runtime -> passes include is seen"
-else
-  echo "FAIL: the include check does not see a planted violation"; status=1; failures=$((failures + 1))
-fi
-checks=$((checks + 1))
-rm -rf "$probe"
+trap 'rm -rf "$probe"' EXIT
+plant() {  # plant FOLDER INCLUDE: a file in FOLDER with the include; the check must report it
+  checks=$((checks + 1))
+  mkdir -p "$probe/$1"
+  echo "#include \"$2\"" > "$probe/$1/planted.cpp"
+  if [ -n "$(violations "$probe" "$1" "${ALLOWED[$1]}")" ]; then
+    echo "ok: a planted $1/ -> $2 include is seen"
+  else
+    echo "FAIL: the include check does not see a planted $1/ -> $2 include"; status=1; failures=$((failures + 1))
+  fi
+  rm -f "$probe/$1/planted.cpp"
+}
+plant runtime passes/insert_fragment_ops.h
+plant passes runtime/communicator.h
+plant python tools/fragment_commands.h
+plant tools tests/support/test_support.h
 # GoogleTest's summary lines, which tools/summarize_tests.py counts.
 echo "[  PASSED  ] $((checks - failures)) tests."
 [ $failures -eq 0 ] || echo "[  FAILED  ] $failures tests, listed above"

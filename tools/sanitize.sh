@@ -17,7 +17,7 @@ cxx=${FRAG_SANITIZE_CXX:-clang++}
 
 # The CI tier: every unit suite, plus frag under faults and bad input (the paths where memory errors
 # hide). --all adds the end-to-end CLI and model suites, which Bazel runs unsanitized on every build.
-tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_layout_test
+tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_layout_test tests/ir/digest_test
       tests/passes/classify_parallel_layers_test tests/passes/insert_fragment_ops_test
       tests/passes/remove_fragment_ops_test tests/passes/bind_location_ids_test
       tests/passes/insert_fragment_ops_exported_test

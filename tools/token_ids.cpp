@@ -1,6 +1,7 @@
 //===- tools/token_ids.cpp - Read token ids from text --------------------===//
 #include "tools/token_ids.h"
 
+#include "ir/digest.h"
 #include "ir/error.h"
 #include "tools/safe_files.h"
 
@@ -55,16 +56,10 @@ std::string describe_shape(int64_t sequences, int64_t tokens) {
 
 std::string ids_fingerprint(const torch::Tensor& ids, const std::string& source) {
   auto cpu = ids.to(torch::kCPU, torch::kLong).contiguous();
-  // FNV-1a over the ids: equal digests for equal ids on every rank and platform.
-  uint64_t digest = 14695981039346656037ull;
+  // Each id in little-endian order: equal digests for equal ids on every rank and platform.
+  uint64_t digest = ir::kFnvOffsetBasis;
   const auto* data = cpu.data_ptr<int64_t>();
-  for (int64_t i = 0; i < cpu.numel(); ++i) {
-    auto value = static_cast<uint64_t>(data[i]);
-    for (int byte = 0; byte < 8; ++byte) {
-      digest ^= (value >> (8 * byte)) & 0xff;
-      digest *= 1099511628211ull;
-    }
-  }
+  for (int64_t i = 0; i < cpu.numel(); ++i) digest = ir::fnv1a_le(static_cast<uint64_t>(data[i]), digest);
   return fmt::format("{} {} {:016x} {}", cpu.size(0), cpu.size(1), digest, source);
 }
 

@@ -9,13 +9,14 @@
 // torch.jit.load afterwards.
 //
 //===----------------------------------------------------------------------===//
+#include "ir/digest.h"
 #include "ir/error.h"
 #include "program/exported_rank.h"
+#include "program/inspect_report.h"
 #include "runtime/exported_program.h"
 #include "program/sharded_model.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
-#include "tools/fragment_commands.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -82,12 +83,7 @@ Plan make_plan(const py::list& records, const std::string& source) {
 /// callable's result: shape, dtype and an FNV-1a digest of the bytes.
 std::string fingerprint(const torch::Tensor& tensor) {
   auto bytes = tensor.detach().to(torch::kCPU).contiguous();
-  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
-  uint64_t hash = 1469598103934665603ull;
-  for (size_t i = 0, n = bytes.nbytes(); i < n; ++i) {
-    hash ^= data[i];
-    hash *= 1099511628211ull;
-  }
+  const uint64_t hash = frag::ir::fnv1a_bytes(bytes.data_ptr(), bytes.nbytes());
   return fmt::format("[{}] {} {:016x}", fmt::join(tensor.sizes(), ", "), c10::toString(tensor.scalar_type()), hash);
 }
 
@@ -349,9 +345,9 @@ PYBIND11_MODULE(_C, m) {
                              })
       .def("inspect_json",
            [](const PyModel& m) {
-             const auto heads = frag::tools::head_layouts_of(
+             const auto heads = frag::program::head_layouts_of(
                  m.model->table(), [&](const std::string& location) { return m.model->head_layout(location); });
-             return frag::tools::inspect_json(m.model->table(), {m.path}, heads).dump();
+             return frag::program::inspect_json(m.model->table(), {m.path}, heads).dump();
            })
       .def("locations",
            [](const PyModel& m) {

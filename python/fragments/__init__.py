@@ -15,13 +15,16 @@ import sys
 import torch  # noqa: F401  (libtorch before the extension that links it)
 
 # fragkit defines the frag:: ops from Python when nothing registered them yet; the C++ registration in _C
-# would then clash with them, which LibTorch answers by aborting the process. Refuse with one line instead.
-if getattr(sys.modules.get("fragkit.ops"), "DEFINED_HERE", False):
-    raise ImportError("fragments: fragkit was imported first and defined the frag:: ops in Python; loading "
-                      "fragments' C++ ops now would clash with them. Import fragments before fragkit (fragkit "
-                      "then uses fragments' ops), or run them in separate processes.")
+# would clash with them (LibTorch aborts the process). So fragkit's definitions go first and the C++ ones,
+# a superset, stay the one definition in either import order; fragkit then adds its fake kernels to them.
+_fragkit_ops = sys.modules.get("fragkit.ops")
+if _fragkit_ops is not None:
+    _fragkit_ops.release_python_definitions()
 
 from . import _C  # noqa: E402
+
+if _fragkit_ops is not None:
+    _fragkit_ops.adopt_registered()
 from ._C import FragError, RankAgreementError  # noqa: E402
 from ._launch import RankFailed, launch, rank_context  # noqa: E402
 from ._model import FragmentsError, Location, Model, Module, SavedValue, Trace, load  # noqa: E402

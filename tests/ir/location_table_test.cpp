@@ -46,6 +46,24 @@ TEST(LocationTable, IdsFollowTheTableFragmentedFirst) {
   EXPECT_EQ(locations.layer("model.layers.0.mlp"), nullptr);
 }
 
+TEST(LocationTable, GroupsAreBoundToIdsAtLoad) {
+  FragmentTable table = two_layer_table();
+  table.layers[1].input->rule = FragmentRule::shard(-1, kTpEpGroup, 2);
+  LayerEntry odd{"model.layers.0.odd", "ColumnParallelLinear", "ColumnParallelLinear", std::nullopt,
+                 FragmentedSide{FragmentRule::shard(-1, "pp", 2), 128}, {}};
+  table.layers.push_back(odd);
+  const LocationTable locations(table);
+  EXPECT_EQ(locations.at(0).group, GroupId::kTp);
+  EXPECT_EQ(locations.at(1).group, GroupId::kTpEp);
+  EXPECT_EQ(locations.at(*locations.find("model.layers.0.odd.output")).group, std::nullopt);  // no such group
+  EXPECT_EQ(locations.at(*locations.find("model.layers.0.output")).group, std::nullopt);      // whole
+  for (size_t i = 0; i < kGroupCount; ++i) {
+    const auto id = static_cast<GroupId>(i);
+    EXPECT_EQ(group_id(group_name(id)), id);
+  }
+  EXPECT_EQ(group_id("tp "), std::nullopt);
+}
+
 TEST(LocationTable, EqualTablesGiveEqualIds) {
   const LocationTable a(two_layer_table()), b(two_layer_table());
   for (LocationId id = 0; id < static_cast<LocationId>(a.size()); ++id) EXPECT_EQ(a.at(id).name, b.at(id).name);

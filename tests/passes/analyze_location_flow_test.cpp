@@ -62,7 +62,7 @@ Analysis analyze(const Module& root) {
 /// (a triple's gather, or a lone intervene); a rank-local visit has none.
 std::vector<std::string> ops_as_visits(const Module& root) {
   std::vector<std::string> out;
-  auto graph = torch::jit::toGraphFunction(root.get_method("forward").function()).graph();
+  auto graph = forward_graph(root);
   for (torch::jit::Node* node : graph->nodes()) {
     const std::string kind = node->kind().toQualString();
     if (kind == "frag::gather") {
@@ -83,7 +83,7 @@ std::vector<std::string> without_rank_local(const std::vector<std::string>& visi
 
 TEST(AnalyzeLocationFlow, ColumnActRowInVisitOrder) {
   Module root = column_act_row();
-  const auto before = torch::jit::toGraphFunction(root.get_method("forward").function()).graph()->toString();
+  const auto before = forward_graph(root)->toString();
   auto analysis = analyze(root);
   EXPECT_THAT(summary(analysis.visits),
               ElementsAre("whole@up.input", "fragmented@up.output", "rank-local@act.input", "rank-local@act.output",
@@ -94,7 +94,7 @@ TEST(AnalyzeLocationFlow, ColumnActRowInVisitOrder) {
   EXPECT_EQ(analysis.table.rank_local[0].whole_at, "up.output");
   EXPECT_EQ(analysis.table.rank_local[1].whole_at, "down.input");
   EXPECT_THAT(analysis.table.whole, ElementsAre("up.input"));
-  EXPECT_EQ(torch::jit::toGraphFunction(root.get_method("forward").function()).graph()->toString(), before)
+  EXPECT_EQ(forward_graph(root)->toString(), before)
       << "the analysis changed the graph";
 }
 

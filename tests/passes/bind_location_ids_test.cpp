@@ -29,10 +29,6 @@ using namespace frag::passes::testing;
 using ::testing::HasSubstr;
 using torch::jit::testing::FileCheck;
 
-std::shared_ptr<torch::jit::Graph> forward_graph(const Module& m) {
-  return torch::jit::toGraphFunction(m.get_method("forward").function()).graph();
-}
-
 TEST(BindLocationIds, EveryOpNamesItsLocationById) {
   torch::manual_seed(5);
   Module root = column_act_row();

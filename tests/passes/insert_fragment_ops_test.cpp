@@ -42,10 +42,6 @@ using torch::jit::testing::FileCheck;
 
 // ----- helpers ------------------------------------------------------------
 
-std::shared_ptr<torch::jit::Graph> forward_graph(const Module& m) {
-  return torch::jit::toGraphFunction(m.get_method("forward").function()).graph();
-}
-
 /// One inserted frag:: op, read back from the graph.
 struct FragOp {
   std::string kind;      ///< "gather", "intervene" or "split"

@@ -62,6 +62,11 @@ struct ResolverWithOps : torch::jit::Resolver {
 };
 
 /// Compiles TorchScript `source` into `m`, with `torch.ops.frag.*` available.
+/// The graph of `m.forward` (the pass tests' IR in and out).
+inline std::shared_ptr<torch::jit::Graph> forward_graph(const Module& m) {
+  return torch::jit::toGraphFunction(m.get_method("forward").function()).graph();
+}
+
 inline void define(Module& m, const std::string& source) {
   m.define(source, std::make_shared<ResolverWithOps>());
 }

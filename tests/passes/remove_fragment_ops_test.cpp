@@ -31,10 +31,6 @@ using namespace frag::passes::testing;
 using ::testing::HasSubstr;
 using torch::jit::testing::FileCheck;
 
-std::shared_ptr<torch::jit::Graph> forward_graph(const Module& m) {
-  return torch::jit::toGraphFunction(m.get_method("forward").function()).graph();
-}
-
 std::string text_of(const torch::jit::Graph& graph) {
   std::ostringstream os;
   os << graph;

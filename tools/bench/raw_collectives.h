@@ -17,6 +17,7 @@
 #pragma once
 
 #include "ir/fragment_rule.h"
+#include "ir/op_schemas.h"
 #include "passes/remove_fragment_ops.h"
 #include "runtime/rank_context.h"
 
@@ -72,7 +73,7 @@ TORCH_LIBRARY(frag_bench, m) {
 /// (whole locations) goes. What is left is the original export's computation
 /// plus the bare collectives.
 inline void replace_fragment_ops_with_raw_collectives(torch::jit::Graph& graph) {
-  static const auto gather = c10::Symbol::fromQualString("frag::gather");
+  const auto gather = ir::kGatherKind;
   static const auto raw = c10::Symbol::fromQualString("frag_bench::raw_collective");
   std::vector<torch::jit::Node*> gathers;
   std::function<void(torch::jit::Block*)> collect = [&](torch::jit::Block* block) {

@@ -66,6 +66,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/fragment_rule.h"
+#include "ir/op_schemas.h"
 #include "ir/fragment_table.h"
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/intervention_runtime.h"
@@ -230,10 +231,10 @@ std::shared_ptr<torch::jit::Graph> forward_graph(torch::jit::Module& module) {
 void count_ops(torch::jit::Block* block, ModelResult& result) {
   for (torch::jit::Node* node : block->nodes()) {
     for (torch::jit::Block* inner : node->blocks()) count_ops(inner, result);
-    const std::string kind = node->kind().toQualString();
-    if (kind == "frag::gather") ++result.gathers;
-    else if (kind == "frag::split") ++result.splits;
-    else if (kind == "frag::intervene") {
+    const c10::Symbol kind = node->kind();
+    if (kind == ir::kGatherKind) ++result.gathers;
+    else if (kind == ir::kSplitKind) ++result.splits;
+    else if (kind == ir::kInterveneKind) {
       if (torch::jit::toIValue(node->input(2))->toBool()) ++result.intervenes_fragmented;
       else ++result.intervenes_whole;
     }

@@ -8,8 +8,10 @@ here.  Otherwise the ops are defined from Python with kernels that:
 * otherwise run ``torch.distributed.all_reduce`` (sum) / ``all_gather`` + ``cat(dim)`` over the default
   group.  The group names ``"tp"`` and ``"ep"`` both mean the whole world for now.
 
-NOTE: if the C++ library (``TORCH_LIBRARY(frag, m)``) is loaded *after* these Python definitions, the
-C++ registration will clash with the Python one; load the C++ library first.
+If the C++ library (``TORCH_LIBRARY(frag, m)``) is loaded *after* these Python definitions, its
+registration would clash with them (LibTorch aborts the process). ``import fragments`` therefore calls
+``release_python_definitions()`` before it loads its C++ runtime and ``adopt_registered()`` after: the C++
+ops become the one definition, whichever package was imported first.
 """
 from typing import List
 
@@ -171,6 +173,23 @@ def _register_fakes() -> None:
             register_fake(NAMESPACE + "::" + name, fake, lib=_LIB)
         except RuntimeError:
             pass  # already has a fake or meta kernel
+
+
+def release_python_definitions() -> None:
+    """Drops the ops this module defined in Python (nothing if it defined none), so that a C++ registration
+    of the frag:: namespace loaded next is the only one."""
+    global _LIB, DEFINED_HERE
+    if DEFINED_HERE and _LIB is not None:
+        _LIB._destroy()  # deregisters the definitions, their kernels and fakes, and torch.ops' cached packets
+    _LIB = None
+    DEFINED_HERE = False
+
+
+def adopt_registered() -> None:
+    """After a C++ registration: defines what it lacks (nothing, for fragments' runtime) and adds the fake
+    kernels torch.export needs where it has none."""
+    _register()
+    _register_fakes()
 
 
 def registered_schemas() -> List[str]:
