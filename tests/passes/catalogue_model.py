@@ -36,6 +36,9 @@ class TinyMlpModel(nn.Module):
 
 
 def main() -> int:
+    if len(sys.argv) != 2:
+        print("usage: catalogue_model.py OUT_DIR", file=sys.stderr)
+        return 2
     out = sys.argv[1]
     export(TinyMlpModel, 2, os.path.join(out, "pt"))
     export(TinyMlpModel, 2, os.path.join(out, "pt2"), format="export")
