@@ -41,7 +41,6 @@ skipped with a message (a smoke test: tests/python/frontend/peer_benchmark_test.
 import argparse
 import datetime
 import json
-import math
 import os
 import signal
 import statistics
