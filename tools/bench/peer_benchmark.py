@@ -115,10 +115,13 @@ def hf_columns(args, sd, dtype, device, ids, skips):
     try:
         hf = hf_llama(sd, args.vocab, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads,
                       args.head_dim, 1e-6, 10000.0, 512, dtype, device)
+        cols = {"eager": lambda x: hf(input_ids=x, use_cache=False).logits, "captured": None}
+        with torch.no_grad():
+            cols["eager"](ids)  # fails here, not in the rotation
     except Exception as e:  # noqa: BLE001  (an optional peer: say why and go on)
-        skips.append(f"HF transformers: skipped, building LlamaForCausalLM failed: {type(e).__name__}: {e}")
+        skips.append("HF transformers: skipped, building or running LlamaForCausalLM failed: "
+                     f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         return None
-    cols = {"eager": lambda x: hf(input_ids=x, use_cache=False).logits, "captured": None}
     if device.type != "cuda":
         skips.append("HF transformers torch.compile(mode='reduce-overhead'): skipped, CUDA graphs need a GPU "
                      f"(device {device})")
