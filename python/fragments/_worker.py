@@ -35,6 +35,34 @@ def _shard_of(module, attr):
     return value.detach().cpu().clone()
 
 
+def _to(value, device):
+    """Tensors in a message (a program's constants, a trace's results) moved to `device`: the ranks compute
+    on their device, the driver gets CPU tensors."""
+    import torch
+    from fragments import _proxy
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, _proxy.Const):
+        return _proxy.Const(_to(value.value, device))
+    if isinstance(value, _proxy.Op):
+        node = _proxy.Op(value.fn, _to(value.args, device), _to(value.kwargs, device))
+        node.where = value.where
+        return node
+    if isinstance(value, _proxy.Call):
+        node = _proxy.Call(value.modules, _to(value.arg, device))
+        node.where = value.where
+        return node
+    if isinstance(value, dict):
+        return {k: (_to(v, device) if k != "ids" else v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    if isinstance(value, tuple):
+        items = [_to(v, device) for v in value]
+        return type(value)(items) if type(value) is not tuple and not hasattr(value, "_fields") else (
+            type(value)(*items) if hasattr(value, "_fields") else tuple(items))
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--address", required=True)
@@ -64,6 +92,7 @@ def main(argv=None):
         import fragments
         from fragments import _program
         model = fragments.load(a.path, device=a.device or None)
+        device = torch.device(a.device or "cpu")
         info = {"classes": dict(model._classes), "children": {k: list(v) for k, v in model._children.items()},
                 "locations": dict(model._location_kinds), "dtype": model.dtype, "world": model.world_size,
                 "pid": os.getpid()}
@@ -82,8 +111,8 @@ def main(argv=None):
             return 0
         try:
             if kind == "run":
-                values, digests = _program.run(model, payload, weights)
-                send("ok", (values if rank == 0 else None, digests))
+                values, digests = _program.run(model, _to(payload, device), weights)
+                send("ok", (_to(values, "cpu") if rank == 0 else None, digests))
             elif kind == "shard":  # (module path, attribute): this rank's piece of a parameter
                 if scripted is None:
                     scripted = torch.jit.load(model.path, map_location="cpu")
@@ -94,7 +123,7 @@ def main(argv=None):
                 send("ok", _shard_of(module, attr))
             elif kind == "weight":  # the whole parameter, cached here for expressions
                 (path, attr), value = payload
-                weights[(path, attr)] = value.to(model._c.device if hasattr(model._c, "device") else "cpu")
+                weights[(path, attr)] = value.to(device)
                 send("ok", None)
             elif kind == "head_layout":
                 send("ok", model._head_layout(payload))

@@ -3,8 +3,9 @@ per-trace overhead against a plain forward, side by side in one run:
   - session: the model loaded once on N rank processes; T traces of the same body, wall time each;
   - launch: the same trace as L separate `fragments.launch(fn, world=N)` runs (each spawns the ranks and
     loads the rank files, as a script per experiment does), wall time each;
-  - plain forward: on launched ranks, the C++ forward with nothing registered (`Model._c.run([], [], ids)`),
-    median per forward, against the session's trace with nothing but `model.output.save()` and with the body.
+  - plain forward: on the session's own ranks, between its traces, the C++ forward with nothing registered
+    (`Model._c.run([], [], ids)`, timed on rank 0, no messages), against the session's trace with nothing
+    but `model.output.save()` (recording, messages, the logits sent back) and with the body.
 
     PYTHONPATH=bazel-bin/python:python:tools $(bash tools/python_env.sh) tools/bench/session_benchmark.py \\
         bazel-bin/tests/models/llama_tp2 [--tp 2] [--tokens 32] [--traces 100] [--launches 100]
@@ -40,16 +41,13 @@ def launched_trace(rank, path, ids, v):
     return (lens.value[:, -1].softmax(-1).topk(5), logits.value) if rank == 0 else None
 
 
-def plain_forwards(rank, path, ids, repeats):
-    model = fragments.load(path)
-    for _ in range(3):
-        model._c.run([], [], ids)
-    times = []
-    for _ in range(repeats):
+def plain_forward(ids):
+    """A function the session sends to its ranks: one forward, nothing registered; seconds on the rank."""
+    def run(model):
         t = time.perf_counter()
         model._c.run([], [], ids)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        return time.perf_counter() - t
+    return run
 
 
 def main():
@@ -68,11 +66,12 @@ def main():
     load = time.perf_counter() - t
     hidden = model.model.norm.weight.shape[-1]
     v = torch.randn(hidden, generator=torch.Generator().manual_seed(1))
-    session, bare = [], []
+    session, bare, forward = [], [], []
     for _ in range(3):
         with model.trace(ids):
             body(model, v)
     for _ in range(a.traces):
+        forward.append(model.run_on_ranks(plain_forward(ids)))
         t = time.perf_counter()
         with model.trace(ids):
             lens, logits = body(model, v)
@@ -90,16 +89,17 @@ def main():
         launched.append(time.perf_counter() - t)
     assert torch.equal(theirs[0].indices, lens.indices) and torch.allclose(theirs[1], logits.value), \
         "the session's trace and the launched one differ"
-    forward = fragments.launch(plain_forwards, world=a.tp, args=(path, ids, a.traces))[0]
+    forward = statistics.median(forward)
 
     med = statistics.median
     print(f"{a.export} tp={a.tp}, 1x{a.tokens} tokens")
     print(f"session: load {load:.2f} s once; {a.traces} traces {sum(session):.2f} s in all, median {med(session) * 1e3:.1f} ms")
     print(f"launch:  {a.launches} runs {sum(launched):.2f} s in all, median {med(launched) * 1e3:.1f} ms")
     print(f"  per trace: launch / session = {med(launched) / med(session):.1f}x; "
-          f"{a.traces} traces, session incl. load vs {a.launches} launches: "
-          f"{(load + sum(session)) * a.launches / a.traces:.2f} s vs {sum(launched):.2f} s")
-    print(f"plain forward (C++, nothing registered, on launched ranks): median {forward * 1e3:.2f} ms")
+          f"{a.traces} traces: session incl. its load {load + sum(session):.2f} s vs launches "
+          + (f"{sum(launched):.2f} s" if a.launches == a.traces else
+             f"~{med(launched) * a.traces:.0f} s (median of {a.launches} runs x {a.traces})"))
+    print(f"plain forward (C++, nothing registered, on the session's ranks): median {forward * 1e3:.2f} ms")
     print(f"  session trace saving the logits: median {med(bare) * 1e3:.2f} ms = {med(bare) / forward:.2f}x; "
           f"overhead {(med(bare) - forward) * 1e3:.2f} ms")
     print(f"  session trace with the body (save, edit, top-5 lens): median {med(session) * 1e3:.2f} ms = "

@@ -182,6 +182,12 @@ try:
     model.model.layers[0].mlp.dwn_proj
 except AttributeError as e:
     print("NAME", e)
+model.run_on_ranks(lambda m: torch.manual_seed(m.rank))   # each rank its own random numbers
+try:
+    with model.trace([[1, 2, 3]]):
+        noise = model.model.layers[0].output.sigmoid().bernoulli().save()
+except fragments.FragmentsError as e:
+    print("DIFFER", e)
 with model.trace([[1, 2, 3]]):
     ok = model.output.save()
 print("OK", tuple(ok.shape))
@@ -203,6 +209,7 @@ except fragments.FragmentsError as e:
         self.assertIn(f"<stdin>:{line_of['LINE-MATMUL']}", out["MATMUL"])
         self.assertIn("different numbers of tokens", out["LENGTHS"])
         self.assertIn("did you mean down_proj", out["NAME"])
+        self.assertIn("differs across ranks", out["DIFFER"])
         self.assertEqual(out["OK"], "(1, 3, 1000)")
         pids = json.loads(out["PIDS"])
         self.assertRegex(out["DEAD"], rf"rank 1 \(pid {pids[1]}\) died \(signal 9\)")
@@ -221,6 +228,7 @@ except fragments.FragmentsError as e:
         self.assertTrue(all(alive(p) for p in pids))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
         self.assertEqual(wait_gone(pids), [], "ranks outlived their driver")
 
 
