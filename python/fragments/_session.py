@@ -85,6 +85,7 @@ class LanguageModel:
         self._weights = {}
         self._layouts = {}
         self._trace = None
+        self._interrupted = False
         self._lock = threading.Lock()
         self._start(backend, float(timeout))
         _SESSIONS.add(self)
@@ -154,10 +155,11 @@ class LanguageModel:
             except subprocess.TimeoutExpired:
                 pass
 
-    def _gather(self, deadline=None):
+    def _gather(self, deadline=None, ranks=None):
         """Each rank's reply (kind "ok" payloads in rank order); a rank's error raises, in its words."""
         replies, errors = [None] * self.tp, {}
-        waiting = set(range(self.tp))
+        waiting = set(range(self.tp) if ranks is None else ranks)
+        self._waiting = waiting  # what an interrupt leaves unread
         while waiting:
             ready = wait([self._conns[r] for r in waiting], timeout=0.2)
             for conn in ready:
@@ -183,9 +185,9 @@ class LanguageModel:
                 deadline = min(deadline or float("inf"), time.monotonic() + 30)
         if errors:
             r = min(errors)
-            text = errors[r].rstrip()
-            raise FragmentsError(text if text.startswith(("rank", "/", "<", "File")) or ":" in text.split()[0]
-                                 else f"rank {r}: {text}")
+            text = errors[r].rstrip() or "failed without a message"
+            located = text.startswith("rank ") or ":" in text.split()[0]  # "file:line: ..." or "rank N ..."
+            raise FragmentsError(text if located else f"rank {r}: {text}")
         return replies
 
     def _request(self, kind, payload=None):
@@ -195,6 +197,12 @@ class LanguageModel:
             raise FragmentsError(f"{self._dead}; this session has ended: create a new LanguageModel")
         with self._lock:
             self._check_alive()
+            if self._interrupted:  # the replies of a request interrupted in the caller (Ctrl-C, a kernel
+                self._interrupted = False  # interrupt): the ranks finish it; drop them
+                try:
+                    self._gather(ranks=set(self._waiting))
+                except FragmentsError:
+                    pass
             try:
                 data = _pickler.dumps((kind, payload))
             except Exception as e:  # noqa: B902 - what cannot travel, in words
@@ -207,7 +215,11 @@ class LanguageModel:
                 except OSError:
                     self._check_alive()
                     raise FragmentsError(f"rank {r} cannot be reached") from None
-            return self._gather()
+            try:
+                return self._gather()
+            except KeyboardInterrupt:
+                self._interrupted = True
+                raise
 
     def close(self):
         """Ends the ranks (also at `with`'s end and when this process exits)."""
@@ -474,6 +486,16 @@ class LocationProxy(_proxy.Proxy):
             raise FragmentsError(f"{self._name}: visit takes a non-negative integer, got {k!r}")
         return LocationProxy(self._trace, self._name, int(k), self._rows)
 
+    def __getattr__(self, name):
+        if name in ("heads", "q", "k", "v") and self._name != "output":
+            regions = self._trace._session._head_layout(self._name)  # ir::head_layout, asked of rank 0 once
+            if name == "heads" and "heads" in regions:  # o_proj.input: the heads are the whole width
+                return _Heads(self, *regions["heads"], self._name)
+            if name in regions:
+                return _Region(self, *regions[name], f"{self._name}.{name}")
+            raise AttributeError(f"{self._name} has no {name!r} (its segments: {', '.join(regions) or 'none'})")
+        return super().__getattr__(name)
+
     def apply(self, fn):
         """`fn(whole)` on the ranks at every visit; it returns the replacement or None (see Location.apply)."""
         if not callable(fn):
@@ -510,6 +532,42 @@ class LocationProxy(_proxy.Proxy):
         if isinstance(node, _proxy.Const):
             node = node.value
         self._trace._record(("edit", self._name, self._visit, full, do, node, where))
+
+
+class _Region(_proxy.Proxy):
+    """A q/k/v segment of a location's last dim (whole coordinates): a value, with `.heads`."""
+
+    def __init__(self, location, start, stop, head_dim, what):
+        view = location[..., start:stop]
+        super().__init__(location._trace, _proxy.as_node(view))
+        object.__setattr__(self, "_parts", (location, start, stop, head_dim, what))
+
+    @property
+    def heads(self):
+        return _Heads(*self._parts)
+
+
+class _Heads:
+    """`.heads[i]`: head i (head_dim wide) of a segment or of o_proj's input; read, assign, `*=`."""
+
+    def __init__(self, location, start, stop, head_dim, what):
+        self._location, self._start, self._head_dim, self._what = location, start, head_dim, what
+        self._count = (stop - start) // head_dim
+
+    def __len__(self):
+        return self._count
+
+    def _index(self, i):
+        if not isinstance(i, numbers.Integral) or not -self._count <= i < self._count:
+            raise IndexError(f"{self._what}.heads[{i!r}]: it has {self._count} heads (0 to {self._count - 1})")
+        a = self._start + (i % self._count) * self._head_dim
+        return (Ellipsis, slice(a, a + self._head_dim))
+
+    def __getitem__(self, i):
+        return self._location[self._index(i)]
+
+    def __setitem__(self, i, value):
+        self._location._assign(self._index(i), value)
 
 
 def _same_read(a, b):

@@ -53,8 +53,13 @@ with model.trace() as tracer:  # the same through invokes
     with tracer.invoke(ids[1]):
         model.model.layers[0].output[:, 2] = source
         invoked = model.output.save()
+with model.trace(ids):  # heads by number, in whole coordinates
+    model.model.layers[0].self_attn.o_proj.input.heads[1] = 0
+    model.model.layers[1].self_attn.o_proj.input.heads[0] *= 0.5
+    k1 = model.model.layers[1].self_attn.qkv_proj.output.k.heads[1].save()
+    headless = model.output.save()
 down = model.model.layers[0].mlp.down_proj.weight
-out = {"norm": norm.tolist(), "proj": proj.tolist(), "top_values": top.values.tolist(),
+out = {"headless": headless.tolist(), "k1": k1.tolist(), "norm": norm.tolist(), "proj": proj.tolist(), "top_values": top.values.tolist(),
        "top_indices": top.indices.tolist(), "last": last.tolist(), "layer_in": layer_in.tolist(),
        "logits": logits.tolist(), "patched": patched.tolist(), "invoked": invoked.tolist(),
        "down": down.tolist(), "down_in_trace": down_w.tolist(), "pids": model.pids}
@@ -87,12 +92,17 @@ def expected():
     with model.trace(ids):
         model.model.layers[0].output[1, 2] = h0[0, 2]
         invoked = model.output.save()
+    with model.trace(ids):
+        model.model.layers[0].self_attn.o_proj.input.heads[1] = 0
+        model.model.layers[1].self_attn.o_proj.input.heads[0] *= 0.5
+        k1 = model.model.layers[1].self_attn.qkv_proj.output.k.heads[1].save()
+        headless = model.output.save()
 
     down = torch.jit.load(os.path.join(MODELS, "llama_tp1", "rank0.pt")).model.layers._modules["0"].mlp.down_proj.weight
     return {"norm": (h * 2).norm(dim=-1), "proj": h[:, -1] @ W, "top_values": top.values,
             "top_indices": top.indices, "last": h[:, -1], "layer_in": h0, "logits": logits.value,
             "patched": patched.value, "invoked": invoked.value[1:], "down": down.detach(),
-            "down_in_trace": down.detach()}
+            "down_in_trace": down.detach(), "headless": headless.value, "k1": k1.value}
 
 
 def env():
@@ -182,6 +192,19 @@ try:
     model.model.layers[0].mlp.dwn_proj
 except AttributeError as e:
     print("NAME", e)
+def interrupt(*_):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, interrupt)
+signal.setitimer(signal.ITIMER_REAL, 0.3)   # Ctrl-C while the ranks work: their late replies are dropped
+try:
+    model.run_on_ranks(lambda m: (time.sleep(1.5), "late")[1])
+except KeyboardInterrupt:
+    print("INTERRUPTED", model.run_on_ranks(lambda m: "fresh"))
+log = open(os.devnull, "w")
+try:
+    model.run_on_ranks(lambda m: log.write("x"))   # an open file cannot travel
+except fragments.FragmentsError as e:
+    print("TRAVEL", e)
 model.run_on_ranks(lambda m: torch.manual_seed(m.rank))   # each rank its own random numbers
 try:
     with model.trace([[1, 2, 3]]):
@@ -210,6 +233,8 @@ except fragments.FragmentsError as e:
         self.assertIn("different numbers of tokens", out["LENGTHS"])
         self.assertIn("did you mean down_proj", out["NAME"])
         self.assertIn("differs across ranks", out["DIFFER"])
+        self.assertEqual(out["INTERRUPTED"], "fresh")
+        self.assertIn("cannot be sent to the ranks", out["TRAVEL"])
         self.assertEqual(out["OK"], "(1, 3, 1000)")
         pids = json.loads(out["PIDS"])
         self.assertRegex(out["DEAD"], rf"rank 1 \(pid {pids[1]}\) died \(signal 9\)")
