@@ -313,7 +313,8 @@ class LanguageModel:
         if key not in self._weights:
             shards = self._request("shard", key)
             cls = self._classes.get(module, "")
-            whole = _join_shards(shards, cls, f"{module}.{attr}")
+            layout = self._head_layout(f"{module}.output") if cls == "QKVParallelLinear" else {}
+            whole = _join_shards(shards, cls, f"{module}.{attr}", layout)
             self._request("weight", (key, whole))
             self._weights[key] = whole
         return self._weights[key]
@@ -333,16 +334,31 @@ class LanguageModel:
         return f"<fragments.LanguageModel {self.path} tp={self.tp}: {state}>"
 
 
-def _join_shards(shards, cls, what):
-    """A parameter's whole from the ranks' pieces, by its layer's split (fragkit's layers)."""
-    if all(torch.equal(s, shards[0]) for s in shards[1:]):
+def _join_shards(shards, cls, what, layout=None):
+    """A parameter's whole from the ranks' pieces, by its layer's split (vLLM's parallel layers, as the kit
+    exports them): rows of a column-parallel layer, columns of a row-parallel one; a merged gate/up layer
+    holds [gate_r; up_r] on rank r, a QKV layer [q_r; k_r; v_r] (a kv head replicated where kv heads < tp)."""
+    tp = len(shards)
+    if tp == 1 or all(torch.equal(s, shards[0]) for s in shards[1:]):
         return shards[0]
     if cls in ("RowParallelLinear",):
         return torch.cat(shards, dim=-1)
     if cls in ("ColumnParallelLinear", "VocabParallelEmbedding", "ParallelLMHead"):
         return torch.cat(shards, dim=0)
-    raise FragmentsError(f"{what}: a {cls} keeps its parameter in a layout of its own across ranks (packed "
-                         "q/k/v or gate/up rows per rank): reading it whole is not supported here")
+    if cls == "MergedColumnParallelLinear" and shards[0].shape[0] % 2 == 0:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if cls == "QKVParallelLinear" and layout and all(k in layout for k in "qkv"):
+        q_rows = (layout["q"][1] - layout["q"][0]) // tp
+        kv_heads = (layout["k"][1] - layout["k"][0]) // layout["k"][2]
+        kv_rows = (shards[0].shape[0] - q_rows) // 2
+        holders = range(tp) if kv_heads >= tp else range(0, tp, tp // kv_heads)  # one copy of each kv head
+        q = [s[:q_rows] for s in shards]
+        k = [shards[r][q_rows:q_rows + kv_rows] for r in holders]
+        v = [shards[r][q_rows + kv_rows:] for r in holders]
+        return torch.cat(q + k + v, dim=0)
+    raise FragmentsError(f"{what}: a {cls}'s parameter has a layout across ranks not known here: reading it "
+                         "whole is not supported")
 
 
 class Envoy:

@@ -59,7 +59,9 @@ with model.trace(ids):  # heads by number, in whole coordinates
     k1 = model.model.layers[1].self_attn.qkv_proj.output.k.heads[1].save()
     headless = model.output.save()
 down = model.model.layers[0].mlp.down_proj.weight
-out = {"headless": headless.tolist(), "k1": k1.tolist(), "norm": norm.tolist(), "proj": proj.tolist(), "top_values": top.values.tolist(),
+qkv_w = model.model.layers[1].self_attn.qkv_proj.weight
+gate_up_w = model.model.layers[1].mlp.gate_up_proj.weight
+out = {"qkv_w": qkv_w.tolist(), "gate_up_w": gate_up_w.tolist(), "headless": headless.tolist(), "k1": k1.tolist(), "norm": norm.tolist(), "proj": proj.tolist(), "top_values": top.values.tolist(),
        "top_indices": top.indices.tolist(), "last": last.tolist(), "layer_in": layer_in.tolist(),
        "logits": logits.tolist(), "patched": patched.tolist(), "invoked": invoked.tolist(),
        "down": down.tolist(), "down_in_trace": down_w.tolist(), "pids": model.pids}
@@ -98,11 +100,14 @@ def expected():
         k1 = model.model.layers[1].self_attn.qkv_proj.output.k.heads[1].save()
         headless = model.output.save()
 
-    down = torch.jit.load(os.path.join(MODELS, "llama_tp1", "rank0.pt")).model.layers._modules["0"].mlp.down_proj.weight
+    layers = torch.jit.load(os.path.join(MODELS, "llama_tp1", "rank0.pt")).model.layers._modules
+    down = layers["0"].mlp.down_proj.weight
     return {"norm": (h * 2).norm(dim=-1), "proj": h[:, -1] @ W, "top_values": top.values,
             "top_indices": top.indices, "last": h[:, -1], "layer_in": h0, "logits": logits.value,
             "patched": patched.value, "invoked": invoked.value[1:], "down": down.detach(),
-            "down_in_trace": down.detach(), "headless": headless.value, "k1": k1.value}
+            "down_in_trace": down.detach(), "headless": headless.value, "k1": k1.value,
+            "qkv_w": layers["1"].self_attn.qkv_proj.weight.detach(),
+            "gate_up_w": layers["1"].mlp.gate_up_proj.weight.detach()}
 
 
 def env():
@@ -239,6 +244,15 @@ except fragments.FragmentsError as e:
         pids = json.loads(out["PIDS"])
         self.assertRegex(out["DEAD"], rf"rank 1 \(pid {pids[1]}\) died \(signal 9\)")
         self.assertEqual(wait_gone(pids), [])
+
+    def test_weight_of_replicated_kv_heads(self):
+        """qkv_proj's whole weight where 2 kv heads are replicated over 4 ranks, against tp 1's."""
+        with fragments.LanguageModel(os.path.join(MODELS, "llama_kv2_tp4"), tp=4) as model:
+            whole = model.model.layers[1].self_attn.qkv_proj.weight
+            pids = model.pids
+        self.assertEqual(wait_gone(pids), [])
+        tp1 = torch.jit.load(os.path.join(MODELS, "llama_kv2_tp1", "rank0.pt")).model.layers._modules["1"]
+        self.assertTrue(torch.equal(whole, tp1.self_attn.qkv_proj.weight.detach()))
 
     def test_driver_killed(self):
         """SIGKILL to the driver (no atexit): the ranks end by themselves (parent-death signal)."""
