@@ -87,7 +87,13 @@ class LanguageModel:
         self._trace = None
         self._interrupted = False
         self._lock = threading.Lock()
-        self._start(backend, float(timeout))
+        self._procs, self._conns = [], []
+        try:
+            self._start(backend, float(timeout))
+        except BaseException:  # a rank that could not load, or an interrupt: no rank is left behind
+            self._closed = True
+            self._kill()
+            raise
         _SESSIONS.add(self)
 
     # -- the ranks -----------------------------------------------------------------------------------------
@@ -179,10 +185,14 @@ class LanguageModel:
                 self._check_alive()
                 if deadline is not None and time.monotonic() > deadline:
                     self._kill()
+                    if errors:  # the others wait in a collective for the failed rank: the ranks are out of step
+                        r = min(errors)
+                        self._dead = f"rank {r} failed while ranks {sorted(waiting)} waited for it"
+                        raise FragmentsError(f"{errors[r].rstrip()}\n({self._dead}; this session has ended)")
                     self._dead = "the ranks did not answer in time"
                     raise FragmentsError(f"{self._dead}; this session has ended")
-            if errors and waiting:  # the others fail at their collectives' timeout, or answer
-                deadline = min(deadline or float("inf"), time.monotonic() + 30)
+            if errors and waiting:  # the others fail alike at once (the same step), or wait in a collective
+                deadline = min(deadline or float("inf"), time.monotonic() + 5)
         if errors:
             r = min(errors)
             text = errors[r].rstrip() or "failed without a message"

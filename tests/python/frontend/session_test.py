@@ -194,6 +194,10 @@ try:
 except fragments.FragmentsError as e:
     print("LENGTHS", e)
 try:
+    fragments.LanguageModel(os.path.join(os.environ["EXPORT"], "..", "llama_tp1"), tp=2)   # a tp 1 export
+except fragments.FragmentsError as e:
+    print("LOAD", " ".join(e.args[0].split()))
+try:
     model.model.layers[0].mlp.dwn_proj
 except AttributeError as e:
     print("NAME", e)
@@ -237,6 +241,7 @@ except fragments.FragmentsError as e:
         self.assertIn(f"<stdin>:{line_of['LINE-MATMUL']}", out["MATMUL"])
         self.assertIn("different numbers of tokens", out["LENGTHS"])
         self.assertIn("did you mean down_proj", out["NAME"])
+        self.assertRegex(out["LOAD"], r"could not load .*exported for tp_size 1 but the world size is 2")
         self.assertIn("differs across ranks", out["DIFFER"])
         self.assertEqual(out["INTERRUPTED"], "fresh")
         self.assertIn("cannot be sent to the ranks", out["TRAVEL"])
