@@ -90,7 +90,8 @@ def main(argv=None):
         import torch
         torch.set_grad_enabled(False)
         import fragments
-        from fragments import _program
+        from fragments import _model, _program
+        _model._STEP_LINES = False  # the driver keeps the user's lines
         model = fragments.load(a.path, device=a.device or None)
         device = torch.device(a.device or "cpu")
         info = {"classes": dict(model._classes), "children": {k: list(v) for k, v in model._children.items()},

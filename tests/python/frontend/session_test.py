@@ -259,6 +259,17 @@ except fragments.FragmentsError as e:
         tp1 = torch.jit.load(os.path.join(MODELS, "llama_kv2_tp1", "rank0.pt")).model.layers._modules["1"]
         self.assertTrue(torch.equal(whole, tp1.self_attn.qkv_proj.weight.detach()))
 
+    def test_plain_api_error_at_line(self):
+        """fragments.load's traces (launch, torchrun) also report a step refused in the forward at its line."""
+        import inspect
+        model = fragments.load(os.path.join(MODELS, "llama_tp1", "rank0.pt"))
+        with self.assertRaises(fragments.FragError) as caught:
+            with model.trace([[1, 2, 3]]):
+                line = inspect.currentframe().f_lineno + 1
+                model.model.layers[0].output[:, -1] += torch.ones(7)
+        self.assertIn(f"session_test.py:{line}: ", str(caught.exception))
+        self.assertIn("does not fit the selected whole", str(caught.exception))
+
     def test_driver_killed(self):
         """SIGKILL to the driver (no atexit): the ranks end by themselves (parent-death signal)."""
         code = ('import os, sys, time, fragments\nmodel = fragments.LanguageModel(os.environ["EXPORT"], tp=2)\n'
