@@ -7,7 +7,9 @@ Also: a rank killed between traces is reported in words at the next call; the dr
 leaves no rank behind (parent-death signal); a bad step is reported at the user's file and line; prompts
 of different lengths are refused in words.
 
-Needs tests/models/{llama_tp1, llama_tp2} and `fragments` importable (python/ with _C built); run from the
+FRAG_SESSION_BACKEND=nccl runs the stdin and REPL sessions on GPUs 0 and 1 (not in CI: no GPU here).
+
+Needs tests/models/{llama_tp1, llama_tp2, llama_kv2_tp1, llama_kv2_tp4} and `fragments` importable (python/ with _C built); run from the
 runfiles root (Bazel) or with FRAG_TEST_ROOT pointing at a tree that has them.
 """
 import json
@@ -31,7 +33,7 @@ IDS = [[5, 17, 300, 42, 9, 77], [8, 1, 250, 42, 600, 3]]
 # The session's traces, as a user types them. Prints one JSON line of results (lists of floats).
 SESSION_CODE = r'''
 import json, os, torch, fragments
-model = fragments.LanguageModel(os.environ["EXPORT"], tp=2)
+model = fragments.LanguageModel(os.environ["EXPORT"], tp=2, backend=os.environ.get("FRAG_SESSION_BACKEND", "gloo"))
 ids = torch.tensor(%(ids)s)
 W = torch.randn(64, 5, generator=torch.Generator().manual_seed(0))
 with model.trace(ids):
