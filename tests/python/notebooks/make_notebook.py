@@ -114,15 +114,16 @@ with model.generate(prompt, max_new_tokens=12):
     model.model.layers[10].output[:] += v
     tokens = model.output.save()
 
-hook = hf.model.layers[10].register_forward_hook(lambda m, i, o: (o[0] + v,) + tuple(o[1:]) if isinstance(o, tuple) else o + v)
-try:
-    with torch.no_grad():
-        ref_tokens = hf.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids),
-                                 pad_token_id=model.tokenizer.eos_token_id)
-finally:
-    hook.remove()
-print(repr(model.tokenizer.decode(tokens[0, ids.shape[1]:])))
+with torch.no_grad(), lm.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=model.tokenizer.eos_token_id) as tracer:
+    for step in tracer.iter[0:12]:  # nnsight: the edit at each of the 12 steps
+        lm.model.layers[10].output[:] += v
+    ref_tokens = tracer.result.save()
+with torch.no_grad():
+    plain = hf.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids),
+                        pad_token_id=model.tokenizer.eos_token_id)
+print(repr(model.tokenizer.decode(tokens[0, ids.shape[1]:])), "unsteered:", repr(model.tokenizer.decode(plain[0, ids.shape[1]:])))
 assert tokens.tolist() == ref_tokens.tolist(), (tokens.tolist(), ref_tokens.tolist())
+assert tokens.tolist() != plain.tolist()
 ''')
 md("The kernel's end (or `model.close()`, or `with fragments.LanguageModel(...) as model:`) ends the ranks.")
 nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
