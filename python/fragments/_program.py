@@ -11,8 +11,6 @@ edit by a number or a tensor, `.apply`). Expressions (fragments._proxy) run in P
 Nothing of this runs where a trace has no expressions.
 """
 import hashlib
-import operator
-
 import torch
 
 from . import _C, _proxy
@@ -25,11 +23,6 @@ class StepError(FragmentsError):
 
 def _at(where, message):
     return StepError(f"{where}: {message}")
-
-
-def _index_of(index):
-    """A step's index for a Python-side edit: a tuple (basic indices, tensors)."""
-    return index
 
 
 def _weights_env(weights):
@@ -46,11 +39,6 @@ def _digest(value):
         else:
             h.update(repr(t).encode())
     return h.hexdigest()[:16]
-
-
-def _flatten_values(value):
-    """A saved value as the list of its visits (one entry where the module ran once)."""
-    return value if isinstance(value, list) else [value]
 
 
 def _map_lists(fn, leaves):
@@ -326,7 +314,6 @@ def _value_of(saved):
 def _results(model, saves, captured, weights):
     out, digests = {}, {}
     values = {k: _value_of(v) for k, v in captured.items()}
-    call_cache = {}
 
     def compute(node, where):
         leaves = {}
@@ -356,7 +343,6 @@ def _results(model, saves, captured, weights):
             digests[key] = _digest(value if not isinstance(value, tuple) else list(value))
         else:
             out[key] = _value_of(saved)
-    del call_cache
     return out, digests
 
 
@@ -368,5 +354,3 @@ def _detach(value):
         return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
     return value
 
-
-__all__ = ["run", "StepError", "operator"]
