@@ -28,6 +28,7 @@ if _fragkit_ops is not None:
 from ._C import FragError, RankAgreementError  # noqa: E402
 from ._launch import RankFailed, launch, rank_context  # noqa: E402
 from ._model import FragmentsError, Location, Model, Module, SavedValue, Trace, load  # noqa: E402
+from ._session import LanguageModel  # noqa: E402  (a model kept loaded on rank processes: issue 29)
 
-__all__ = ["FragError", "FragmentsError", "Location", "Model", "Module", "RankAgreementError", "RankFailed",
+__all__ = ["FragError", "FragmentsError", "LanguageModel", "Location", "Model", "Module", "RankAgreementError", "RankFailed",
            "SavedValue", "Trace", "launch", "load", "rank_context"]

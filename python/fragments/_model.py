@@ -415,7 +415,7 @@ class Trace:
         self._model = model
         self._ids = _token_ids(ids)
         self._generate = generate
-        self._steps = []
+        self._steps = _StepsWithLines()  # each step remembers the user's file:line (errors name it)
         self._callables = []
         self._saves = []   # (SavedValue, name) ; name None for the output
         self.output = None
@@ -508,7 +508,10 @@ class Trace:
         return path
 
     def _run(self):
-        out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate)
+        try:
+            out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate)
+        except _C.FragError as e:  # a step refused during the forward: said at the line that wrote it
+            raise _at_line(e, self._steps) from None
         for line in unreached:
             warnings.warn(line)
         self.output = out
@@ -522,6 +525,26 @@ class Trace:
             else:
                 tensors = saved.get(name, [])
                 value._set(tensors[0] if len(tensors) == 1 else tensors)
+
+
+_STEP_LINES = True  # a session's rank (fragments._worker) replays steps whose lines the driver keeps
+
+
+class _StepsWithLines(list):
+    """A trace's steps; each appended step gets `where`, the user's "file:line" that recorded it."""
+
+    def append(self, step):
+        if _STEP_LINES:
+            from ._proxy import user_line
+            step.where = user_line()
+        super().append(step)
+
+
+def _at_line(error, steps):
+    """`error` prefixed with the line of the first step whose location it names (else as it is)."""
+    message = str(error)
+    where = next((getattr(s, "where", None) for s in steps if s.at in message), None)
+    return type(error)(f"{where}: {message}") if where else error
 
 
 def _token_ids(ids):
