@@ -1,0 +1,338 @@
+"""Streaming import: rank files written a tensor at a time from views of the checkpoint, never the whole model.
+
+For each rank the kit model is built with meta parameters (``layers.build_on_meta``: shapes, no memory),
+scripted, and saved in memory: TorchScript writes a meta tensor's storage as an empty record, so this
+skeleton is the rank file without its weights (code, constants, the pickled module, real buffers such as
+rotary tables). The rank file is then written record by record with PyTorch's own zip writer
+(``torch._C.PyTorchFileWriter``, which computes each record's CRC): the skeleton's records as they are,
+except that each empty weight record gets its tensor, sliced from the checkpoint by the layer's
+``rank_slice`` (layers.py, the same layout code as ``load_full_weights``), and ``data.pkl`` says ``cpu``
+where the skeleton said ``meta`` (pickletools finds the storage locations).
+
+Every rank's file is open at once and the tensors are written in the models' order, one kit tensor at a
+time for every rank: the checkpoint is read about once even when it does not fit in the page cache, and
+the memory held is the skeletons plus one tensor's slices. The export id (``fragkit.json``) digests every
+rank's written bytes, so it is written last, with the remaining records; files are written as
+``rank{r}.pt.tmp`` and renamed when all are complete, and removed on any error.
+"""
+import hashlib
+import io
+import json
+import os
+import pickle
+import pickletools
+import shutil
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import layers
+from ..export import stabilize_script_types
+from ..layers import KIT_LAYERS
+from .sources import CheckpointError
+from .views import View
+
+# Records PyTorchFileWriter writes itself at the end of a file.
+_WRITER_RECORDS = ("version", "byteorder", ".data/serialization_id")
+_EXTRA = "extra/fragkit.json"
+# Per record: local header, central directory entry (zip64 extras included) and the 64-byte alignment.
+_RECORD_OVERHEAD = 256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the skeleton: which storage record holds which parameter
+
+class _Obj:
+    """A TorchScript object (module) as unpickled: its attributes."""
+
+    def __init__(self, *args):
+        self.state = {}
+
+    def __setstate__(self, state):
+        self.state = state if isinstance(state, dict) else {"__state__": state}
+
+
+@dataclass
+class _TensorRef:
+    key: str
+    location: str
+    numel: int
+    offset: int
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Reads a TorchScript data.pkl into plain objects: module attributes and tensor references."""
+
+    def find_class(self, module, name):
+        if module.startswith("__torch__"):
+            return type(name, (_Obj,), {})
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: _TensorRef(storage[0], storage[1], storage[2],
+                                                                          offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if module == "torch.jit._pickle":
+            return lambda *args: args[0] if args else None
+        raise CheckpointError("internal: unexpected global %s.%s in a rank module's data.pkl" % (module, name))
+
+    def persistent_load(self, pid):
+        kind, _, key, location, numel = pid
+        return (key, location, numel)
+
+
+def _tensor_paths(data_pkl: bytes) -> Dict[str, Tuple[str, _TensorRef]]:
+    """storage key -> (attribute path, e.g. "model.layers.0.mlp.down_proj.weight", its reference)."""
+    root = _SkeletonUnpickler(io.BytesIO(data_pkl)).load()
+    out: Dict[str, Tuple[str, _TensorRef]] = {}
+
+    def walk(obj, prefix):
+        if isinstance(obj, _Obj):
+            for name, value in obj.state.items():
+                walk(value, prefix + name if not prefix else prefix + "." + name)
+        elif isinstance(obj, _TensorRef):
+            if obj.key in out:
+                raise CheckpointError("internal: storage %s is shared by %s and %s" % (obj.key, out[obj.key][0], prefix))
+            out[obj.key] = (prefix, obj)
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(value, "%s.%d" % (prefix, i))
+
+    walk(root, "")
+    return out
+
+
+def _meta_to_cpu(data_pkl: bytes, meta_keys: List[str]) -> bytes:
+    """data.pkl with the storages' location 'meta' made 'cpu'. TorchScript memoizes strings, so the location
+    is one BINUNICODE op that later storages reference; any other use of the string 'meta' is refused."""
+    ops = list(pickletools.genops(data_pkl))
+    found = [(op, arg, pos) for op, arg, pos in ops if op.name in ("BINUNICODE", "SHORT_BINUNICODE") and arg == "meta"]
+    if len(found) != 1:
+        raise CheckpointError("internal: expected the string 'meta' once in data.pkl, found it %d times" % len(found))
+    op, _, pos = found[0]
+    end = next(p for o, a, p in ops if p > pos)
+    new = (b"X" + struct_u32(3) + b"cpu") if op.name == "BINUNICODE" else (b"\x8c\x03cpu")
+    out = data_pkl[:pos] + new + data_pkl[end:]
+    check = _tensor_paths(out)
+    if any(check[k][1].location != "cpu" for k in meta_keys):
+        raise CheckpointError("internal: data.pkl still places a weight on meta")
+    return out
+
+
+def struct_u32(n: int) -> bytes:
+    return n.to_bytes(4, "little")
+
+
+@dataclass
+class RankPlan:
+    """One rank's file: its skeleton and, per storage record, the parameter the checkpoint fills."""
+    rank: int
+    module: nn.Module
+    records: List[str]
+    skeleton: object  # torch._C.PyTorchFileReader
+    version: int
+    weights: Dict[str, Tuple[str, nn.Parameter]] = field(default_factory=dict)  # record -> (path, meta param)
+    data_pkl: bytes = b""
+
+    def bytes_to_write(self) -> int:
+        total = 0
+        for name in self.records:
+            if name in self.weights:
+                p = self.weights[name][1]
+                total += p.numel() * p.element_size()
+            elif name not in _WRITER_RECORDS:
+                total += len(bytes(self.skeleton.get_record(name))) if name != "data.pkl" else len(self.data_pkl)
+            total += _RECORD_OVERHEAD
+        return total + 4096
+
+
+def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int) -> RankPlan:
+    with layers.build_on_meta():
+        module = build(rank, tp).eval()
+    stabilize_script_types(module)
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(module), buffer, _extra_files={"fragkit.json": "{}"})
+    buffer.seek(0)
+    reader = torch._C.PyTorchFileReader(buffer)
+    records = list(reader.get_all_records())
+    data_pkl = bytes(reader.get_record("data.pkl"))
+    refs = _tensor_paths(data_pkl)
+    params = dict(module.named_parameters())
+    plan = RankPlan(rank, module, records, reader, int(bytes(reader.get_record("version")).strip()))
+    meta_keys = []
+    for key, (path, ref) in refs.items():
+        if ref.location != "meta":
+            continue
+        p = params.get(path)
+        if p is None or ref.offset != 0 or ref.numel != p.numel() or ref.size != tuple(p.shape):
+            raise CheckpointError("internal: meta storage %s (%s) is not a whole parameter" % (key, path))
+        plan.weights["data/" + key] = (path, p)
+        meta_keys.append(key)
+    missing = sorted(set(params) - {path for path, _ in plan.weights.values()})
+    if missing:
+        raise CheckpointError("internal: parameters without a storage record: %s" % missing[:3])
+    plan.data_pkl = _meta_to_cpu(data_pkl, meta_keys) if meta_keys else data_pkl
+    return plan
+
+
+def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``module``'s parameter ``path`` from ``view`` (the whole tp=1 tensor): kit layers by their
+    ``rank_slice``, any other module's parameters whole."""
+    owner_path, _, name = path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if isinstance(owner, KIT_LAYERS):
+        t = owner.rank_slice(name, view)
+    else:
+        t = layers._whole(view)
+    t = t.to(dtype).contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()  # a view into a larger read: the record is exactly this tensor's storage
+    return t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# writing
+
+def _free_bytes(path: str) -> Tuple[str, int]:
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return probe, shutil.disk_usage(probe).free
+
+
+def check_free_space(out_dir: str, needed: int, what: str) -> None:
+    where, free = _free_bytes(out_dir)
+    if free < needed:
+        raise CheckpointError("%s: %s needs %.2f GB, the device of %s has %.2f GB free"
+                              % (out_dir, what, needed / 1e9, where, free / 1e9))
+
+
+def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtype, out_dir: str, info: dict,
+                progress: Optional[Callable] = None, check_space: bool = True) -> List[str]:
+    """Write ``out_dir/rank{r}.pt`` for each plan (see the module docstring). Returns the paths."""
+    tp = len(plans)
+    needed = sum(p.bytes_to_write() for p in plans)
+    if check_space:
+        check_free_space(out_dir, needed, "writing %d rank file(s)" % tp)
+    finals = [os.path.join(out_dir, "rank%d.pt" % p.rank) for p in plans]
+    temps = [f + ".tmp" for f in finals]
+    writers = []
+    digests = [hashlib.sha256(("tp_size=%d;" % tp).encode()) for _ in plans]
+    try:
+        for tmp in temps:
+            writers.append(torch._C.PyTorchFileWriter(tmp))
+        order = plans[0].records
+        for plan in plans[1:]:
+            if [plan.weights.get(n, (None,))[0] for n in plan.records] != [plans[0].weights.get(n, (None,))[0]
+                                                                               for n in order]:
+                raise CheckpointError("internal: rank modules differ in structure")
+        steps = [n for n in order if n != _EXTRA and n not in _WRITER_RECORDS]
+        for name in (progress(steps) if progress else steps):
+            for plan, writer, digest, tmp in zip(plans, writers, digests, temps):
+                if name in plan.weights:
+                    path, param = plan.weights[name]
+                    tensor = rank_tensor(plan.module, path, views[path], dtype)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise CheckpointError("internal: %s at rank %d: %s, expected %s"
+                                              % (path, plan.rank, tuple(tensor.shape), tuple(param.shape)))
+                    nbytes = tensor.numel() * tensor.element_size()
+                    _write(writer, tmp, name, path, tensor.untyped_storage(), nbytes, out_dir)
+                    digest.update(("%s:%d:" % (path, zlib.crc32(_as_bytes(tensor)))).encode())
+                    del tensor
+                else:
+                    data = plan.data_pkl if name == "data.pkl" else bytes(plan.skeleton.get_record(name))
+                    _write(writer, tmp, name, name, data, len(data), out_dir)
+        export_id = hashlib.sha256("".join(d.hexdigest() for d in digests).encode()).hexdigest()[:16]
+        for plan, writer, tmp in zip(plans, writers, temps):
+            meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=plan.rank, model=type(plan.module).__name__)
+            text = json.dumps(meta, sort_keys=True).encode()
+            _write(writer, tmp, _EXTRA, _EXTRA, text, len(text), out_dir)
+            writer.set_min_version(plan.version)
+            try:
+                writer.write_end_of_file()
+            except RuntimeError as e:
+                raise CheckpointError(_write_failure(tmp, "the end of the file", e, out_dir)) from None
+        writers.clear()  # closes the files
+        for tmp, final in zip(temps, finals):
+            os.replace(tmp, final)
+        return finals
+    finally:
+        writers.clear()
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _as_bytes(tensor: torch.Tensor):
+    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else b""
+
+
+def _write(writer, tmp: str, record: str, what: str, data, nbytes: int, out_dir: str) -> None:
+    try:
+        writer.write_record(record, data, nbytes)
+    except RuntimeError as e:  # PyTorchFileWriter: "... file write failed" (a full disk, an I/O error)
+        raise CheckpointError(_write_failure(tmp, what, e, out_dir)) from None
+
+
+def _write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
+    _, free = _free_bytes(out_dir)
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ("%s: writing %s failed (%s; %d bytes free on the device): nothing is left behind"
+            % (tmp[:-4], what, reason, free))
+
+
+def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype, out_dir: str, info: dict,
+                     files_id: str = "") -> List[str]:
+    """``--format export``: torch.export needs real tensors, so each rank module is filled whole (from the
+    same ``rank_tensor`` slices) and exported, one rank at a time. The export id digests the tensors' CRCs
+    of every rank, which the archives carry, so the ranks are filled twice: once for the id, once to write."""
+    from ..export import LAYERS_FORMAT, export_program, layer_configs
+
+    def filled(rank):
+        with layers.build_on_meta():
+            module = build(rank, tp).eval()
+        digest = hashlib.sha256()
+        for path, _ in list(module.named_parameters()):
+            owner_path, _, name = path.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            tensor = rank_tensor(module, path, views[path], dtype)
+            digest.update(("%s:%d:" % (path, zlib.crc32(_as_bytes(tensor)))).encode())
+            setattr(owner, name, nn.Parameter(tensor, requires_grad=False))
+        return module, digest.hexdigest()
+
+    ids = []
+    for r in range(tp):
+        module, digest = filled(r)
+        ids.append(digest)
+        del module
+    export_id = hashlib.sha256(("tp_size=%d;" % tp + "".join(ids)).encode()).hexdigest()[:16]
+    finals = [os.path.join(out_dir, "rank%d.pt2" % r) for r in range(tp)]
+    try:
+        for r, final in enumerate(finals):
+            module, _ = filled(r)
+            meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=r, model=type(module).__name__,
+                        layers_format=LAYERS_FORMAT, layers=layer_configs(module))
+            program = export_program(module, tp)
+            buffer = io.BytesIO()
+            torch.export.save(program, buffer, extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})
+            try:
+                with open(final + ".tmp", "wb") as f:
+                    f.write(buffer.getbuffer())
+            except OSError as e:
+                raise CheckpointError("%s: writing failed: %s: nothing is left behind" % (final, e)) from None
+            del program, buffer, module
+        for final in finals:
+            os.replace(final + ".tmp", final)
+        return finals
+    finally:
+        for final in finals:
+            if os.path.exists(final + ".tmp"):
+                os.remove(final + ".tmp")
