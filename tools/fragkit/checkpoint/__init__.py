@@ -75,8 +75,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: Optional[str] = None,
                       enable_expert_parallel: bool = False, ignore_config_fields: Sequence[str] = (),
-                      progress: bool = False, format: str = "torchscript", _materialize: bool = False,
-                      _check_space: bool = True) -> List[str]:
+                      progress: bool = False, format: str = "torchscript", crc32: bool = False,
+                      _materialize: bool = False, _check_space: bool = True) -> List[str]:
     """Import ``path`` and write ``out_dir/rank{r}.pt`` (``format="export"``: ``rank{r}.pt2``) for r < tp_size,
     the tokenizer and the model info. ``dtype`` None: the checkpoint's own. Returns the rank file paths.
     Raises CheckpointError (one line: file, what was expected, what was found); nothing is left behind.
@@ -104,21 +104,30 @@ def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: Optional[str
     created = not os.path.isdir(out_dir)
     tokenizer_tmp = os.path.join(out_dir, "tokenizer.tmp")
     info_tmp = os.path.join(out_dir, MODEL_INFO_FILE + ".tmp")
+    skeletons: List[str] = []
     try:
         return _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, own,
                        enable_expert_parallel, progress, format, _materialize, _check_space, started, tokenizer_tmp,
-                       info_tmp)
+                       info_tmp, crc32, skeletons)
     except BaseException:
         shutil.rmtree(tokenizer_tmp, ignore_errors=True)
         if os.path.exists(info_tmp):
             os.remove(info_tmp)
+        for skeleton in skeletons:
+            if os.path.exists(skeleton):
+                os.remove(skeleton)
         if created and os.path.isdir(out_dir) and not os.listdir(out_dir):
             os.rmdir(out_dir)
         raise
+    finally:
+        for skeleton in skeletons:
+            if os.path.exists(skeleton):
+                os.remove(skeleton)
 
 
 def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, own, enable_expert_parallel,
-            progress, format, materialize, check_space, started, tokenizer_tmp, info_tmp) -> List[str]:
+            progress, format, materialize, check_space, started, tokenizer_tmp, info_tmp, crc32,
+            skeletons) -> List[str]:
     from . import stream
 
     if materialize:
@@ -126,11 +135,19 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
         family.load_weights(full, source, lambda items: _progress(items, "loading weights", progress))
         plans = views = None
     else:
+        plans = None
         with layers.build_on_meta(), torch.device("meta"):
             shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters()}
         views = family.kit_views(shapes, source)
-        plans = [stream.plan_rank(build, r, tp_size) for r in range(tp_size)] if format == "torchscript" else None
+    if not materialize and check_space:
+        stream.check_free_space(out_dir, sum(stream.rank_bytes(build, r, tp_size) for r in range(tp_size)),
+                                "writing %d rank file(s)" % tp_size)
     os.makedirs(out_dir, exist_ok=True)
+    if not materialize and format == "torchscript":
+        plans = []
+        for r in range(tp_size):
+            skeletons.append(os.path.join(out_dir, "rank%d.skeleton.tmp" % r))
+            plans.append(stream.plan_rank(build, r, tp_size, skeletons[-1]))
     shutil.rmtree(tokenizer_tmp, ignore_errors=True)
     tokenizer_dir = source.save_tokenizer(tokenizer_tmp)
     info = {
@@ -151,17 +168,20 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
                    for k, v in dataclasses.asdict(family.config).items()},
     }
     rank_info = {"family": family.name, "source_kind": source.kind}
+    export_id = stream.export_id_of(source.files(), dict(info, source=None, tokenizer=None))
     if materialize:
         bar = _progress(range(tp_size), "writing ranks", progress)
         ticks = iter(bar) if progress else None
         paths = export_ranks(full, build, tp_size, out_dir, info=rank_info,
                              progress=(lambda r: next(ticks, None)) if ticks else None, format=format)
     elif plans is not None:
-        paths = stream.write_ranks(plans, views, DTYPES[dtype], out_dir, rank_info,
+        paths = stream.write_ranks(plans, views, DTYPES[dtype], out_dir, rank_info, export_id,
                                    progress=(lambda steps: _progress(steps, "writing %d rank(s)" % tp_size, progress))
-                                   if progress else None, check_space=check_space)
+                                   if progress else None, check_space=check_space, crc32=crc32)
     else:
-        paths = stream.export_pt2_ranks(build, views, tp_size, DTYPES[dtype], out_dir, rank_info)
+        paths = stream.export_pt2_ranks(build, views, tp_size, DTYPES[dtype], out_dir, rank_info, export_id)
+    if not materialize:
+        info["export_id"] = export_id
     info["export_seconds"] = round(time.time() - started, 1)
     with open(info_tmp, "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
@@ -186,11 +206,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="a config field this import does not know and that does not change the math (repeatable)")
     p.add_argument("--format", choices=FORMATS, default="torchscript",
                    help="rank files: TorchScript rank{r}.pt (default) or torch.export rank{r}.pt2")
+    p.add_argument("--crc32", action="store_true",
+                   help="compute each zip record's CRC-32 (zip tools check it, PyTorch does not; ~400 MB/s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     try:
         paths = export_checkpoint(args.source, args.tp, args.out, args.dtype, args.ep, args.ignore_config_field,
-                                  progress=not args.quiet and sys.stderr.isatty(), format=args.format)
+                                  progress=not args.quiet and sys.stderr.isatty(), format=args.format,
+                                  crc32=args.crc32)
     except (CheckpointError, NotImplementedError) as e:
         print("fragkit.checkpoint: error: %s" % e, file=sys.stderr)
         return 2

@@ -11,9 +11,17 @@ where the skeleton said ``meta`` (pickletools finds the storage locations).
 
 Every rank's file is open at once and the tensors are written in the models' order, one kit tensor at a
 time for every rank: the checkpoint is read about once even when it does not fit in the page cache, and
-the memory held is the skeletons plus one tensor's slices. The export id (``fragkit.json``) digests every
-rank's written bytes, so it is written last, with the remaining records; files are written as
+the memory held is the skeletons plus one tensor's slices (safetensors slices are views of its memory map,
+so a slice that is already contiguous is written straight from the map). Files are written as
 ``rank{r}.pt.tmp`` and renamed when all are complete, and removed on any error.
+
+Records carry no CRC-32 unless ``crc32=True``: PyTorch's zip writer computes it at ~400 MB/s, slower than
+the disk, and PyTorch's readers (torch.load, torch.jit.load, LibTorch) never check it (as with
+``torch.serialization.set_crc32_options(False)``); zip tools then report CRC errors.
+
+The export id (``fragkit.json``) digests the checkpoint's identity (each file's path, size and
+modification time), the config, tp, dtype and format: equal for every rank of one export, different for
+another checkpoint or another import of it, without a pass over the weights.
 """
 import hashlib
 import io
@@ -22,7 +30,6 @@ import os
 import pickle
 import pickletools
 import shutil
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -154,14 +161,22 @@ class RankPlan:
         return total + 4096
 
 
-def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int) -> RankPlan:
+def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int, skeleton_path: str) -> RankPlan:
+    """Build rank ``rank`` on meta and save its skeleton to ``skeleton_path`` (a file, so that real buffers
+    such as rotary tables are not held in memory for every rank; the caller removes it)."""
     with layers.build_on_meta():
         module = build(rank, tp).eval()
     stabilize_script_types(module)
-    buffer = io.BytesIO()
-    torch.jit.save(torch.jit.script(module), buffer, _extra_files={"fragkit.json": "{}"})
-    buffer.seek(0)
-    reader = torch._C.PyTorchFileReader(buffer)
+    try:
+        torch.jit.save(torch.jit.script(module), skeleton_path, _extra_files={"fragkit.json": "{}"})
+    except RuntimeError as e:  # a full disk
+        raise CheckpointError(_write_failure(skeleton_path + ".tmp", "the rank skeleton", e,
+                                             os.path.dirname(skeleton_path))) from None
+    for sub in module.modules():  # the skeleton holds the buffers now
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                sub._buffers[name] = buf.to("meta")
+    reader = torch._C.PyTorchFileReader(skeleton_path)
     records = list(reader.get_all_records())
     data_pkl = bytes(reader.get_record("data.pkl"))
     refs = _tensor_paths(data_pkl)
@@ -181,6 +196,14 @@ def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int) -> Ran
         raise CheckpointError("internal: parameters without a storage record: %s" % missing[:3])
     plan.data_pkl = _meta_to_cpu(data_pkl, meta_keys) if meta_keys else data_pkl
     return plan
+
+
+def rank_bytes(build: Callable[[int, int], nn.Module], rank: int, tp: int) -> int:
+    """The bytes of rank ``rank``'s file (parameters and buffers, plus zip overhead), from a meta build."""
+    with layers.build_on_meta(), torch.device("meta"):
+        module = build(rank, tp)
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() + _RECORD_OVERHEAD for t in tensors) + (1 << 20)
 
 
 def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype) -> torch.Tensor:
@@ -215,8 +238,15 @@ def check_free_space(out_dir: str, needed: int, what: str) -> None:
                               % (out_dir, what, needed / 1e9, where, free / 1e9))
 
 
+def export_id_of(files, settings: dict) -> str:
+    """Digest of the checkpoint files' identity and the import's settings (see the module docstring)."""
+    text = json.dumps({"files": [list(f) for f in files], "settings": settings}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtype, out_dir: str, info: dict,
-                progress: Optional[Callable] = None, check_space: bool = True) -> List[str]:
+                export_id: str, progress: Optional[Callable] = None, check_space: bool = True,
+                crc32: bool = False) -> List[str]:
     """Write ``out_dir/rank{r}.pt`` for each plan (see the module docstring). Returns the paths."""
     tp = len(plans)
     needed = sum(p.bytes_to_write() for p in plans)
@@ -225,10 +255,9 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
     finals = [os.path.join(out_dir, "rank%d.pt" % p.rank) for p in plans]
     temps = [f + ".tmp" for f in finals]
     writers = []
-    digests = [hashlib.sha256(("tp_size=%d;" % tp).encode()) for _ in plans]
     try:
         for tmp in temps:
-            writers.append(torch._C.PyTorchFileWriter(tmp))
+            writers.append(torch._C.PyTorchFileWriter(tmp, crc32))
         order = plans[0].records
         for plan in plans[1:]:
             if [plan.weights.get(n, (None,))[0] for n in plan.records] != [plans[0].weights.get(n, (None,))[0]
@@ -236,7 +265,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                 raise CheckpointError("internal: rank modules differ in structure")
         steps = [n for n in order if n != _EXTRA and n not in _WRITER_RECORDS]
         for name in (progress(steps) if progress else steps):
-            for plan, writer, digest, tmp in zip(plans, writers, digests, temps):
+            for plan, writer, tmp in zip(plans, writers, temps):
                 if name in plan.weights:
                     path, param = plan.weights[name]
                     tensor = rank_tensor(plan.module, path, views[path], dtype)
@@ -245,12 +274,10 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                                               % (path, plan.rank, tuple(tensor.shape), tuple(param.shape)))
                     nbytes = tensor.numel() * tensor.element_size()
                     _write(writer, tmp, name, path, tensor.untyped_storage(), nbytes, out_dir)
-                    digest.update(("%s:%d:" % (path, zlib.crc32(_as_bytes(tensor)))).encode())
                     del tensor
                 else:
                     data = plan.data_pkl if name == "data.pkl" else bytes(plan.skeleton.get_record(name))
                     _write(writer, tmp, name, name, data, len(data), out_dir)
-        export_id = hashlib.sha256("".join(d.hexdigest() for d in digests).encode()).hexdigest()[:16]
         for plan, writer, tmp in zip(plans, writers, temps):
             meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=plan.rank, model=type(plan.module).__name__)
             text = json.dumps(meta, sort_keys=True).encode()
@@ -271,10 +298,6 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                 os.remove(tmp)
 
 
-def _as_bytes(tensor: torch.Tensor):
-    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else b""
-
-
 def _write(writer, tmp: str, record: str, what: str, data, nbytes: int, out_dir: str) -> None:
     try:
         writer.write_record(record, data, nbytes)
@@ -290,34 +313,25 @@ def _write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
 
 
 def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype, out_dir: str, info: dict,
-                     files_id: str = "") -> List[str]:
+                     export_id: str) -> List[str]:
     """``--format export``: torch.export needs real tensors, so each rank module is filled whole (from the
-    same ``rank_tensor`` slices) and exported, one rank at a time. The export id digests the tensors' CRCs
-    of every rank, which the archives carry, so the ranks are filled twice: once for the id, once to write."""
+    same ``rank_tensor`` slices) and exported, one rank at a time."""
     from ..export import LAYERS_FORMAT, export_program, layer_configs
 
     def filled(rank):
         with layers.build_on_meta():
             module = build(rank, tp).eval()
-        digest = hashlib.sha256()
         for path, _ in list(module.named_parameters()):
             owner_path, _, name = path.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             tensor = rank_tensor(module, path, views[path], dtype)
-            digest.update(("%s:%d:" % (path, zlib.crc32(_as_bytes(tensor)))).encode())
             setattr(owner, name, nn.Parameter(tensor, requires_grad=False))
-        return module, digest.hexdigest()
+        return module
 
-    ids = []
-    for r in range(tp):
-        module, digest = filled(r)
-        ids.append(digest)
-        del module
-    export_id = hashlib.sha256(("tp_size=%d;" % tp + "".join(ids)).encode()).hexdigest()[:16]
     finals = [os.path.join(out_dir, "rank%d.pt2" % r) for r in range(tp)]
     try:
         for r, final in enumerate(finals):
-            module, _ = filled(r)
+            module = filled(r)
             meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=r, model=type(module).__name__,
                         layers_format=LAYERS_FORMAT, layers=layer_configs(module))
             program = export_program(module, tp)
