@@ -107,12 +107,14 @@ class HFFolder(Source):
                 raise CheckpointError("%s: no *.safetensors files%s" % (path, hint))
         self._where: Dict[str, str] = {}
         self._meta: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self._extent: Dict[str, Tuple[str, int, int]] = {}
         for name in files:
             file = os.path.join(path, name)
             try:
                 handle = safe_open(file, framework="pt")
             except Exception as e:  # safetensors' own error: truncated, bad header, ...
                 raise CheckpointError(_safetensors_problem(file, e)) from None
+            self._extent.update(_data_extents(file))
             with handle:
                 for key in handle.keys():
                     if key in self._where:
@@ -165,7 +167,7 @@ class HFFolder(Source):
                     return handle.get_tensor(name)
                 return handle.get_slice(name)[as_slices(bounds)]
 
-        return FnView(shape, dtype, read, "%s: %s" % (file, name))
+        return FnView(shape, dtype, read, "%s: %s" % (file, name), self._extent.get(name))
 
     def files(self):
         out = []
@@ -188,16 +190,32 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 DECLARED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _safetensors_problem(file: str, error: Exception) -> str:
-    """One line for a shard safetensors cannot open: a truncated file names the first tensor it cuts off."""
-    size = os.path.getsize(file)
+def _header(file: str):
+    """(header dict, header length) of a safetensors file: 8 bytes of length, then JSON (the format's spec),
+    or (None, 0) if it is not one."""
     try:
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length)) if length < (100 << 20) else None
     except (struct.error, ValueError):
-        header = None
-    if isinstance(header, dict):
+        return None, 0
+    return (header, length) if isinstance(header, dict) else (None, 0)
+
+
+def _data_extents(file: str) -> Dict[str, Tuple[str, int, int]]:
+    """Tensor name -> (file, first byte, end byte) of its data: where to read ahead (views.FnView.prefetch)."""
+    header, length = _header(file)
+    if header is None:
+        return {}
+    return {name: (file, 8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1])
+            for name, e in header.items() if name != "__metadata__" and isinstance(e, dict) and "data_offsets" in e}
+
+
+def _safetensors_problem(file: str, error: Exception) -> str:
+    """One line for a shard safetensors cannot open: a truncated file names the first tensor it cuts off."""
+    size = os.path.getsize(file)
+    header, length = _header(file)
+    if header is not None:
         cut = sorted((entry["data_offsets"][1], name) for name, entry in header.items()
                      if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry)
         body = size - 8 - length

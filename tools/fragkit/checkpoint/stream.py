@@ -215,10 +215,16 @@ def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype) ->
         t = owner.rank_slice(name, view)
     else:
         t = layers._whole(view)
-    t = t.to(dtype).contiguous()
-    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()  # a view into a larger read: the record is exactly this tensor's storage
-    return t
+    return t.to(dtype).contiguous()
+
+
+def _record_storage(t: torch.Tensor):
+    """The bytes of contiguous ``t`` as a storage: a slice of its storage (shared memory, no copy), so a
+    slice of a memory-mapped tensor is written straight from the map."""
+    storage = t.untyped_storage()
+    begin = t.storage_offset() * t.element_size()
+    end = begin + t.numel() * t.element_size()
+    return storage if (begin, end) == (0, storage.nbytes()) else storage[begin:end]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -264,7 +270,13 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                                                                                for n in order]:
                 raise CheckpointError("internal: rank modules differ in structure")
         steps = [n for n in order if n != _EXTRA and n not in _WRITER_RECORDS]
+        weight_steps = [n for n in steps if n in plans[0].weights]
+        ahead = {a: b for a, b in zip(weight_steps, weight_steps[1:])}
+        if weight_steps:
+            views[plans[0].weights[weight_steps[0]][0]].prefetch()
         for name in (progress(steps) if progress else steps):
+            if name in ahead:  # the next tensor is read from the disk while this one is written
+                views[plans[0].weights[ahead[name]][0]].prefetch()
             for plan, writer, tmp in zip(plans, writers, temps):
                 if name in plan.weights:
                     path, param = plan.weights[name]
@@ -273,7 +285,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                         raise CheckpointError("internal: %s at rank %d: %s, expected %s"
                                               % (path, plan.rank, tuple(tensor.shape), tuple(param.shape)))
                     nbytes = tensor.numel() * tensor.element_size()
-                    _write(writer, tmp, name, path, tensor.untyped_storage(), nbytes, out_dir)
+                    _write(writer, tmp, name, path, _record_storage(tensor), nbytes, out_dir)
                     del tensor
                 else:
                     data = plan.data_pkl if name == "data.pkl" else bytes(plan.skeleton.get_record(name))

@@ -6,7 +6,8 @@ a GGUF memmap); ``Cat``, ``Stack``, ``PadRows`` and ``Unsqueeze0`` put several i
 q/k/v rows, stacked experts, the padded vocabulary). The kit layers' ``rank_slice`` slices a view exactly as
 it slices a tensor, so the streaming import and ``load_full_weights`` share one layout definition.
 """
-from typing import Callable, List, Sequence, Tuple
+import os
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -50,6 +51,13 @@ class View:
     def leaves(self) -> List["View"]:
         return [self]
 
+    def prefetch(self) -> None:
+        """Ask the kernel to start reading this view's bytes into the page cache (no wait, no memory here):
+        a cold checkpoint is then read ahead of the page faults that slicing its memory map makes."""
+        for leaf in self.leaves():
+            if leaf is not self:
+                leaf.prefetch()
+
     @property
     def nbytes(self) -> int:
         n = 1
@@ -75,11 +83,23 @@ class TensorView(View):
 class FnView(View):
     """A leaf whose reader takes bounds (sources.py makes these for safetensors and GGUF tensors)."""
 
-    def __init__(self, shape, dtype, reader: Callable[[List[Tuple[int, int]]], Tensor], where: str):
+    def __init__(self, shape, dtype, reader: Callable[[List[Tuple[int, int]]], Tensor], where: str,
+                 extent: Optional[Tuple[str, int, int]] = None):
         self.shape, self.dtype, self.reader, self.where = tuple(int(d) for d in shape), dtype, reader, where
+        self.extent = extent  # (file, first byte, end byte) of the tensor's data, where known
 
     def read(self, bounds):
         return self.reader(bounds)
+
+    def prefetch(self):
+        if self.extent is None:
+            return
+        file, begin, end = self.extent
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 class _Composite(View):
