@@ -195,10 +195,15 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m fragkit.checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--from", dest="source", required=True,
+    p.add_argument("--from", dest="source", default=None,
                    help="a Hugging Face model folder, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of rank files)")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", default=None, help="output folder")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each rank's bytes and the predicted peak memory, write nothing (--from may be a "
+                        "folder with only config.json, or a config.json)")
+    p.add_argument("--like", default=None, help="--dry-run: the config of a known model (fragkit.synthetic)")
+    p.add_argument("--layers", type=int, default=None, help="--dry-run: this many decoder layers")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="the rank files' dtype (default: the checkpoint's own; quantized GGUF: float32)")
     p.add_argument("--ep", action="store_true", help="MoE models: expert parallelism (experts split by block)")
@@ -210,6 +215,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="compute each zip record's CRC-32 (zip tools check it, PyTorch does not; ~400 MB/s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if args.dry_run:
+        from . import plan
+
+        try:
+            source = smollm2_gguf_path() if args.source == "smollm2" else args.source
+            if not args.like and source and os.path.isfile(source) and not source.endswith(".json"):
+                cfg, where = open_checkpoint(source).config, source  # a GGUF file: its metadata
+            else:
+                cfg, where = plan.config_of(source, args.like, args.layers)
+            print(plan.describe(plan.dry_run(cfg, where, args.tp, args.dtype, args.ep, args.ignore_config_field)))
+        except (CheckpointError, NotImplementedError) as e:
+            print("fragkit.checkpoint: error: %s" % e, file=sys.stderr)
+            return 2
+        return 0
+    if args.source is None or args.out is None:
+        p.error("--from and --out are required (or --dry-run)")
     try:
         paths = export_checkpoint(args.source, args.tp, args.out, args.dtype, args.ep, args.ignore_config_field,
                                   progress=not args.quiet and sys.stderr.isatty(), format=args.format,

@@ -97,7 +97,10 @@ class HFFolder(Source):
             files = sorted(set(weight_map.values()))
             for name in files:
                 if not os.path.isfile(os.path.join(path, name)):
-                    raise CheckpointError("%s names %s, which is not in the folder" % (index_path, name))
+                    tensors = sorted(k for k, v in weight_map.items() if v == name)
+                    raise CheckpointError("%s maps tensor %s%s to %s, which is not in the folder"
+                                          % (index_path, tensors[0], " (and %d more)" % (len(tensors) - 1)
+                                             if len(tensors) > 1 else "", name))
         else:
             files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
             if not files:

@@ -202,6 +202,10 @@ def rank_bytes(build: Callable[[int, int], nn.Module], rank: int, tp: int) -> in
     """The bytes of rank ``rank``'s file (parameters and buffers, plus zip overhead), from a meta build."""
     with layers.build_on_meta(), torch.device("meta"):
         module = build(rank, tp)
+    return module_bytes(module)
+
+
+def module_bytes(module: nn.Module) -> int:
     tensors = list(module.parameters()) + list(module.buffers())
     return sum(t.numel() * t.element_size() + _RECORD_OVERHEAD for t in tensors) + (1 << 20)
 
@@ -261,6 +265,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
     finals = [os.path.join(out_dir, "rank%d.pt" % p.rank) for p in plans]
     temps = [f + ".tmp" for f in finals]
     writers = []
+    finished = set()
     try:
         for tmp in temps:
             writers.append(torch._C.PyTorchFileWriter(tmp, crc32))
@@ -299,11 +304,21 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                 writer.write_end_of_file()
             except RuntimeError as e:
                 raise CheckpointError(_write_failure(tmp, "the end of the file", e, out_dir)) from None
+            finally:
+                finished.add(id(writer))
         writers.clear()  # closes the files
         for tmp, final in zip(temps, finals):
             os.replace(tmp, final)
         return finals
     finally:
+        for writer in writers:
+            # A writer destroyed unfinished finishes itself in its destructor, and a failure there (a full
+            # disk) aborts the process: finish it here, where a failure can be ignored.
+            if id(writer) not in finished:
+                try:
+                    writer.write_end_of_file()
+                except RuntimeError:
+                    pass
         writers.clear()
         for tmp in temps:
             if os.path.exists(tmp):
