@@ -105,6 +105,25 @@ class StreamedEqualsMaterialized(unittest.TestCase):
         model, config = hf_model("llama", tie_word_embeddings=False)
         self.assert_same(save_gguf(model, config, self.path("m.gguf")), (1, 2))
 
+    def test_jobs_write_the_same_files_and_a_memory_budget_is_enforced(self):
+        model, _ = hf_model("mixtral")
+        folder = save_hf(model, self.path("hf"))
+        one = export_checkpoint(folder, 4, self.path("jobs1"))
+        two = export_checkpoint(folder, 4, self.path("jobs2"), jobs=2)
+        for a, b in zip(one, two):
+            ta, tb = rank_tensors(a), rank_tensors(b)
+            self.assertEqual(sorted(ta), sorted(tb))
+            for name in ta:
+                self.assertTrue(torch.equal(ta[name], tb[name]), name)
+        with open(self.path("jobs2", "fragkit-model.json")) as f:
+            info = json.load(f)
+        self.assertEqual(info["jobs"], 2)
+        self.assertFalse([f for f in os.listdir(self.path("jobs2")) if f.endswith(".tmp")])
+        with self.assertRaisesRegex(CheckpointError, r"2 job\(s\) are predicted to need [0-9.]+ GB of memory, over "
+                                                     r"the budget of 1.00 GB"):
+            export_checkpoint(folder, 4, self.path("budget"), jobs=2, memory_budget_gb=1.0)
+        self.assertFalse(os.path.exists(self.path("budget")))
+
     def test_smollm2(self):
         try:
             smollm2_gguf_path()

@@ -76,7 +76,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: Optional[str] = None,
                       enable_expert_parallel: bool = False, ignore_config_fields: Sequence[str] = (),
                       progress: bool = False, format: str = "torchscript", crc32: bool = False,
-                      _materialize: bool = False, _check_space: bool = True) -> List[str]:
+                      jobs: int = 1, memory_budget_gb: Optional[float] = None, _materialize: bool = False,
+                      _check_space: bool = True) -> List[str]:
     """Import ``path`` and write ``out_dir/rank{r}.pt`` (``format="export"``: ``rank{r}.pt2``) for r < tp_size,
     the tokenizer and the model info. ``dtype`` None: the checkpoint's own. Returns the rank file paths.
     Raises CheckpointError (one line: file, what was expected, what was found); nothing is left behind.
@@ -108,7 +109,7 @@ def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: Optional[str
     try:
         return _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, own,
                        enable_expert_parallel, progress, format, _materialize, _check_space, started, tokenizer_tmp,
-                       info_tmp, crc32, skeletons)
+                       info_tmp, crc32, skeletons, jobs, memory_budget_gb, ignore_config_fields)
     except BaseException:
         shutil.rmtree(tokenizer_tmp, ignore_errors=True)
         if os.path.exists(info_tmp):
@@ -127,7 +128,7 @@ def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: Optional[str
 
 def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, own, enable_expert_parallel,
             progress, format, materialize, check_space, started, tokenizer_tmp, info_tmp, crc32,
-            skeletons) -> List[str]:
+            skeletons, jobs=1, memory_budget_gb=None, ignore_config_fields=()) -> List[str]:
     from . import stream
 
     if materialize:
@@ -139,11 +140,18 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
         with layers.build_on_meta(), torch.device("meta"):
             shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters()}
         views = family.kit_views(shapes, source)
+        if jobs < 1:
+            raise CheckpointError("--jobs must be >= 1 (got %d)" % jobs)
+        jobs = min(jobs, tp_size)
+        peak = stream.job_peak_bytes(views, DTYPES[dtype]) * jobs
+        if memory_budget_gb is not None and peak > memory_budget_gb * 1e9:
+            raise CheckpointError("%s: %d job(s) are predicted to need %.2f GB of memory, over the budget of %.2f GB "
+                                  "(fewer --jobs)" % (path, jobs, peak / 1e9, memory_budget_gb))
     if not materialize and check_space:
         stream.check_free_space(out_dir, sum(stream.rank_bytes(build, r, tp_size) for r in range(tp_size)),
                                 "writing %d rank file(s)" % tp_size)
     os.makedirs(out_dir, exist_ok=True)
-    if not materialize and format == "torchscript":
+    if not materialize and format == "torchscript" and jobs == 1:
         plans = []
         for r in range(tp_size):
             skeletons.append(os.path.join(out_dir, "rank%d.skeleton.tmp" % r))
@@ -174,6 +182,9 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
         ticks = iter(bar) if progress else None
         paths = export_ranks(full, build, tp_size, out_dir, info=rank_info,
                              progress=(lambda r: next(ticks, None)) if ticks else None, format=format)
+    elif format == "torchscript" and jobs > 1:
+        paths = stream.write_in_jobs(path, tp_size, jobs, out_dir, dtype, enable_expert_parallel,
+                                     ignore_config_fields, rank_info, export_id, crc32)
     elif plans is not None:
         paths = stream.write_ranks(plans, views, DTYPES[dtype], out_dir, rank_info, export_id,
                                    progress=(lambda steps: _progress(steps, "writing %d rank(s)" % tp_size, progress))
@@ -182,6 +193,8 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
         paths = stream.export_pt2_ranks(build, views, tp_size, DTYPES[dtype], out_dir, rank_info, export_id)
     if not materialize:
         info["export_id"] = export_id
+        info["jobs"] = jobs
+        info["predicted_peak_bytes"] = peak
     info["export_seconds"] = round(time.time() - started, 1)
     with open(info_tmp, "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
@@ -213,6 +226,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="rank files: TorchScript rank{r}.pt (default) or torch.export rank{r}.pt2")
     p.add_argument("--crc32", action="store_true",
                    help="compute each zip record's CRC-32 (zip tools check it, PyTorch does not; ~400 MB/s)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="write the ranks in N processes (each ~1 GB + 2x the largest tensor; see --memory-budget)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="refuse when the jobs' predicted peak memory exceeds this")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -234,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         paths = export_checkpoint(args.source, args.tp, args.out, args.dtype, args.ep, args.ignore_config_field,
                                   progress=not args.quiet and sys.stderr.isatty(), format=args.format,
-                                  crc32=args.crc32)
+                                  crc32=args.crc32, jobs=args.jobs, memory_budget_gb=args.memory_budget)
     except (CheckpointError, NotImplementedError) as e:
         print("fragkit.checkpoint: error: %s" % e, file=sys.stderr)
         return 2

@@ -256,9 +256,10 @@ def export_id_of(files, settings: dict) -> str:
 
 def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtype, out_dir: str, info: dict,
                 export_id: str, progress: Optional[Callable] = None, check_space: bool = True,
-                crc32: bool = False) -> List[str]:
-    """Write ``out_dir/rank{r}.pt`` for each plan (see the module docstring). Returns the paths."""
-    tp = len(plans)
+                crc32: bool = False, tp: Optional[int] = None, rename: bool = True) -> List[str]:
+    """Write ``out_dir/rank{r}.pt`` for each plan (see the module docstring). Returns the paths (``rename``
+    False: the complete ``.tmp`` files, which the caller renames; removed here only on an error)."""
+    tp = tp or len(plans)
     needed = sum(p.bytes_to_write() for p in plans)
     if check_space:
         check_free_space(out_dir, needed, "writing %d rank file(s)" % tp)
@@ -307,6 +308,10 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
             finally:
                 finished.add(id(writer))
         writers.clear()  # closes the files
+        if not rename:
+            done = list(temps)
+            temps.clear()
+            return done
         for tmp, final in zip(temps, finals):
             os.replace(tmp, final)
         return finals
@@ -337,6 +342,64 @@ def _write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return ("%s: writing %s failed (%s; %d bytes free on the device): nothing is left behind"
             % (tmp[:-4], what, reason, free))
+
+
+def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: str, enable_expert_parallel: bool,
+                     ignore_config_fields, info: dict, export_id: str, crc32: bool) -> List[str]:
+    """One ``--jobs`` process: opens the checkpoint itself and writes the ranks ``ranks`` as complete
+    ``rank{r}.pt.tmp`` files (the parent renames them all, or removes them all)."""
+    from . import DTYPES
+    from .families import family_for
+    from .sources import open_checkpoint
+
+    source = open_checkpoint(path)
+    where = path if source.kind == "gguf" else os.path.join(path, "config.json")
+    family = family_for(source.config, where, DTYPES[dtype], enable_expert_parallel, ignore_config_fields)
+    build = family.builder()
+    with layers.build_on_meta(), torch.device("meta"):
+        shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters()}
+    views = family.kit_views(shapes, source)
+    skeletons = [os.path.join(out_dir, "rank%d.skeleton.tmp" % r) for r in ranks]
+    try:
+        plans = [plan_rank(build, r, tp, s) for r, s in zip(ranks, skeletons)]
+        return write_ranks(plans, views, DTYPES[dtype], out_dir, info, export_id, check_space=False, crc32=crc32,
+                           tp=tp, rename=False)
+    finally:
+        for s in skeletons:
+            if os.path.exists(s):
+                os.remove(s)
+
+
+def write_in_jobs(path: str, tp: int, jobs: int, out_dir: str, dtype: str, enable_expert_parallel: bool,
+                  ignore_config_fields, info: dict, export_id: str, crc32: bool) -> List[str]:
+    """``--jobs N``: the ranks dealt round-robin to N processes (spawned: each opens the checkpoint and
+    holds its own tensor at a time); all renamed when every one is complete, all removed otherwise."""
+    import concurrent.futures
+    import multiprocessing
+
+    groups = [list(range(j, tp, jobs)) for j in range(jobs) if j < tp]
+    temps = [os.path.join(out_dir, "rank%d.pt.tmp" % r) for r in range(tp)]
+    try:
+        with concurrent.futures.ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context("spawn")) as ex:
+            futures = [ex.submit(write_rank_group, path, tp, g, out_dir, dtype, enable_expert_parallel,
+                                 list(ignore_config_fields), info, export_id, crc32) for g in groups]
+            for f in futures:
+                f.result()
+        finals = [t[:-4] for t in temps]
+        for tmp, final in zip(temps, finals):
+            os.replace(tmp, final)
+        return finals
+    finally:
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def job_peak_bytes(views: Dict[str, View], dtype: torch.dtype) -> int:
+    """Predicted peak memory of one writing process: the process (~1 GB: Python, PyTorch, the kit, the
+    skeletons) plus the largest kit tensor mapped whole and one rank slice of it copied in ``dtype``."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return 1_000_000_000 + max(v.nbytes + v.nbytes // v.dtype.itemsize * item for v in views.values())
 
 
 def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype, out_dir: str, info: dict,
