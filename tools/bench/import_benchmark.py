@@ -106,11 +106,12 @@ def frag_check(args, work):
         shutil.rmtree(out)
     a, b = logits[1].float(), logits[4].float()
     diff = (a - b).abs()
-    # bf16 has 8 significant bits: one rounding of a value v is at most |v| * 2^-8.
-    ulp = a.abs().clamp_min(1e-3) * 2.0 ** -8
+    # bf16 keeps 8 significant bits: its spacing at the largest logit m is 2^(floor(log2 m) - 7).
+    top = a.abs().max()
+    ulp = float(2.0 ** (torch.floor(torch.log2(top)) - 7))
     shutil.rmtree(ckpt)
-    return {"layers": args.frag_layers, "max_abs_diff": float(diff.max()), "max_abs_logit": float(a.abs().max()),
-            "max_diff_in_bf16_roundings": float((diff / ulp).max()),
+    return {"layers": args.frag_layers, "max_abs_diff": float(diff.max()), "max_abs_logit": float(top),
+            "max_diff_in_bf16_spacings_at_max": float(diff.max()) / ulp, "equal_fraction": float((diff == 0).float().mean()),
             "argmax_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1)))}
 
 

@@ -248,6 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.source is None or args.out is None:
         p.error("--from and --out are required (or --dry-run)")
+    from .stream import fixed_mmap_threshold
+
+    fixed_mmap_threshold()
     try:
         paths = export_checkpoint(args.source, args.tp, args.out, args.dtype, args.ep, args.ignore_config_field,
                                   progress=not args.quiet and sys.stderr.isatty(), format=args.format,

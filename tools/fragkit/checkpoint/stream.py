@@ -344,6 +344,19 @@ def _write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
             % (tmp[:-4], what, reason, free))
 
 
+def fixed_mmap_threshold() -> None:
+    """Make glibc give every allocation of 1 MB or more its own mapping, returned to the system when freed.
+    By default the threshold rises with each freed mapping up to 32 MB, after which rank slices a little under
+    it (a tp 4 slice of an 8B model's MLP weight is 29 MB) come from the heap and stay resident once freed:
+    the process's memory would grow with the model instead of staying at one tensor."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: str, enable_expert_parallel: bool,
                      ignore_config_fields, info: dict, export_id: str, crc32: bool) -> List[str]:
     """One ``--jobs`` process: opens the checkpoint itself and writes the ranks ``ranks`` as complete
@@ -352,6 +365,7 @@ def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: 
     from .families import family_for
     from .sources import open_checkpoint
 
+    fixed_mmap_threshold()
     source = open_checkpoint(path)
     where = path if source.kind == "gguf" else os.path.join(path, "config.json")
     family = family_for(source.config, where, DTYPES[dtype], enable_expert_parallel, ignore_config_fields)
