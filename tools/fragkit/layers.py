@@ -8,12 +8,19 @@ The layer configuration is kept as plain module attributes (int / bool / List[in
 as attributes of the scripted module, and the fragments C++ pass reads them with ``module.attr(name)``.
 Their names are a contract with the C++ side: see ``CONTRACT_ATTRIBUTES``.
 
-``load_full_weights(full)`` copies this rank's slice out of the same layer built at tp_size 1 (and
-ep_size 1), the way vLLM's weight loaders slice a checkpoint.  TorchScript never compiles it (forward does
-not call it).
+``rank_slice(name, full)`` is the one definition of each layer kind's layout: this rank's part of the
+parameter ``name`` from the whole tensor ``full``, the way vLLM's weight loaders slice a checkpoint. ``full``
+is a tensor, or anything with ``shape`` that basic slicing (a tuple of slices) turns into a tensor, such as a
+view of a memory-mapped checkpoint tensor (fragkit.checkpoint.views): the streaming import reads only the
+rows and columns this returns. ``load_full_weights(full)`` fills this rank from the same layer built at
+tp_size 1 (and ep_size 1) through it.  TorchScript compiles neither (forward does not call them).
+
+``build_on_meta()``: layers (and models.RMSNorm) built inside it get meta parameters, no memory and no
+init, for a rank module that a streaming writer fills parameter by parameter.
 
 Layout rules: /work/shared/reference/fragment-rules.md.
 """
+import contextlib
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -104,7 +111,27 @@ def _normal_(t: Tensor, std: float) -> None:
         t.normal_(0.0, std)
 
 
+_ON_META = [False]
+
+
+@contextlib.contextmanager
+def build_on_meta():
+    """Parameters created inside (kit layers, models.RMSNorm) are meta tensors: shapes and dtypes only."""
+    before = _ON_META[0]
+    _ON_META[0] = True
+    try:
+        yield
+    finally:
+        _ON_META[0] = before
+
+
+def params_on_meta() -> bool:
+    return _ON_META[0]
+
+
 def _new_param(shape: Sequence[int], dtype: torch.dtype, std: float) -> nn.Parameter:
+    if _ON_META[0]:
+        return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
     # Drawn in float32 whatever params_dtype is, so a bfloat16 build is the float32 one rounded.
     t = torch.empty(*shape, dtype=torch.float32)
     _normal_(t, std)
@@ -123,6 +150,25 @@ def _check_full(self: nn.Module, full: nn.Module, keys: Sequence[str]) -> None:
                              % (type(self).__name__, k, getattr(self, k), getattr(full, k)))
     if (getattr(full, "bias", None) is None) != (getattr(self, "bias", None) is None):
         raise ValueError("load_full_weights(%s): bias presence differs" % type(self).__name__)
+
+
+def _whole(full) -> Tensor:
+    """The whole tensor (a replicated parameter): every rank holds all of it."""
+    return full[tuple(slice(None) for _ in full.shape)]
+
+
+def _cat_rows(full, rows: Sequence[Tuple[int, int]]) -> Tensor:
+    """Rows [a, b) of ``full`` for each (a, b), concatenated in that order (one read when there is one range)."""
+    parts = [full[a:b] for a, b in rows]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+@torch.no_grad()
+def _load_by_rank_slice(self: nn.Module, full: nn.Module, keys: Sequence[str]) -> None:
+    """load_full_weights of every kit layer: each parameter from ``rank_slice`` of the full layer's."""
+    _check_full(self, full, keys)
+    for name, param in self.named_parameters(recurse=False):
+        param.copy_(self.rank_slice(name, getattr(full, name)))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -189,12 +235,11 @@ class ReplicatedLinear(_LinearBase):
         out = F.linear(x, self.weight, bias)
         return out, None
 
-    @torch.no_grad()
+    def rank_slice(self, name: str, full) -> Tensor:
+        return _whole(full)
+
     def load_full_weights(self, full: "ReplicatedLinear") -> None:
-        _check_full(self, full, ["input_size", "output_size"])
-        self.weight.copy_(full.weight)
-        if self.bias is not None:
-            self.bias.copy_(full.bias)
+        _load_by_rank_slice(self, full, ["input_size", "output_size"])
 
 
 class ColumnParallelLinear(_LinearBase):
@@ -235,13 +280,12 @@ class ColumnParallelLinear(_LinearBase):
         n, r = self.output_size_per_partition, self.tp_rank
         return [(r * n, (r + 1) * n)]
 
-    @torch.no_grad()
+    def rank_slice(self, name: str, full) -> Tensor:
+        """weight [N, K] and bias [N]: the rows of ``_row_slices``, in that order."""
+        return _cat_rows(full, self._row_slices())
+
     def load_full_weights(self, full: "ColumnParallelLinear") -> None:
-        _check_full(self, full, list(self._full_keys))
-        idx = torch.cat([torch.arange(a, b) for a, b in self._row_slices()])
-        self.weight.copy_(full.weight.index_select(0, idx))
-        if self.bias is not None:
-            self.bias.copy_(full.bias.index_select(0, idx))
+        _load_by_rank_slice(self, full, list(self._full_keys))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -374,13 +418,14 @@ class RowParallelLinear(_LinearBase):
             return out, bias
         return out, None
 
-    @torch.no_grad()
-    def load_full_weights(self, full: "RowParallelLinear") -> None:
-        _check_full(self, full, ["input_size", "output_size"])
+    def rank_slice(self, name: str, full) -> Tensor:
+        if name == "bias":
+            return _whole(full)  # whole bias on every rank, as vLLM loads it
         k, r = self.input_size_per_partition, self.tp_rank
-        self.weight.copy_(full.weight[:, r * k:(r + 1) * k])
-        if self.bias is not None:
-            self.bias.copy_(full.bias)  # whole bias on every rank, as vLLM loads it
+        return full[:, r * k:(r + 1) * k]
+
+    def load_full_weights(self, full: "RowParallelLinear") -> None:
+        _load_by_rank_slice(self, full, ["input_size", "output_size"])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -448,16 +493,18 @@ class VocabParallelEmbedding(nn.Module):
             return tensor_model_parallel_all_reduce(out)
         return F.embedding(input_ids, self.weight)
 
-    @torch.no_grad()
+    def rank_slice(self, name: str, full) -> Tensor:
+        """weight [Vp, H] (and the LM head's bias [Vp]): padded ids [start, end), padding rows zero."""
+        part = full[self.vocab_start_index:self.vocab_end_index]
+        n_valid = min(max(self.org_vocab_size - self.vocab_start_index, 0), self.num_embeddings_per_partition)
+        if n_valid < part.shape[0] and bool(part[n_valid:].any()):
+            part = part.clone()
+            part[n_valid:] = 0
+        return part
+
     def load_full_weights(self, full: "VocabParallelEmbedding") -> None:
-        _check_full(self, full, ["num_embeddings", "org_vocab_size", "num_embeddings_padded", "embedding_dim",
-                                 "padding_size"])
-        a, b = self.vocab_start_index, self.vocab_end_index
-        self.weight.copy_(full.weight[a:b])
-        bias = getattr(self, "bias", None)
-        if bias is not None:
-            bias.copy_(full.bias[a:b])
-        self._zero_padding_rows()
+        _load_by_rank_slice(self, full, ["num_embeddings", "org_vocab_size", "num_embeddings_padded",
+                                         "embedding_dim", "padding_size"])
 
     def extra_repr(self) -> str:
         return "V=%d, V0=%d, Vp=%d, per_rank=%d, range=[%d, %d), dim=%d, tp=%d/%d" % (
@@ -632,15 +679,20 @@ class FusedMoE(nn.Module):
                 out = tensor_model_parallel_all_reduce(out)
         return out.reshape(orig_shape)
 
-    @torch.no_grad()
-    def load_full_weights(self, full: "FusedMoE") -> None:
-        _check_full(self, full, ["num_experts", "top_k", "hidden_size", "intermediate_size"])
+    def rank_slice(self, name: str, full) -> Tensor:
+        """w13 [E, 2I, H] (rows [gate | up] per expert) and w2 [E, H, I]: this rank's experts, and of each
+        its intermediate slice (of gate and of up)."""
         e0, ne = self.expert_start, self.local_num_experts
         ip, r, inter = self.intermediate_size_per_partition, self.tp_rank, self.intermediate_size
-        w13 = full.w13_weight[e0:e0 + ne]  # [ne, 2I, H] rows [gate | up]
-        self.w13_weight.copy_(torch.cat([w13[:, r * ip:(r + 1) * ip], w13[:, inter + r * ip:inter + (r + 1) * ip]],
-                                        dim=1))
-        self.w2_weight.copy_(full.w2_weight[e0:e0 + ne, :, r * ip:(r + 1) * ip])
+        if name == "w2_weight":
+            return full[e0:e0 + ne, :, r * ip:(r + 1) * ip]
+        if ip == inter:
+            return full[e0:e0 + ne]
+        return torch.cat([full[e0:e0 + ne, r * ip:(r + 1) * ip], full[e0:e0 + ne, inter + r * ip:inter + (r + 1) * ip]],
+                         dim=1)
+
+    def load_full_weights(self, full: "FusedMoE") -> None:
+        _load_by_rank_slice(self, full, ["num_experts", "top_k", "hidden_size", "intermediate_size"])
 
     def extra_repr(self) -> str:
         return "E=%d, top_k=%d, H=%d, I=%d, I_p=%d, tp=%d/%d, ep=%d/%d, experts=[%d, %d)" % (

@@ -24,6 +24,7 @@ from .layers import (DEFAULT_VOCAB_PADDING_SIZE,
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    params_on_meta,
 )
 
 
@@ -152,7 +153,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.variance_epsilon = float(eps)
-        w = torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype())
+        dtype = params_dtype or torch.get_default_dtype()
+        if params_on_meta():  # a rank module a streaming import fills (layers.build_on_meta)
+            self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device="meta"), requires_grad=False)
+            return
+        w = torch.ones(hidden_size, dtype=dtype)
         with torch.no_grad():
             w.add_(0.1 * torch.randn(hidden_size).to(w.dtype))  # not all ones, so copying them is observable
         self.weight = nn.Parameter(w, requires_grad=False)

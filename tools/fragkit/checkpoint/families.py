@@ -13,6 +13,7 @@ from torch import nn
 from .. import models
 from ..layers import DEFAULT_VOCAB_PADDING_SIZE, pad_vocab_size
 from .sources import CheckpointError, Source
+from .views import Cat, PadRows, Reshape, Stack, TensorView, View, materialize
 
 # Fields that do not change a forward at inference: ids, bookkeeping, training-only settings, generation
 # defaults, and the generic fields every Hugging Face config carries.
@@ -107,15 +108,15 @@ class Family:
 
     # -- weights -----------------------------------------------------------------------------------------
     def weight_sources(self) -> Dict[str, Tuple[List[str], Callable]]:
-        """kit parameter name (of the tp=1 model) -> (checkpoint tensor names, how to combine them)."""
+        """kit parameter name (of the tp=1 model) -> (checkpoint tensor names, how to combine their views into
+        the kit's whole tensor: views.py, lazy for the streaming import, over whole tensors for the other)."""
         c = self.config
-        cat0 = lambda ts: torch.cat(ts, 0)  # noqa: E731
+        cat0 = Cat
         one = lambda ts: ts[0]  # noqa: E731
         padded = pad_vocab_size(c.vocab_size, DEFAULT_VOCAB_PADDING_SIZE)
 
         def pad_rows(ts):  # vocab rows padded with zeros, as vLLM's padded vocab holds them
-            t = ts[0]
-            return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if t.shape[0] < padded else t
+            return PadRows(ts[0], padded)
 
         out = {"model.embed_tokens.weight": (["model.embed_tokens.weight"], pad_rows),
                "model.norm.weight": (["model.norm.weight"], one),
@@ -136,7 +137,7 @@ class Family:
                 self._mlp_sources(out, kit + "mlp.shared_expert.", hf + "mlp.shared_expert.", False)
                 # [1, H]; GGUF files (llama.cpp) store it as [H].
                 out[kit + "mlp.shared_expert_gate.weight"] = ([hf + "mlp.shared_expert_gate.weight"],
-                                                              lambda ts: ts[0].reshape(1, -1))
+                                                              lambda ts: Reshape(ts[0], (1, -1)))
             else:
                 self._mlp_sources(out, kit + "mlp.", hf + "mlp.", getattr(c, "mlp_bias", False))
         return out
@@ -148,8 +149,7 @@ class Family:
     @staticmethod
     def _mlp_sources(out, kit: str, hf: str, bias: bool) -> None:
         for suffix in (["weight", "bias"] if bias else ["weight"]):
-            out[kit + "gate_up_proj." + suffix] = ([hf + "gate_proj." + suffix, hf + "up_proj." + suffix],
-                                                   lambda ts: torch.cat(ts, 0))
+            out[kit + "gate_up_proj." + suffix] = ([hf + "gate_proj." + suffix, hf + "up_proj." + suffix], Cat)
             out[kit + "down_proj." + suffix] = ([hf + "down_proj." + suffix], lambda ts: ts[0])
 
     def _moe_sources(self, out, kit: str, hf: str, names: Tuple[str, str, str]) -> None:
@@ -159,39 +159,62 @@ class Family:
         # FusedMoE: w13 [E, 2I, H] rows [gate | up] per expert; w2 [E, H, I].
         out[kit + "experts.w13_weight"] = (
             [hf + "experts.%d.%s.weight" % (e, p) for e in range(n) for p in (gate, up)],
-            lambda ts: torch.stack([torch.cat(ts[2 * e:2 * e + 2], 0) for e in range(len(ts) // 2)]))
-        out[kit + "experts.w2_weight"] = ([hf + "experts.%d.%s.weight" % (e, down) for e in range(n)],
-                                          lambda ts: torch.stack(ts))
+            lambda ts: Stack([Cat(ts[2 * e:2 * e + 2]) for e in range(len(ts) // 2)]))
+        out[kit + "experts.w2_weight"] = ([hf + "experts.%d.%s.weight" % (e, down) for e in range(n)], Stack)
 
-    def load_weights(self, full: nn.Module, source: Source, progress=None) -> None:
-        """Fill ``full`` (the kit model at tp=1) from ``source``; every kit weight filled, every checkpoint
-        tensor used (or known to be redundant), every shape checked."""
-        params = dict(full.named_parameters())
+    def _check_sources(self, params: Dict[str, Tuple[int, ...]], source: Source) -> None:
+        """Every kit weight has its checkpoint tensors, every checkpoint tensor a place (or is redundant)."""
         sources = self.weight_sources()
         missing_kit = sorted(set(params) - set(sources))
         if missing_kit:
             raise CheckpointError("%s: no checkpoint tensor for the kit weights %s" % (source.path, missing_kit[:5]))
         available = set(source.names())
         used = set()
-        items = sorted(sources.items())
-        for kit_name, (names, combine) in (progress(items) if progress else items):
+        for kit_name, (names, _) in sorted(sources.items()):
             absent = [n for n in names if n not in available]
             if absent:
                 raise CheckpointError("%s: tensor %s is missing (needed for %s)" % (source.path, absent[0], kit_name))
-            value = combine([source.get(n) for n in names])
             used.update(names)
-            dst = params[kit_name]
-            if tuple(value.shape) != tuple(dst.shape):
-                raise CheckpointError("%s: %s gives %s a shape %s, the model expects %s"
-                                      % (source.path, "+".join(names) if len(names) < 4 else names[0] + "+...",
-                                         kit_name, tuple(value.shape), tuple(dst.shape)))
-            with torch.no_grad():
-                dst.copy_(value.to(dst.dtype))
         unused = sorted(n for n in available - used if not _redundant(n, self.tied))
         if unused:
             raise CheckpointError("%s: %d checkpoint tensors have no place in the kit's %s model, e.g. %s "
                                   "(a feature this import does not support)"
                                   % (source.path, len(unused), self.name, ", ".join(unused[:3])))
+
+    @staticmethod
+    def _check_shape(source: Source, names: List[str], kit_name: str, got, expected) -> None:
+        if tuple(got) != tuple(expected):
+            raise CheckpointError("%s: %s gives %s a shape %s, the model expects %s"
+                                  % (source.path, "+".join(names) if len(names) < 4 else names[0] + "+...",
+                                     kit_name, tuple(got), tuple(expected)))
+
+    def kit_views(self, shapes: Dict[str, Tuple[int, ...]], source: Source) -> Dict[str, View]:
+        """kit parameter name -> a lazy view of its whole (tp=1) tensor, every shape checked against
+        ``shapes`` (the tp=1 model's, e.g. built on meta) before anything is read."""
+        self._check_sources(shapes, source)
+        out = {}
+        for kit_name, (names, combine) in sorted(self.weight_sources().items()):
+            try:
+                view = combine([source.view(n) for n in names])
+            except ValueError as e:
+                raise CheckpointError("%s: %s: %s" % (source.path, kit_name, e)) from None
+            self._check_shape(source, names, kit_name, view.shape, shapes[kit_name])
+            out[kit_name] = view
+        return out
+
+    def load_weights(self, full: nn.Module, source: Source, progress=None) -> None:
+        """Fill ``full`` (the kit model at tp=1) from ``source``, whole tensors in float32 (the materializing
+        import); every kit weight filled, every checkpoint tensor used (or known to be redundant), every
+        shape checked."""
+        params = dict(full.named_parameters())
+        self._check_sources({k: tuple(p.shape) for k, p in params.items()}, source)
+        items = sorted(self.weight_sources().items())
+        for kit_name, (names, combine) in (progress(items) if progress else items):
+            value = materialize(combine([TensorView(source.get(n), n) for n in names]))
+            dst = params[kit_name]
+            self._check_shape(source, names, kit_name, value.shape, dst.shape)
+            with torch.no_grad():
+                dst.copy_(value.to(dst.dtype))
 
 
 def _redundant(name: str, tied: bool) -> bool:

@@ -1,7 +1,9 @@
 """Checkpoint readers: a Hugging Face model folder or a GGUF file, seen through one interface.
 
-Both give a Hugging Face style ``config`` dict and tensors by their Hugging Face (hub) names, float32, so one
-mapping (families.py) turns either into the kit's modules:
+Both give a Hugging Face style ``config`` dict and tensors by their Hugging Face (hub) names, so one mapping
+(families.py) turns either into the kit's modules: ``get(name)`` reads a whole tensor as float32 (the
+materializing import); ``view(name)`` is a lazy view (views.py) that reads only the slices asked for, in the
+checkpoint's own dtype (quantized GGUF tensors: dequantized to float32), for the streaming import:
 
 - ``HFFolder``: ``config.json`` + ``*.safetensors`` (with ``model.safetensors.index.json`` when sharded),
   read with the ``safetensors`` package.
@@ -15,10 +17,13 @@ import glob
 import json
 import os
 import shutil
-from typing import Dict, List, Optional
+import struct
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from .views import FnView, View, as_slices
 
 # Files of a Hugging Face tokenizer, copied as they are.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -41,6 +46,22 @@ class Source:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` (Hugging Face naming), float32, in Hugging Face's layout."""
+        raise NotImplementedError
+
+    def view(self, name: str) -> View:
+        """A lazy view of ``name`` in the checkpoint's own dtype (quantized tensors: dequantized float32)."""
+        raise NotImplementedError
+
+    def own_dtype(self) -> torch.dtype:
+        """The dtype most of the checkpoint's bytes are in (as ``view`` gives them)."""
+        by_dtype: Dict[torch.dtype, int] = {}
+        for name in self.names():
+            v = self.view(name)
+            by_dtype[v.dtype] = by_dtype.get(v.dtype, 0) + v.nbytes
+        return max(sorted(by_dtype.items(), key=str), key=lambda kv: kv[1])[0]
+
+    def files(self) -> List[Tuple[str, int, int]]:
+        """(path, size, mtime_ns) of each file read: part of the export id."""
         raise NotImplementedError
 
     def save_tokenizer(self, out_dir: str) -> Optional[str]:
@@ -76,7 +97,10 @@ class HFFolder(Source):
             files = sorted(set(weight_map.values()))
             for name in files:
                 if not os.path.isfile(os.path.join(path, name)):
-                    raise CheckpointError("%s names %s, which is not in the folder" % (index_path, name))
+                    tensors = sorted(k for k, v in weight_map.items() if v == name)
+                    raise CheckpointError("%s maps tensor %s%s to %s, which is not in the folder"
+                                          % (index_path, tensors[0], " (and %d more)" % (len(tensors) - 1)
+                                             if len(tensors) > 1 else "", name))
         else:
             files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
             if not files:
@@ -85,21 +109,75 @@ class HFFolder(Source):
                         if others else "")
                 raise CheckpointError("%s: no *.safetensors files%s" % (path, hint))
         self._where: Dict[str, str] = {}
-        self._handles = {}
+        self._meta: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self._extent: Dict[str, Tuple[str, int, int]] = {}
         for name in files:
-            handle = safe_open(os.path.join(path, name), framework="pt")
-            self._handles[name] = handle
-            for key in handle.keys():
-                if key in self._where:
-                    raise CheckpointError("%s: tensor %s is in both %s and %s"
-                                          % (path, key, self._where[key], name))
-                self._where[key] = name
+            file = os.path.join(path, name)
+            try:
+                handle = safe_open(file, framework="pt")
+            except Exception as e:  # safetensors' own error: truncated, bad header, ...
+                raise CheckpointError(_safetensors_problem(file, e)) from None
+            self._extent.update(_data_extents(file))
+            with handle:
+                for key in handle.keys():
+                    if key in self._where:
+                        raise CheckpointError("%s: tensor %s is in both %s and %s"
+                                              % (path, key, self._where[key], name))
+                    self._where[key] = name
+                    sl = handle.get_slice(key)
+                    kind = sl.get_dtype()
+                    if kind not in SAFETENSORS_DTYPES:
+                        raise CheckpointError("%s: tensor %s has dtype %s; the import reads floating-point weights "
+                                              "only (%s)" % (file, key, kind, ", ".join(SAFETENSORS_DTYPES)))
+                    self._meta[key] = (tuple(sl.get_shape()), SAFETENSORS_DTYPES[kind])
+        if os.path.isfile(index_path):
+            absent = sorted(set(weight_map) - set(self._where))
+            if absent:
+                raise CheckpointError("%s maps tensor %s to %s, which does not hold it"
+                                      % (index_path, absent[0], weight_map[absent[0]]))
+        declared = self.config.get("torch_dtype", self.config.get("dtype"))
+        if isinstance(declared, str) and declared in DECLARED_DTYPES:
+            expected = DECLARED_DTYPES[declared]
+            for key in sorted(self._meta):
+                if self._meta[key][1] != expected and not key.endswith("rotary_emb.inv_freq"):
+                    raise CheckpointError("%s: tensor %s is %s, config.json says torch_dtype %s"
+                                          % (os.path.join(path, self._where[key]), key,
+                                             str(self._meta[key][1]).replace("torch.", ""), declared))
 
     def names(self) -> List[str]:
         return sorted(self._where)
 
+    def file_of(self, name: str) -> str:
+        return os.path.join(self.path, self._where[name])
+
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name).to(torch.float32)
+        from safetensors import safe_open
+
+        with safe_open(self.file_of(name), framework="pt") as handle:
+            return handle.get_tensor(name).to(torch.float32)
+
+    def view(self, name: str) -> View:
+        from safetensors import safe_open
+
+        file = self.file_of(name)
+        shape, dtype = self._meta[name]
+
+        def read(bounds):
+            # Opened per read (~60 us): the file's memory map goes away with the handle, so pages read
+            # for one tensor do not stay in this process's resident memory.
+            with safe_open(file, framework="pt") as handle:
+                if not shape:
+                    return handle.get_tensor(name)
+                return handle.get_slice(name)[as_slices(bounds)]
+
+        return FnView(shape, dtype, read, "%s: %s" % (file, name), self._extent.get(name))
+
+    def files(self):
+        out = []
+        for name in sorted(set(self._where.values())):
+            st = os.stat(os.path.join(self.path, name))
+            out.append((os.path.join(self.path, name), st.st_size, st.st_mtime_ns))
+        return out
 
     def save_tokenizer(self, out_dir: str) -> Optional[str]:
         found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(self.path, f))]
@@ -109,6 +187,46 @@ class HFFolder(Source):
         for f in found:
             shutil.copyfile(os.path.join(self.path, f), os.path.join(out_dir, f))
         return out_dir
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DECLARED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _header(file: str):
+    """(header dict, header length) of a safetensors file: 8 bytes of length, then JSON (the format's spec),
+    or (None, 0) if it is not one."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length)) if length < (100 << 20) else None
+    except (struct.error, ValueError):
+        return None, 0
+    return (header, length) if isinstance(header, dict) else (None, 0)
+
+
+def _data_extents(file: str) -> Dict[str, Tuple[str, int, int]]:
+    """Tensor name -> (file, first byte, end byte) of its data: where to read ahead (views.FnView.prefetch)."""
+    header, length = _header(file)
+    if header is None:
+        return {}
+    return {name: (file, 8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1])
+            for name, e in header.items() if name != "__metadata__" and isinstance(e, dict) and "data_offsets" in e}
+
+
+def _safetensors_problem(file: str, error: Exception) -> str:
+    """One line for a shard safetensors cannot open: a truncated file names the first tensor it cuts off."""
+    size = os.path.getsize(file)
+    header, length = _header(file)
+    if header is not None:
+        cut = sorted((entry["data_offsets"][1], name) for name, entry in header.items()
+                     if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry)
+        body = size - 8 - length
+        for end, name in cut:
+            if end > body:
+                return ("%s: truncated: tensor %s ends at byte %d of the data, the file holds %d (%d bytes missing)"
+                        % (file, name, end, max(body, 0), cut[-1][0] - body))
+    return "%s: not a readable safetensors file: %s" % (file, error)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -279,6 +397,43 @@ class GGUFFile(Source):
 
     def names(self) -> List[str]:
         return sorted(self._hf)
+
+    def view(self, name: str) -> View:
+        import gguf
+
+        t, expert = self._hf[name]
+        dims = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if expert is not None:
+            dims = dims[1:]
+        permuted = self.arch == "llama" and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+        kind = t.tensor_type
+        direct = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16}
+        if kind in direct and not permuted:
+            def read(bounds):  # slices of the memory map itself
+                array = t.data.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+                index = ((expert,) if expert is not None else ()) + as_slices(bounds)
+                return torch.from_numpy(np.array(array[index]))  # a copy: the map is read-only
+
+            return FnView(dims, direct[kind], read, "%s: %s" % (self.path, t.name))
+
+        def read_whole(bounds):  # quantized or row-permuted: one whole tensor, dequantized
+            return self.get(name)[as_slices(bounds)]
+
+        return FnView(dims, torch.float32, read_whole, "%s: %s" % (self.path, t.name))
+
+    def own_dtype(self) -> torch.dtype:
+        import gguf
+
+        kinds = {t.tensor_type for t in self._tensors.values() if len(t.shape) > 1}
+        if kinds == {gguf.GGMLQuantizationType.BF16}:
+            return torch.bfloat16
+        if kinds == {gguf.GGMLQuantizationType.F16}:
+            return torch.float16
+        return torch.float32  # float32, mixed or quantized: dequantized to float32
+
+    def files(self):
+        st = os.stat(self.path)
+        return [(self.path, st.st_size, st.st_mtime_ns)]
 
     def get(self, name: str) -> torch.Tensor:
         t, expert = self._hf[name]
