@@ -9,14 +9,13 @@ FRAG_SLOW=1 adds SmolLM2 at tp 3 (about a minute more) and tp 4 for every family
 """
 import json
 import os
-import tempfile
 import unittest
 
 import torch
 
 import fragkit_testutil  # noqa: F401  (puts tools/ on the path)
 import fragkit  # noqa: F401
-from checkpoint_testutil import hf_model, save_gguf, save_hf
+from checkpoint_testutil import WorkDirCase, hf_model, save_gguf, save_hf
 from fragkit.checkpoint import CheckpointError, export_checkpoint, smollm2_gguf_path
 
 SLOW = os.environ.get("FRAG_SLOW") == "1"
@@ -29,17 +28,7 @@ def rank_tensors(path):
     return out
 
 
-class StreamedEqualsMaterialized(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.work = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
-    def path(self, *parts):
-        return os.path.join(self.work, *parts)
-
+class StreamedEqualsMaterialized(WorkDirCase):
     def assert_same(self, source, tps, dtype=None, ep=False, expect_dtype=None):
         for tp in tps:
             with self.subTest(source=os.path.basename(source), tp=tp, dtype=dtype, ep=ep):

@@ -2,6 +2,8 @@
 weights, seeded), saved as Hugging Face folders, and written as GGUF files the way llama.cpp's converter lays
 them out (GGUF tensor names from gguf's tables, llama's Q/K rows permuted, experts stacked)."""
 import os
+import tempfile
+import unittest
 
 import numpy as np
 import torch
@@ -141,3 +143,17 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
 def relative(a: torch.Tensor, reference: torch.Tensor) -> float:
     a, reference = a.double(), reference.double()
     return float((a - reference).abs().max() / reference.abs().max())
+
+
+class WorkDirCase(unittest.TestCase):
+    """A test case with a fresh temporary folder per test (``self.work``; ``self.path(...)`` inside it)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.work = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def path(self, *parts):
+        return os.path.join(self.work, *parts)

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import unittest
 
 import torch
@@ -17,7 +16,7 @@ import torch.multiprocessing as mp
 import fragkit_testutil  # noqa: F401  (puts tools/ on the path)
 import fragkit  # noqa: F401  (registers frag::all_reduce/all_gather for the tp=1 forward in this process)
 import fragkit_tp_worker
-from checkpoint_testutil import hf_model, logits_of, relative, save_gguf, save_hf
+from checkpoint_testutil import WorkDirCase, hf_model, logits_of, relative, save_gguf, save_hf
 from fragkit.checkpoint import CheckpointError, export_checkpoint
 from fragkit_testutil import frag_binary, free_port
 
@@ -39,17 +38,7 @@ def run_frag(folder: str, world: int, ids: torch.Tensor, work: str) -> torch.Ten
     return load_file(out)["logits"]
 
 
-class ImportCase(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.work = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
-    def path(self, *parts):
-        return os.path.join(self.work, *parts)
-
+class ImportCase(WorkDirCase):
     def assert_matches(self, source: str, reference_logits: torch.Tensor, tps=(1, 2), ep=False, dtype="float32",
                        tol=TOL):
         for tp in tps:

@@ -25,6 +25,8 @@ import torch
 import fragments
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from process_watch import alive, wait_gone  # noqa: E402
 MODELS = os.path.join(ROOT, "tests", "models")
 TP2 = os.path.join(MODELS, "llama_tp2")
 TOLERANCE = 1e-5
@@ -115,21 +117,6 @@ def expected():
 def env():
     return dict(os.environ, EXPORT=TP2, PYTHONPATH=os.pathsep.join(
         [os.path.join(ROOT, "python"), os.path.join(ROOT, "tools"), os.environ.get("PYTHONPATH", "")]))
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, seconds=15):
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 class SessionTest(unittest.TestCase):

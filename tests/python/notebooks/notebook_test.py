@@ -23,19 +23,8 @@ NOTEBOOK = os.path.join(ROOT, "tests", "python", "notebooks", "smollm2_session.i
 EXPORT = os.path.abspath(os.environ.get("SMOLLM2_TP3", os.path.join(ROOT, "tests", "models", "smollm2_tp3")))
 
 
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, seconds=20):
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from process_watch import alive, wait_gone  # noqa: E402
 
 
 def environment():
@@ -66,7 +55,7 @@ class NotebookTest(unittest.TestCase):
         text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
         print(f"notebook: {time.monotonic() - started:.0f} s\n{text}")
         pids = pids_in(text)
-        self.assertEqual(wait_gone(pids), [], "rank processes left after the kernel shut down")
+        self.assertEqual(wait_gone(pids, seconds=20), [], "rank processes left after the kernel shut down")
 
     def test_repl(self):
         with open(NOTEBOOK) as f:
@@ -90,7 +79,7 @@ class NotebookTest(unittest.TestCase):
         print(done.stdout[-3000:])
         self.assertIn(">>>", done.stderr, "not an interactive session")
         self.assertNotIn("Traceback", done.stderr, done.stderr[-5000:])
-        self.assertEqual(wait_gone(pids_in(done.stdout)), [], "rank processes left after the REPL ended")
+        self.assertEqual(wait_gone(pids_in(done.stdout), seconds=20), [], "rank processes left after the REPL ended")
 
 
 if __name__ == "__main__":
