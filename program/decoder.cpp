@@ -77,7 +77,9 @@ torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positi
   CachedStep step;
   step.positions = positions.to(cache_.device());
   step.kv_cache = cache_.narrow(2, first, ids.size(0));
-  step.cache_len = positions.max().item<int64_t>() + 1;
+  // On a GPU a decode step attends over the whole cache (static shapes: ShardedModel replays it from a CUDA
+  // graph, as transformers' StaticCache does); elsewhere over the longest row's slots only.
+  step.cache_len = cache_.is_cuda() && ids.size(1) == 1 ? max_len_ : positions.max().item<int64_t>() + 1;
   model_.set_generation_step(step_, fmt::format("step{}.", step_));
   torch::Tensor logits;
   try {

@@ -381,11 +381,23 @@ void ShardedModel::set_cuda_graphs(bool on) {
   if (!on) graphs_.clear();
 }
 
-CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_ids) {
+CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_ids, const CachedStep* cached) {
   if (!cuda_graphs_ || callbacks_ > 0 || !input_ids.is_cuda()) return nullptr;
   const void* weights = program_->capturable_weights();
   if (weights == nullptr || !context_->capturable()) return nullptr;
-  return &graphs_.entry(plan_text(), specialize_, weights, input_ids);
+  if (cached == nullptr) return &graphs_.entry(plan_text(), specialize_, weights, input_ids);
+  // A decode step reads and writes its cache where it is: the graph is that cache's (and that length's).
+  return &graphs_.entry(fmt::format("{}\ndecode:{}:{}:{}", plan_text(), cached->kv_cache.data_ptr(),
+                                    cached->kv_cache.size(2), cached->cache_len),
+                        specialize_, weights, input_ids);
+}
+
+torch::Tensor ShardedModel::run_program(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+                                        const CachedStep* cached, const torch::Tensor& positions) {
+  if (cached == nullptr) return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+  CachedStep step = *cached;
+  step.positions = positions;
+  return program_->forward_cached(input_ids, step, kept);
 }
 
 const std::string& ShardedModel::plan_text() {
@@ -397,16 +409,18 @@ const std::string& ShardedModel::plan_text() {
 }
 
 torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                                               const std::vector<ir::LocationId>* kept) {
+                                               const std::vector<ir::LocationId>* kept, const CachedStep* cached) {
+  const torch::Tensor positions = cached ? cached->positions : torch::Tensor();
   if (!entry.captured()) {
     if (entry.refused || entry.eager_runs < CapturedForwards::kEagerRunsFirst) {
       ++entry.eager_runs;
-      return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+      return run_program(input_ids, kept, cached, positions);
     }
-    capture(entry, input_ids, kept);
-    if (!entry.captured()) return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+    capture(entry, input_ids, kept, cached);
+    if (!entry.captured()) return run_program(input_ids, kept, cached, positions);
   }
   entry.input.copy_(input_ids);
+  if (cached) entry.positions.copy_(positions);
   entry.graph->replay();
   ++graphs_.stats().replays;
   runtime_->replayed(entry.counts);
@@ -423,18 +437,19 @@ torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, c
 }
 
 void ShardedModel::capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                           const std::vector<ir::LocationId>* kept) {
+                           const std::vector<ir::LocationId>* kept, const CachedStep* cached) {
   const auto before = runtime_->counts();
   entry.input = input_ids.clone();
+  if (cached) entry.positions = cached->positions.clone();
   capturing_ = &entry;
   try {
     entry.graph = std::make_unique<runtime::CudaGraph>(
-        [&] { entry.output = program_->forward(entry.input, kept, RankProgram::Use::kRepeated); });
+        [&] { entry.output = run_program(entry.input, kept, cached, entry.positions); });
   } catch (const Error& e) {
     capturing_ = nullptr;
     entry.saves.clear();
     entry.held.clear();
-    entry.input = entry.output = torch::Tensor();
+    entry.input = entry.output = entry.positions = torch::Tensor();
     entry.refused = e.what();
     ++graphs_.stats().refusals;
     if (context_->rank() == 0)
@@ -499,7 +514,12 @@ torch::Tensor ShardedModel::forward_cached(const torch::Tensor& input_ids, const
   runtime::ScopedRankContext rank_scope(context_);
   runtime::ScopedInterventionRuntime runtime_scope(runtime_);
   runtime_->begin_forward();
-  return program_->forward_cached(input_ids, step, kept_locations());
+  const auto* kept = kept_locations();
+  // A decode step over the whole cache (program/decoder.h on a GPU) has the same shapes every step: it
+  // replays a CUDA graph as a forward does; a prefill or a step over a growing prefix runs eagerly.
+  if (step.cache_len == step.kv_cache.size(3))
+    if (auto* entry = graph_entry(input_ids, &step)) return forward_with_graph(*entry, input_ids, kept, &step);
+  return program_->forward_cached(input_ids, step, kept);
 }
 
 }  // namespace frag::program

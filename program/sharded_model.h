@@ -166,11 +166,17 @@ class ShardedModel {
   /// Where a save's value goes: saved_, or during a capture the graph's list of buffers.
   void keep_saved(const std::string& name, torch::Tensor value);
   /// The cache entry when this forward may use a CUDA graph, else nullptr.
-  CapturedForwards::Entry* graph_entry(const torch::Tensor& input_ids);
+  /// `cached`: a decode step's entry, keyed also by its cache's storage (nullptr for a forward).
+  CapturedForwards::Entry* graph_entry(const torch::Tensor& input_ids, const CachedStep* cached = nullptr);
+  /// `cached`: a decode step (its positions go to the entry's buffer; its cache is read where it is).
   torch::Tensor forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                                   const std::vector<ir::LocationId>* kept);
+                                   const std::vector<ir::LocationId>* kept, const CachedStep* cached = nullptr);
+  /// The program's forward of `input_ids` (or its cached forward with `cached`, positions from `positions`).
+  torch::Tensor run_program(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+                            const CachedStep* cached, const torch::Tensor& positions);
   /// Captures the forward into `entry`; where CUDA refuses, marks it refused (it runs eagerly from then on).
-  void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept);
+  void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+               const CachedStep* cached = nullptr);
   void agree_on_interventions();
   /// descriptors_ joined: what the ranks compare, and the CUDA graph cache's key.
   const std::string& plan_text();

@@ -115,7 +115,7 @@ TEST(Decoder, EditFromStepKChangesTokensFromKOnly) {
   runtime::write_safetensors(folder + "/v.safetensors", {{"v", torch::randn({64}) * 8}});
   auto run = [&](const std::string& steps) {
     std::vector<std::vector<int64_t>> rows;
-    runtime::SavedTensors saved;
+    SavedTensors saved;
     expect_no_errors(on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
       nlohmann::json step = {{"at", "model.layers.1.output"}, {"do", "add"}, {"value", "v.safetensors:v"}};
       if (!steps.empty()) {

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Cached generation on the real SmolLM2-135M-Instruct against Hugging Face transformers (float32).
+
+Four prompts of different token lengths run as ONE batch through fragments' Python API (fragments.launch at
+--tp ranks over Gloo, KV cache, right-padded prefill); transformers runs each prompt alone with
+``generate(use_cache=True)`` (its DynamicCache). Greedy tokens must be equal token for token, and the logits
+of every step within --tolerance (max |ours - theirs| / max |theirs|, per row and step). Then the same with a
+steering vector added at --steer-layer's output at every step: through fragments' plan, and through a forward
+hook on the transformers model (with its cache). Each row stops at EOS on both sides.
+
+    python3 tools/real_model_generation.py --exports bazel-bin/tests/models --tp 3 --tokens 128
+
+Prints one line per comparison; exits 1 if any fails. tests/python/real_model_generation_test.py runs it
+(16 tokens by default, 128 with FRAG_SLOW=1). The fragments half runs in a child process (``--worker``):
+fragments cannot be imported beside fragkit, which finds the GGUF.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+PROMPTS = [
+    "The capital of France is",
+    "In a shocking finding, scientists discovered a herd of unicorns living in a remote valley of",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Water boils at",
+]
+STEER_LAYER = 6
+
+
+def generate_rank(rank, path, rows, tokens, eos, steer):
+    """One rank: the batch's new tokens and, on rank 0, each step's logits [steps, rows, vocab]."""
+    import fragments
+
+    model = fragments.load(path)
+    with model.generate(rows, max_new_tokens=tokens, eos_token_id=eos) as gen:
+        if steer is not None:
+            model.model.layers[STEER_LAYER].output[...] += steer
+    logits = torch.stack(gen.logits) if rank == 0 else None
+    return gen.new_tokens, logits, gen.cache
+
+
+def worker(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--export", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--job", required=True, help="a JSON file: rows, tokens, eos, steer (a safetensors file or null)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    import fragments
+    from safetensors.torch import load_file, save_file
+
+    with open(a.job) as f:
+        job = json.load(f)
+    steer = load_file(job["steer"])["v"] if job["steer"] else None
+    new, logits, cache = fragments.launch(generate_rank, world=a.tp, backend="gloo", timeout=600,
+                                          args=(f"{a.export}/rank{{rank}}.pt", job["rows"], job["tokens"],
+                                                job["eos"], steer))[0]
+    width = max(len(n) for n in new)
+    padded = torch.tensor([n + [-1] * (width - len(n)) for n in new], dtype=torch.long)
+    save_file({"tokens": padded, "logits": logits.contiguous()}, a.out, metadata={"cache": cache})
+    return 0
+
+
+def relative(a, reference):
+    a, reference = a.double(), reference.double()
+    return float((a - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+
+
+class GenerationCheck:
+    def __init__(self, exports, tp, tokens, work=None):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fragkit.checkpoint import smollm2_gguf_path
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.export = os.path.join(exports, "smollm2_tp%d" % tp)
+        self.tp, self.tokens = tp, tokens
+        self.work = work or tempfile.mkdtemp(prefix="real_model_generation.")
+        self.tokenizer = AutoTokenizer.from_pretrained(os.path.join(self.export, "tokenizer"))
+        path = smollm2_gguf_path()
+        self.hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                       dtype=torch.float32).eval()
+        self.rows = [self.tokenizer(p).input_ids for p in PROMPTS]
+        self.eos = self.tokenizer.eos_token_id
+        self.lines, self.times = [], {}
+
+    def steering_vector(self):
+        return 4.0 * torch.randn(self.hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def ours(self, steer):
+        from safetensors import safe_open
+
+        job = {"rows": self.rows, "tokens": self.tokens, "eos": self.eos, "steer": None}
+        name = "steer" if steer is not None else "plain"
+        if steer is not None:
+            from safetensors.torch import save_file
+            job["steer"] = os.path.join(self.work, "steer.safetensors")
+            save_file({"v": steer.contiguous()}, job["steer"])
+        job_file, out = os.path.join(self.work, name + ".json"), os.path.join(self.work, name + ".safetensors")
+        with open(job_file, "w") as f:
+            json.dump(job, f)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--export", self.export, "--tp", str(self.tp),
+               "--job", job_file, "--out", out]
+        started = time.time()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        self.times["fragments %s tp=%d (one batch)" % (name, self.tp)] = time.time() - started
+        if done.returncode != 0:
+            raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
+        with safe_open(out, "pt") as f:
+            self.cache = f.metadata()["cache"]
+            tokens, logits = f.get_tensor("tokens"), f.get_tensor("logits")
+        return [[t for t in row if t >= 0] for row in tokens.tolist()], logits
+
+    def theirs(self, steer):
+        handle = None
+        if steer is not None:
+            def hook(module, args, output):
+                if isinstance(output, tuple):
+                    return (output[0] + steer,) + tuple(output[1:])
+                return output + steer
+            handle = self.hf.model.layers[STEER_LAYER].register_forward_hook(hook)
+        out = []
+        started = time.time()
+        try:
+            for row in self.rows:
+                ids = torch.tensor([row])
+                with torch.no_grad():
+                    g = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.tokens,
+                                         do_sample=False, use_cache=True, output_logits=True,
+                                         return_dict_in_generate=True, eos_token_id=self.eos, pad_token_id=self.eos)
+                out.append((g.sequences[0, len(row):].tolist(), torch.stack([s[0] for s in g.logits])))
+        finally:
+            if handle is not None:
+                handle.remove()
+        self.times["transformers %s (one prompt at a time)" % ("steer" if steer is not None else "plain")] = \
+            time.time() - started
+        return out
+
+    def check(self, steer=None):
+        """{"tokens_equal": bool, "logits": worst relative difference, "moved": steering changed tokens}."""
+        ours_tokens, ours_logits = self.ours(steer)
+        reference = self.theirs(steer)
+        equal, worst = True, 0.0
+        label = "steered at layer %d" % STEER_LAYER if steer is not None else "plain"
+        for b, (tokens, logits) in enumerate(reference):
+            same = ours_tokens[b] == tokens
+            equal &= same
+            n = min(len(tokens), len(ours_tokens[b]))
+            for k in range(n):
+                worst = max(worst, relative(ours_logits[k, b], logits[k]))
+            self.lines.append("%s row %d (%d prompt tokens): %d tokens, %s" % (
+                label, b, len(self.rows[b]), len(tokens), "equal" if same else
+                "DIFFER: ours %s, transformers %s" % (ours_tokens[b], tokens)))
+        self.lines.append("%s: logits every step, worst relative difference %.2e" % (label, worst))
+        return {"tokens_equal": equal, "logits": worst, "tokens": ours_tokens}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--exports", default="tests/models", help="folder with smollm2_tp<N>/")
+    p.add_argument("--tp", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--tolerance", type=float, default=1e-4)
+    a = p.parse_args(argv)
+    check = GenerationCheck(a.exports, a.tp, a.tokens)
+    plain = check.check()
+    steered = check.check(check.steering_vector())
+    print("SmolLM2-135M-Instruct, tp=%d, float32, %d prompts of %s tokens in one batch, up to %d new tokens"
+          % (a.tp, len(PROMPTS), [len(r) for r in check.rows], a.tokens))
+    print(check.cache)
+    print("\n".join(check.lines))
+    for what, seconds in check.times.items():
+        print("%-50s %.1f s" % (what, seconds))
+    ok = (plain["tokens_equal"] and steered["tokens_equal"] and plain["logits"] <= a.tolerance
+          and steered["logits"] <= a.tolerance and plain["tokens"] != steered["tokens"])
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
