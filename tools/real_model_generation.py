@@ -160,6 +160,26 @@ class GenerationCheck:
         return {"tokens_equal": equal, "logits": worst, "tokens": ours_tokens}
 
 
+def check_cli(check, frag, tokens):
+    """`frag run --prompt ... --generate` on the ragged prompts (text in): its new tokens per row, to the
+    first EOS, and what rank 0 printed about the cache."""
+    from safetensors.torch import load_file
+
+    out = os.path.join(check.work, "cli.safetensors")
+    cmd = [frag, "run", "--world", str(check.tp), os.path.join(check.export, "rank{rank}.pt"), "--generate",
+           str(tokens), "--out", out, "--timeout", "300"]
+    for prompt in PROMPTS:
+        cmd += ["--prompt", prompt]
+    env = dict(os.environ, FRAG_PYTHON=os.environ.get("FRAG_PYTHON", sys.executable))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
+    rows = []
+    for row in load_file(out)["new_tokens"].tolist():
+        rows.append(row[:row.index(check.eos) + 1] if check.eos in row else row)
+    return rows, [line for line in done.stderr.splitlines() if "KV cache" in line]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
@@ -169,6 +189,7 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--tolerance", type=float, default=1e-4)
+    p.add_argument("--frag", help="also run `frag run --prompt ... --generate` (the CLI) and compare")
     a = p.parse_args(argv)
     check = GenerationCheck(a.exports, a.tp, a.tokens)
     plain = check.check()
@@ -179,7 +200,12 @@ def main(argv=None):
     print("\n".join(check.lines))
     for what, seconds in check.times.items():
         print("%-50s %.1f s" % (what, seconds))
-    ok = (plain["tokens_equal"] and steered["tokens_equal"] and plain["logits"] <= a.tolerance
+    cli_ok = True
+    if a.frag:
+        rows, cache = check_cli(check, a.frag, a.tokens)
+        cli_ok = rows == plain["tokens"]
+        print("frag run --prompt x4 --generate %d: %s; %s" % (a.tokens, "equal" if cli_ok else "DIFFER", cache))
+    ok = cli_ok and (plain["tokens_equal"] and steered["tokens_equal"] and plain["logits"] <= a.tolerance
           and steered["logits"] <= a.tolerance and plain["tokens"] != steered["tokens"])
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
