@@ -27,29 +27,32 @@ import torch
 PROMPTS = [
     "The capital of France is",
     "In a shocking finding, scientists discovered a herd of unicorns living in a remote valley of",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "def fibonacci(n):\n    if n < 2:\n        return n",
     "Water boils at",
 ]
 STEER_LAYER = 6
 
 
 def generate_rank(rank, path, rows, tokens, eos, steer):
-    """One rank: the batch's new tokens and, on rank 0, each step's logits [steps, rows, vocab]."""
+    """One rank: for the plain run and the steered one, the batch's new tokens and, on rank 0, each step's
+    logits [steps, rows, vocab]; and the cache's description."""
     import fragments
 
     model = fragments.load(path)
-    with model.generate(rows, max_new_tokens=tokens, eos_token_id=eos) as gen:
-        if steer is not None:
-            model.model.layers[STEER_LAYER].output[...] += steer
-    logits = torch.stack(gen.logits) if rank == 0 else None
-    return gen.new_tokens, logits, gen.cache
+    out = []
+    for vector in (None, steer):
+        with model.generate(rows, max_new_tokens=tokens, eos_token_id=eos) as gen:
+            if vector is not None:
+                model.model.layers[STEER_LAYER].output[...] += vector
+        out.append((gen.new_tokens, torch.stack(gen.logits) if rank == 0 else None))
+    return out, gen.cache
 
 
 def worker(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--export", required=True)
     p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--job", required=True, help="a JSON file: rows, tokens, eos, steer (a safetensors file or null)")
+    p.add_argument("--job", required=True, help="a JSON file: rows, tokens, eos, steer (a safetensors file)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     import fragments
@@ -57,13 +60,16 @@ def worker(argv):
 
     with open(a.job) as f:
         job = json.load(f)
-    steer = load_file(job["steer"])["v"] if job["steer"] else None
-    new, logits, cache = fragments.launch(generate_rank, world=a.tp, backend="gloo", timeout=600,
-                                          args=(f"{a.export}/rank{{rank}}.pt", job["rows"], job["tokens"],
-                                                job["eos"], steer))[0]
-    width = max(len(n) for n in new)
-    padded = torch.tensor([n + [-1] * (width - len(n)) for n in new], dtype=torch.long)
-    save_file({"tokens": padded, "logits": logits.contiguous()}, a.out, metadata={"cache": cache})
+    steer = load_file(job["steer"])["v"]
+    runs, cache = fragments.launch(generate_rank, world=a.tp, backend="gloo", timeout=600,
+                                   args=(f"{a.export}/rank{{rank}}.pt", job["rows"], job["tokens"], job["eos"],
+                                         steer))[0]
+    tensors = {}
+    for name, (new, logits) in zip(("plain", "steer"), runs):
+        width = max(len(n) for n in new)
+        tensors[name + ".tokens"] = torch.tensor([n + [-1] * (width - len(n)) for n in new], dtype=torch.long)
+        tensors[name + ".logits"] = logits.contiguous()
+    save_file(tensors, a.out, metadata={"cache": cache})
     return 0
 
 
@@ -93,28 +99,30 @@ class GenerationCheck:
         return 4.0 * torch.randn(self.hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def ours(self, steer):
+        """fragments' tokens and logits (both runs made by one launch, the first time either is asked for)."""
         from safetensors import safe_open
+        from safetensors.torch import save_file
 
-        job = {"rows": self.rows, "tokens": self.tokens, "eos": self.eos, "steer": None}
-        name = "steer" if steer is not None else "plain"
-        if steer is not None:
-            from safetensors.torch import save_file
-            job["steer"] = os.path.join(self.work, "steer.safetensors")
-            save_file({"v": steer.contiguous()}, job["steer"])
-        job_file, out = os.path.join(self.work, name + ".json"), os.path.join(self.work, name + ".safetensors")
-        with open(job_file, "w") as f:
-            json.dump(job, f)
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--export", self.export, "--tp", str(self.tp),
-               "--job", job_file, "--out", out]
-        started = time.time()
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        self.times["fragments %s tp=%d (one batch)" % (name, self.tp)] = time.time() - started
-        if done.returncode != 0:
-            raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
-        with safe_open(out, "pt") as f:
-            self.cache = f.metadata()["cache"]
-            tokens, logits = f.get_tensor("tokens"), f.get_tensor("logits")
-        return [[t for t in row if t >= 0] for row in tokens.tolist()], logits
+        if not hasattr(self, "_ours"):
+            job = {"rows": self.rows, "tokens": self.tokens, "eos": self.eos,
+                   "steer": os.path.join(self.work, "steer.safetensors")}
+            save_file({"v": self.steering_vector().contiguous()}, job["steer"])
+            job_file, out = os.path.join(self.work, "job.json"), os.path.join(self.work, "ours.safetensors")
+            with open(job_file, "w") as f:
+                json.dump(job, f)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--export", self.export, "--tp",
+                   str(self.tp), "--job", job_file, "--out", out]
+            started = time.time()
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            self.times["fragments tp=%d, plain and steered (one batch each)" % self.tp] = time.time() - started
+            if done.returncode != 0:
+                raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), done.returncode, done.stderr.strip()))
+            with safe_open(out, "pt") as f:
+                self.cache = f.metadata()["cache"]
+                self._ours = {k: f.get_tensor(k) for k in f.keys()}
+        name = "plain" if steer is None else "steer"
+        tokens = self._ours[name + ".tokens"]
+        return [[t for t in row if t >= 0] for row in tokens.tolist()], self._ours[name + ".logits"]
 
     def theirs(self, steer):
         handle = None
@@ -142,7 +150,8 @@ class GenerationCheck:
         return out
 
     def check(self, steer=None):
-        """{"tokens_equal": bool, "logits": worst relative difference, "moved": steering changed tokens}."""
+        """{"tokens_equal": bool, "logits": worst relative difference, "tokens": ours}; `steer`: the
+        steering_vector() (fragments always steers with that one)."""
         ours_tokens, ours_logits = self.ours(steer)
         reference = self.theirs(steer)
         equal, worst = True, 0.0
@@ -157,6 +166,8 @@ class GenerationCheck:
                 label, b, len(self.rows[b]), len(tokens), "equal" if same else
                 "DIFFER: ours %s, transformers %s" % (ours_tokens[b], tokens)))
         self.lines.append("%s: logits every step, worst relative difference %.2e" % (label, worst))
+        if len({len(r) for r in self.rows}) != len(self.rows):
+            raise AssertionError("the prompts must have different token lengths: %s" % [len(r) for r in self.rows])
         return {"tokens_equal": equal, "logits": worst, "tokens": ours_tokens}
 
 

@@ -49,7 +49,6 @@ def median_ms(fn, reps):
 
 def decode_step_ms(model, prefix, steps, reps):
     """Median ms of one decode step after a prefix of `prefix` tokens (prefill not timed)."""
-    import fragments
     from fragments import _C
 
     c = model._c
@@ -65,7 +64,6 @@ def decode_step_ms(model, prefix, steps, reps):
             times.append((time.perf_counter() - started) * 1000)
         out.append(statistics.median(times))
     c.finish(False)
-    del fragments
     return statistics.median(out)
 
 
