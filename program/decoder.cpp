@@ -69,7 +69,7 @@ Decoder::Decoder(ShardedModel& model, int64_t max_batch, int64_t max_len)
 
 std::string Decoder::describe() const {
   return fmt::format("KV cache: {} rows x {} tokens, {} layers, {} kv head{} of {} on this rank, {}: {}", max_batch_,
-                     max_len_, cache_.size(0), cache_.size(4), cache_.size(4) == 1 ? "" : "s", cache_.size(5),
+                     max_len_, cache_.size(0), cache_.size(3), cache_.size(3) == 1 ? "" : "s", cache_.size(5),
                      c10::toString(cache_.scalar_type()), mib(cache_bytes()));
 }
 

@@ -2,7 +2,7 @@
 //
 // Drives one rank's model through cached generation: a prefill of new rows,
 // then one token per row per decode step, every rank alike. The cache is this
-// rank's: [layers, 2, max_batch, max_len, its kv heads, head size] (replicated
+// rank's: [layers, 2, max_batch, its kv heads, max_len, head size] (replicated
 // kv heads stay replicated), allocated once, before anything runs.
 //
 // Layout: row b's token at position p lives in cache slot p. A prefill of

@@ -62,7 +62,7 @@ class RankProgram : public runtime::ModuleTree {
   /// Whether forward takes a KV cache (a kit export made since cached generation): its module has
   /// kv_cache_shape(max_batch, max_len). Files made before, and .pt2 archives, do not.
   virtual bool has_kv_cache() const { return false; }
-  /// This rank's cache shape [layers, 2, max_batch, max_len, kv heads, head size]; empty without a cache.
+  /// This rank's cache shape [layers, 2, max_batch, kv heads, max_len, head size]; empty without a cache.
   virtual std::vector<int64_t> kv_cache_shape(int64_t /*max_batch*/, int64_t /*max_len*/) const { return {}; }
   /// The longest sequence the model's positions cover; 0 when unknown.
   virtual int64_t max_positions() const { return 0; }

@@ -517,7 +517,7 @@ torch::Tensor ShardedModel::forward_cached(const torch::Tensor& input_ids, const
   const auto* kept = kept_locations();
   // A decode step over the whole cache (program/decoder.h on a GPU) has the same shapes every step: it
   // replays a CUDA graph as a forward does; a prefill or a step over a growing prefix runs eagerly.
-  if (step.cache_len == step.kv_cache.size(3))
+  if (step.cache_len == step.kv_cache.size(4))
     if (auto* entry = graph_entry(input_ids, &step)) return forward_with_graph(*entry, input_ids, kept, &step);
   return program_->forward_cached(input_ids, step, kept);
 }

@@ -4,8 +4,9 @@
 Exports a kit Llama (hidden 256, intermediate 768, 8 heads of 32, 4 kv heads, 4 layers, vocab 2048,
 2,048 positions; float32) with tools/export_model.py into a temporary folder, then in one run:
 
-  1. decode step after a 16-token prefix vs after a 1,024-token prefix (fragments' KV cache, one row):
-     the median ms of a decode step in each, and their ratio (goal <= 1.3);
+  1. decode step after a 16-token prefix vs after a 1,024-token prefix (one row), steps of the two
+     interleaved: the median ms of each and their ratio (goal <= 1.3), for fragments' KV cache and for
+     transformers' LlamaForCausalLM of the same shape with its DynamicCache;
   2. 64 new tokens after a 512-token prompt: fragments with its KV cache, the same model recomputing the whole
      sequence each token (what ShardedModel::generate did before the cache), and Hugging Face transformers'
      LlamaForCausalLM of the same shape (random weights) with generate(use_cache=True), side by side.
@@ -47,30 +48,47 @@ def median_ms(fn, reps):
     return statistics.median(times)
 
 
-def decode_step_ms(model, prefix, steps, reps):
-    """Median ms of one decode step after a prefix of `prefix` tokens (prefill not timed)."""
+def decode_steps_ms(model, prefixes, steps):
+    """Median ms of a decode step after each prefix (prefill not timed); the prefixes' steps interleaved, so
+    that other jobs on the machine slow them alike."""
     from fragments import _C
 
     c = model._c
     c.prepare([], [])
-    out = []
-    for _ in range(reps):
-        decoder = _C.Decoder(c, 1, prefix + steps + 1)
-        token = decoder.prefill([[(7 * i) % SHAPE["vocab"] for i in range(prefix)]]).argmax(-1)
-        times = []
-        for _ in range(steps):
+    decoders, tokens, times = {}, {}, {p: [] for p in prefixes}
+    for prefix in prefixes:
+        decoders[prefix] = _C.Decoder(c, 1, prefix + steps + 1)
+        tokens[prefix] = decoders[prefix].prefill([[(7 * i) % SHAPE["vocab"] for i in range(prefix)]]).argmax(-1)
+    for _ in range(steps):
+        for prefix in prefixes:
             started = time.perf_counter()
-            token = decoder.decode(token).argmax(-1)
-            times.append((time.perf_counter() - started) * 1000)
-        out.append(statistics.median(times))
+            tokens[prefix] = decoders[prefix].decode(tokens[prefix]).argmax(-1)
+            times[prefix].append((time.perf_counter() - started) * 1000)
     c.finish(False)
-    return statistics.median(out)
+    return {p: statistics.median(t[steps // 4:]) for p, t in times.items()}
+
+
+def transformers_steps_ms(hf, prefixes, steps):
+    """The same for transformers' LlamaForCausalLM with its DynamicCache (forward with past_key_values)."""
+    caches, tokens, times = {}, {}, {p: [] for p in prefixes}
+    with torch.no_grad():
+        for prefix in prefixes:
+            out = hf(torch.tensor([[(7 * i) % SHAPE["vocab"] for i in range(prefix)]]), use_cache=True)
+            caches[prefix], tokens[prefix] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            for prefix in prefixes:
+                started = time.perf_counter()
+                out = hf(tokens[prefix], past_key_values=caches[prefix], use_cache=True)
+                tokens[prefix] = out.logits[:, -1:].argmax(-1)
+                times[prefix].append((time.perf_counter() - started) * 1000)
+    return {p: statistics.median(t[steps // 4:]) for p, t in times.items()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=80, help="decode steps timed after each prefix")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     folder = tempfile.mkdtemp(prefix="decode_benchmark.")
@@ -80,10 +98,18 @@ def main(argv=None):
     model = fragments.load(path)
     print("kit Llama %s, tp 1, float32, %d thread(s), median of %d" % (SHAPE, a.threads, a.reps))
 
-    short = decode_step_ms(model, 16, 16, a.reps)
-    long = decode_step_ms(model, 1024, 16, a.reps)
-    print("decode step after   16 tokens: %8.2f ms" % short)
-    print("decode step after 1024 tokens: %8.2f ms   ratio %.2f (goal <= 1.3)" % (long, long / short))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"],
+                                      intermediate_size=SHAPE["intermediate"], num_attention_heads=SHAPE["heads"],
+                                      num_key_value_heads=SHAPE["kv_heads"], num_hidden_layers=SHAPE["layers"],
+                                      max_position_embeddings=SHAPE["max_positions"])).eval()
+    ours = decode_steps_ms(model, (16, 1024), a.steps)
+    theirs = transformers_steps_ms(hf, (16, 1024), a.steps)
+    print("decode step (one row), median of %d interleaved steps:   after 16   after 1024   ratio" % a.steps)
+    for name, ms in (("fragments, KV cache", ours), ("transformers, DynamicCache", theirs)):
+        print("  %-50s %6.2f ms  %8.2f ms   %.2f" % (name, ms[16], ms[1024], ms[1024] / ms[16]))
+    print("  (goal for fragments: ratio <= 1.3)")
 
     prompt = [[(11 * i) % SHAPE["vocab"] for i in range(512)]]
 
@@ -104,12 +130,6 @@ def main(argv=None):
         return new
 
     assert cached() == recompute(), "cached and recomputed greedy tokens differ"
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"],
-                                      intermediate_size=SHAPE["intermediate"], num_attention_heads=SHAPE["heads"],
-                                      num_key_value_heads=SHAPE["kv_heads"], num_hidden_layers=SHAPE["layers"],
-                                      max_position_embeddings=SHAPE["max_positions"])).eval()
     ids = torch.tensor(prompt)
 
     def transformers_generate():

@@ -239,7 +239,7 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Causal GQA attention over this rank's heads: q [B, T, nh*hs], k/v [B, T, nkv*hs] -> [B, T, nh*hs].
 
-    With a KV cache (``kv_cache`` [layers, 2, max_batch, max_len, nkv, hs], this rank's kv heads, allocated
+    With a KV cache (``kv_cache`` [layers, 2, max_batch, nkv, max_len, hs], this rank's kv heads, allocated
     by ``new_kv_cache``) the new k/v are written at each row's ``positions`` [B, T] (row b's token at position
     p lives in slot p) and q attends to the slots at or before its own position, over the first ``cache_len``
     slots. Rows are independent: a row's slots past its own length hold stale values that the mask hides."""
@@ -281,26 +281,27 @@ class Attention(nn.Module):
                 cache_len: int) -> Tensor:
         b = qh.shape[0]
         t = qh.shape[2]
-        k_cache = kv_cache[self.layer_idx, 0]
+        k_cache = kv_cache[self.layer_idx, 0]  # [max_batch, kv heads, max_len, head size]
         v_cache = kv_cache[self.layer_idx, 1]
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, t)
         rows = torch.arange(b, dtype=torch.long, device=positions.device).unsqueeze(1).expand(b, t)
         index = torch.jit.annotate(List[Optional[Tensor]], [rows, positions])
-        k_cache.index_put_(index, k.reshape(b, t, self.num_kv_heads, self.head_size).to(k_cache.dtype))
-        v_cache.index_put_(index, v.reshape(b, t, self.num_kv_heads, -1).to(v_cache.dtype))
-        n = cache_len if cache_len > 0 else k_cache.size(1)
-        kh = k_cache[:b, :n].transpose(1, 2).float()
-        vh = v_cache[:b, :n].transpose(1, 2).float()
-        if self.num_heads != self.num_kv_heads:
-            rep = self.num_heads // self.num_kv_heads
-            kh = kh.repeat_interleave(rep, dim=1)
-            vh = vh.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(qh, kh.transpose(-1, -2)) * self.scale
+        # Written through [B, S, nkv, hs] views: the new tokens land in their slots of every kv head.
+        k_cache.transpose(1, 2).index_put_(index, k.reshape(b, t, self.num_kv_heads, self.head_size).to(k_cache.dtype))
+        v_cache.transpose(1, 2).index_put_(index, v.reshape(b, t, self.num_kv_heads, -1).to(v_cache.dtype))
+        n = cache_len if cache_len > 0 else k_cache.size(2)
+        kh = k_cache[:b, :, :n].float()  # [B, nkv, n, hs]: a view, each head's slots contiguous
+        vh = v_cache[:b, :, :n].float()
+        # GQA without copying the cache: the rep query heads of a kv head are stacked on the query dim.
+        rep = self.num_heads // self.num_kv_heads
+        qg = qh.reshape(b, self.num_kv_heads, rep * t, self.head_size)
+        scores = torch.matmul(qg, kh.transpose(-1, -2)) * self.scale  # [B, nkv, rep * t, n]
         slots = torch.arange(n, dtype=torch.long, device=positions.device)
-        hidden = slots.view(1, 1, n) > positions.unsqueeze(-1)  # [B, T, n]: slots after the query's position
-        scores = scores.masked_fill(hidden.unsqueeze(1), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), vh)
+        hidden = slots.view(1, 1, n) > positions.unsqueeze(-1)  # [B, t, n]: slots after the query's position
+        scores = scores.view(b, self.num_kv_heads, rep, t, n).masked_fill(hidden.view(b, 1, 1, t, n), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(b, self.num_kv_heads, rep * t, n)
+        out = torch.matmul(probs, vh).view(b, self.num_heads, t, -1)
         return out.transpose(1, 2).reshape(b, t, -1)
 
 
@@ -489,9 +490,9 @@ class _CausalLMBase(nn.Module):
 
     @torch.jit.export
     def kv_cache_shape(self, max_batch: int, max_len: int) -> List[int]:
-        """[layers, 2, max_batch, max_len, this rank's kv heads, head size]: what forward's kv_cache takes."""
+        """[layers, 2, max_batch, this rank's kv heads, max_len, head size]: what forward's kv_cache takes."""
         attn = self.model.layers[0].self_attn
-        return [len(self.model.layers), 2, max_batch, max_len, attn.num_kv_heads, attn.head_dim]
+        return [len(self.model.layers), 2, max_batch, attn.num_kv_heads, max_len, attn.head_dim]
 
     @torch.jit.export
     def new_kv_cache(self, max_batch: int, max_len: int) -> Tensor:
