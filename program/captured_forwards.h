@@ -55,6 +55,7 @@ class CapturedForwards {
     std::unique_ptr<runtime::CudaGraph> graph;
     torch::Tensor input;   ///< the graph's input buffer: a replay reads the ids copied here
     torch::Tensor output;  ///< the logits buffer a replay fills
+    torch::Tensor positions;  ///< a decode step's positions buffer (program/decoder.h); undefined for a forward
     /// (name, buffer) of every save the plan made during the capture, in order; a replay refills them.
     std::vector<std::pair<std::string, torch::Tensor>> saves;
     /// Tensors the graph reads that the plan's hooks own (edit values on the device): a plan registered

@@ -26,6 +26,13 @@
 
 namespace frag::program {
 
+/// What a decode step passes besides the token ids (the kit's cached forward; program/decoder.h).
+struct CachedStep {
+  torch::Tensor positions;  ///< [B, T] int64: each new token's position, which is also its cache slot
+  torch::Tensor kv_cache;   ///< this rank's cache, narrowed to the step's rows (dim 2)
+  int64_t cache_len = 0;    ///< slots attended to: the longest row's length after this step
+};
+
 class RankProgram : public runtime::ModuleTree {
  public:
   /// How often a forward of one set of kept locations will run: a program may cache what it builds for
@@ -51,6 +58,20 @@ class RankProgram : public runtime::ModuleTree {
   /// elsewhere; nullptr keeps them everywhere (idle where nothing waits).
   virtual torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
                                 Use use) = 0;
+
+  /// Whether forward takes a KV cache (a kit export made since cached generation): its module has
+  /// kv_cache_shape(max_batch, max_len). Files made before, and .pt2 archives, do not.
+  virtual bool has_kv_cache() const { return false; }
+  /// This rank's cache shape [layers, 2, max_batch, kv heads, max_len, head size]; empty without a cache.
+  virtual std::vector<int64_t> kv_cache_shape(int64_t /*max_batch*/, int64_t /*max_len*/) const { return {}; }
+  /// The longest sequence the model's positions cover; 0 when unknown.
+  virtual int64_t max_positions() const { return 0; }
+  /// forward(input_ids, positions, kv_cache, cache_len), as forward runs it; only where has_kv_cache().
+  virtual torch::Tensor forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
+                                       const std::vector<ir::LocationId>* kept) {
+    (void)input_ids, (void)step, (void)kept;
+    return {};
+  }
 
  private:
   std::string path_;

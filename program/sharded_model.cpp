@@ -4,6 +4,7 @@
 #include "ir/digest.h"
 #include "ir/error.h"
 #include "ir/module_path.h"
+#include "program/decoder.h"
 #include "program/nativert_program.h"
 #include "program/width_probe.h"
 #include "runtime/rank_module.h"
@@ -46,6 +47,14 @@ void apply_edit(const PlanStep& step, torch::Tensor& target, const std::string& 
       break;
   }
   TORCH_INTERNAL_ASSERT(false, "apply_edit: not an edit action");
+}
+
+/// The rows a plan step names, as an index into dim 0 of `whole`; frag::Error past the batch.
+torch::Tensor row_index(const PlanStep& step, const torch::Tensor& whole, const std::string& location) {
+  if (whole.dim() == 0 || step.rows.back() >= whole.size(0))
+    fail("{}: \"rows\" [{}] of a plan step at {}: the batch has {} rows", location, fmt::join(step.rows, ", "),
+         step.at, whole.dim() == 0 ? 0 : whole.size(0));
+  return torch::tensor(step.rows, torch::kLong).to(whole.device());
 }
 
 }  // namespace
@@ -222,6 +231,7 @@ void ShardedModel::check_widths_at_whole_locations(const torch::Tensor& input_id
 }
 
 void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, const std::string& where) {
+  if (!step.steps.empty() || !step.rows.empty()) return register_filtered_step(step, location, where);
   switch (step.action) {
     case Action::kSave:
       add_save(location, step.as, step.visit, step.index);
@@ -259,6 +269,40 @@ void ShardedModel::register_step(const PlanStep& step, ir::LocationId location, 
           step.visit, fmt::format("edit:{}", step.describe()), /*edits=*/true, /*capturable=*/true);
       return;
   }
+}
+
+void ShardedModel::register_filtered_step(const PlanStep& step, ir::LocationId location, const std::string& where) {
+  // Acts at some generation steps or rows only: the hook decides on the host at each visit, so no CUDA
+  // graph may hold it (capturable false).
+  const bool edit = runtime::edits(step.action);
+  add_hook(
+      location,
+      [this, step, where, value = std::make_shared<torch::Tensor>()](
+          torch::Tensor& whole, const VisitInfo& info) -> std::optional<torch::Tensor> {
+        if (!step.acts_at(generation_step_)) return std::nullopt;
+        torch::Tensor rows = step.rows.empty() ? torch::Tensor() : row_index(step, whole, info.location);
+        torch::Tensor part = rows.defined() ? whole.index_select(0, rows) : whole;  // a copy where rows
+        if (step.action == Action::kSave) {
+          auto target = step.index ? step.index->select(part.detach(), info.location) : part.detach();
+          keep_saved(step.as, target.clone(at::MemoryFormat::Contiguous));
+          return std::nullopt;
+        }
+        if (step.action == Action::kCall) {
+          torch::Tensor result;
+          try {
+            result = caller().call(*context_, step.modules, part);
+          } catch (const Error& e) {
+            fail("{}: {}", where, e.what());
+          }
+          keep_saved(step.as, result);
+          return std::nullopt;
+        }
+        torch::Tensor target = step.index ? step.index->select(part, info.location) : part;
+        apply_edit(step, target, info.location, *value);
+        if (rows.defined()) whole.index_copy_(0, rows, part);
+        return std::nullopt;
+      },
+      step.visit, fmt::format("{}:{}", edit ? "edit" : "save", step.describe()), edit, /*capturable=*/false);
 }
 
 void ShardedModel::set_plan(const Plan& plan) {
@@ -328,11 +372,23 @@ void ShardedModel::set_cuda_graphs(bool on) {
   if (!on) graphs_.clear();
 }
 
-CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_ids) {
+CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_ids, const CachedStep* cached) {
   if (!cuda_graphs_ || callbacks_ > 0 || !input_ids.is_cuda()) return nullptr;
   const void* weights = program_->capturable_weights();
   if (weights == nullptr || !context_->capturable()) return nullptr;
-  return &graphs_.entry(plan_text(), specialize_, weights, input_ids);
+  if (cached == nullptr) return &graphs_.entry(plan_text(), specialize_, weights, input_ids);
+  // A decode step reads and writes its cache where it is: the graph is that cache's (and that length's).
+  return &graphs_.entry(fmt::format("{}\ndecode:{}:{}:{}", plan_text(), cached->kv_cache.data_ptr(),
+                                    cached->kv_cache.size(2), cached->cache_len),
+                        specialize_, weights, input_ids);
+}
+
+torch::Tensor ShardedModel::run_program(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+                                        const CachedStep* cached, const torch::Tensor& positions) {
+  if (cached == nullptr) return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+  CachedStep step = *cached;
+  step.positions = positions;
+  return program_->forward_cached(input_ids, step, kept);
 }
 
 const std::string& ShardedModel::plan_text() {
@@ -344,16 +400,18 @@ const std::string& ShardedModel::plan_text() {
 }
 
 torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                                               const std::vector<ir::LocationId>* kept) {
+                                               const std::vector<ir::LocationId>* kept, const CachedStep* cached) {
+  const torch::Tensor positions = cached ? cached->positions : torch::Tensor();
   if (!entry.captured()) {
     if (entry.refused || entry.eager_runs < CapturedForwards::kEagerRunsFirst) {
       ++entry.eager_runs;
-      return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+      return run_program(input_ids, kept, cached, positions);
     }
-    capture(entry, input_ids, kept);
-    if (!entry.captured()) return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
+    capture(entry, input_ids, kept, cached);
+    if (!entry.captured()) return run_program(input_ids, kept, cached, positions);
   }
   entry.input.copy_(input_ids);
+  if (cached) entry.positions.copy_(positions);
   entry.graph->replay();
   ++graphs_.stats().replays;
   runtime_->replayed(entry.counts);
@@ -370,18 +428,19 @@ torch::Tensor ShardedModel::forward_with_graph(CapturedForwards::Entry& entry, c
 }
 
 void ShardedModel::capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                           const std::vector<ir::LocationId>* kept) {
+                           const std::vector<ir::LocationId>* kept, const CachedStep* cached) {
   const auto before = runtime_->counts();
   entry.input = input_ids.clone();
+  if (cached) entry.positions = cached->positions.clone();
   capturing_ = &entry;
   try {
     entry.graph = std::make_unique<runtime::CudaGraph>(
-        [&] { entry.output = program_->forward(entry.input, kept, RankProgram::Use::kRepeated); });
+        [&] { entry.output = run_program(entry.input, kept, cached, entry.positions); });
   } catch (const Error& e) {
     capturing_ = nullptr;
     entry.saves.clear();
     entry.held.clear();
-    entry.input = entry.output = torch::Tensor();
+    entry.input = entry.output = entry.positions = torch::Tensor();
     entry.refused = e.what();
     ++graphs_.stats().refusals;
     if (context_->rank() == 0)
@@ -420,6 +479,11 @@ torch::Tensor ShardedModel::call_module(const std::string& path, const std::vect
 }
 
 torch::Tensor ShardedModel::generate(const torch::Tensor& input_ids, int64_t steps) {
+  if (program_->has_kv_cache()) {
+    // One KV cache sized for this batch: a prefill and steps - 1 decode steps (program/decoder.h).
+    Decoder decoder(*this, input_ids.size(0), input_ids.size(1) + steps);
+    return decoder.generate(input_ids, steps);
+  }
   torch::Tensor tokens = input_ids;
   for (int64_t s = 0; s < steps; ++s) {
     save_prefix_ = fmt::format("step{}.", s);
@@ -429,6 +493,24 @@ torch::Tensor ShardedModel::generate(const torch::Tensor& input_ids, int64_t ste
   }
   save_prefix_.clear();
   return tokens;
+}
+
+torch::Tensor ShardedModel::forward_cached(const torch::Tensor& input_ids, const CachedStep& step) {
+  if (!program_->has_kv_cache())
+    fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive); "
+         "export it again with the kit to decode from a cache",
+         program_->path());
+  if (!agreed_) agree_on_interventions();
+  if (!width_checks_.empty()) check_widths_at_whole_locations(input_ids.narrow(0, 0, 1));
+  runtime::ScopedRankContext rank_scope(context_);
+  runtime::ScopedInterventionRuntime runtime_scope(runtime_);
+  runtime_->begin_forward();
+  const auto* kept = kept_locations();
+  // A decode step over the whole cache (program/decoder.h on a GPU) has the same shapes every step: it
+  // replays a CUDA graph as a forward does; a prefill or a step over a growing prefix runs eagerly.
+  if (step.cache_len == step.kv_cache.size(4))
+    if (auto* entry = graph_entry(input_ids, &step)) return forward_with_graph(*entry, input_ids, kept, &step);
+  return program_->forward_cached(input_ids, step, kept);
 }
 
 }  // namespace frag::program

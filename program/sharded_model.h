@@ -124,10 +124,21 @@ class ShardedModel {
   /// The graph the next forward runs (specialized or the full rewrite), for inspection.
   std::shared_ptr<torch::jit::Graph> forward_graph();
 
-  /// Greedy decoding of `steps` tokens (the whole sequence is recomputed each
-  /// step); interventions apply at every step and saves are keyed "step{k}.{name}".
-  /// Returns the tokens, input included.
+  /// Greedy decoding of `steps` tokens; interventions apply at every step (a plan step's "steps" and
+  /// "rows" narrow that) and saves are keyed "step{k}.{name}". Returns the tokens, input included.
+  /// A rank file whose forward takes a KV cache decodes from one (program/decoder.h: a prefill, then
+  /// one token per step); older files recompute the whole sequence each step.
   torch::Tensor generate(const torch::Tensor& input_ids, int64_t steps);
+
+  /// One forward of cached generation: forward(input_ids, positions, kv_cache, cache_len) with the
+  /// interventions, as forward runs them (no CUDA graph). program/decoder.h drives it.
+  torch::Tensor forward_cached(const torch::Tensor& input_ids, const CachedStep& step);
+  /// Generation step the next forwards belong to (0: the prefill or a plain forward), which plan steps
+  /// with "steps" act at, and the prefix of saved names ("step3."): set by program/decoder.h.
+  void set_generation_step(int64_t step, std::string save_prefix) {
+    generation_step_ = step;
+    save_prefix_ = std::move(save_prefix);
+  }
 
   /// Runs modules ad hoc on a whole tensor (a logit lens: {"model.norm",
   /// "lm_head"}) and returns the whole result. Every rank must call it alike.
@@ -155,16 +166,24 @@ class ShardedModel {
   /// Where a save's value goes: saved_, or during a capture the graph's list of buffers.
   void keep_saved(const std::string& name, torch::Tensor value);
   /// The cache entry when this forward may use a CUDA graph, else nullptr.
-  CapturedForwards::Entry* graph_entry(const torch::Tensor& input_ids);
+  /// `cached`: a decode step's entry, keyed also by its cache's storage (nullptr for a forward).
+  CapturedForwards::Entry* graph_entry(const torch::Tensor& input_ids, const CachedStep* cached = nullptr);
+  /// `cached`: a decode step (its positions go to the entry's buffer; its cache is read where it is).
   torch::Tensor forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                                   const std::vector<ir::LocationId>* kept);
+                                   const std::vector<ir::LocationId>* kept, const CachedStep* cached = nullptr);
+  /// The program's forward of `input_ids` (or its cached forward with `cached`, positions from `positions`).
+  torch::Tensor run_program(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+                            const CachedStep* cached, const torch::Tensor& positions);
   /// Captures the forward into `entry`; where CUDA refuses, marks it refused (it runs eagerly from then on).
-  void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept);
+  void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+               const CachedStep* cached = nullptr);
   void agree_on_interventions();
   /// descriptors_ joined: what the ranks compare, and the CUDA graph cache's key.
   const std::string& plan_text();
   /// `where` names the plan step in errors its hooks raise while the forward runs (a call chain that fails).
   void register_step(const PlanStep& step, ir::LocationId location, const std::string& where);
+  /// A step with "steps" or "rows": its hook checks the generation step and narrows to the rows.
+  void register_filtered_step(const PlanStep& step, ir::LocationId location, const std::string& where);
   /// Saves the whole at `location` under `name`, or only `index` of it (a plan's segment or heads).
   void add_save(ir::LocationId location, const std::string& name, std::optional<int64_t> visit,
                 const std::optional<runtime::WholeIndex>& index);
@@ -188,6 +207,7 @@ class ShardedModel {
   bool agreed_ = false;
   int64_t exchanges_ = 0;
   std::string save_prefix_;
+  int64_t generation_step_ = 0;
   SavedTensors saved_;
   /// Plan steps at whole locations of unknown width, checked before the next forward.
   struct WidthCheck {

@@ -2,6 +2,7 @@
 #include "program/torchscript_program.h"
 
 #include "runtime/cuda_graph.h"
+#include "runtime/forward_arguments.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
 
@@ -53,6 +54,28 @@ torch::Tensor TorchScriptProgram::forward(const torch::Tensor& input_ids, const 
     return runtime::run_forward(prepared_.rank, input_ids, once.get());
   }
   return runtime::run_forward(prepared_.rank, input_ids, &forwards_.keeping(prepared_, *kept));
+}
+
+bool TorchScriptProgram::has_kv_cache() const {
+  return prepared_.rank.module.find_method("kv_cache_shape").has_value();
+}
+
+std::vector<int64_t> TorchScriptProgram::kv_cache_shape(int64_t max_batch, int64_t max_len) const {
+  auto method = prepared_.rank.module.find_method("kv_cache_shape");
+  if (!method) return {};
+  return (*method)({max_batch, max_len}).toIntVector();
+}
+
+int64_t TorchScriptProgram::max_positions() const {
+  auto method = prepared_.rank.module.find_method("max_positions");
+  return method ? (*method)(std::vector<c10::IValue>{}).toInt() : 0;
+}
+
+torch::Tensor TorchScriptProgram::forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
+                                                 const std::vector<ir::LocationId>* kept) {
+  std::vector<c10::IValue> extra{step.positions, step.kv_cache, step.cache_len};
+  if (kept == nullptr) return runtime::run_forward_with(prepared_.rank, input_ids, extra);
+  return runtime::run_forward_with(prepared_.rank, input_ids, extra, &forwards_.keeping(prepared_, *kept));
 }
 
 std::shared_ptr<torch::jit::Graph> TorchScriptProgram::forward_graph(const std::vector<ir::LocationId>* kept) {

@@ -33,6 +33,11 @@ class TorchScriptProgram : public RankProgram {
   std::vector<std::pair<std::string, std::string>> named_modules() const override;
   torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
                         Use use) override;
+  bool has_kv_cache() const override;
+  std::vector<int64_t> kv_cache_shape(int64_t max_batch, int64_t max_len) const override;
+  int64_t max_positions() const override;
+  torch::Tensor forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
+                               const std::vector<ir::LocationId>* kept) override;
 
   std::optional<Arity> forward_arity(const std::string& path) const override { return modules_.forward_arity(path); }
   std::map<std::string, int64_t> int_attributes(const std::string& path) const override {

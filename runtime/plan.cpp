@@ -217,10 +217,45 @@ std::string PlanStep::describe() const {
     hash = ir::fnv1a_bytes(t.data_ptr(), t.numel() * t.element_size(), hash);
     text += fmt::format("|{}:{:016x}", c10::toString(t.scalar_type()), hash);
   }
+  if (!steps.empty() || !rows.empty()) text += fmt::format("|steps={}:{}|rows={}", steps_from, steps_to, fmt::join(rows, ","));
   return text;
 }
 
 namespace {
+
+/// "steps": "prefill" | "decode" | "k" | "a:b" | "a:" (generation steps; 0 is the prefill).
+void parse_steps(const nlohmann::json& value, PlanStep& step, const std::string& where) {
+  const auto bad = [&] {
+    fail("{}: \"steps\" must be \"prefill\", \"decode\", a step number such as \"3\" or a range \"a:b\" "
+         "(step 0 is the prefill), got {}", where, value.dump());
+  };
+  if (value.is_number_integer()) {
+    if (value.get<int64_t>() < 0) bad();
+    step.steps = value.dump();
+    step.steps_from = value.get<int64_t>();
+    step.steps_to = step.steps_from + 1;
+    return;
+  }
+  if (!value.is_string()) bad();
+  const auto text = value.get<std::string>();
+  step.steps = text;
+  const auto number = [&](const std::string& part) -> int64_t {
+    if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos || part.size() > 18) bad();
+    return std::stoll(part);
+  };
+  if (text == "prefill") {
+    step.steps_from = 0, step.steps_to = 1;
+  } else if (text == "decode") {
+    step.steps_from = 1, step.steps_to = INT64_MAX;
+  } else if (auto colon = text.find(':'); colon != std::string::npos) {
+    step.steps_from = colon == 0 ? 0 : number(text.substr(0, colon));
+    step.steps_to = colon + 1 == text.size() ? INT64_MAX : number(text.substr(colon + 1));
+    if (step.steps_to <= step.steps_from) bad();
+  } else {
+    step.steps_from = number(text);
+    step.steps_to = step.steps_from + 1;
+  }
+}
 
 /// The keys of a plan step, quoted, for messages.
 std::vector<std::string> field_names(const nlohmann::json& step) {
@@ -231,7 +266,7 @@ std::vector<std::string> field_names(const nlohmann::json& step) {
 
 /// The fields a plan step may have, in the README's order.
 const std::vector<std::string> kStepFields = {"at", "do", "as", "value", "by", "index", "segment", "heads", "visit",
-                                              "modules"};
+                                              "modules", "steps", "rows"};
 
 /// Words a user may write for a field (and their typos, by edit distance): "action" is "do".
 constexpr std::pair<const char*, const char*> kFieldSynonyms[] = {
@@ -404,6 +439,19 @@ Plan Plan::from_json(const nlohmann::json& json, const std::string& source, cons
           fail("{}: \"visit\" must be a whole number of calls (0 for the first), got {}", where, visit.dump());
         step.visit = visit.get<int64_t>();
         if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
+      }
+      if (j.contains("steps")) parse_steps(j.at("steps"), step, where);
+      if (j.contains("rows")) {
+        const auto& rows = j.at("rows");
+        if (!rows.is_array() || rows.empty())
+          fail("{}: \"rows\" must be a non-empty list of batch rows such as [0, 2], got {}", where, rows.dump());
+        for (const auto& r : rows) {
+          if (!r.is_number_integer() || r.get<int64_t>() < 0)
+            fail("{}: \"rows\" must list non-negative row numbers, got {}", where, rows.dump());
+          if (!step.rows.empty() && r.get<int64_t>() <= step.rows.back())
+            fail("{}: \"rows\" must be in ascending order without repeats, got {}", where, rows.dump());
+          step.rows.push_back(r.get<int64_t>());
+        }
       }
     } catch (const nlohmann::json::type_error&) {
       // Which field has the wrong type: the library's message names only the types.

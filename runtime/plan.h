@@ -12,6 +12,12 @@
 // "..."; "visit" restricts a step to the k-th call of that module in a
 // forward. A bare JSON list of steps is accepted too.
 //
+// In generation (program/decoder.h: step 0 is the prefill, step k >= 1 the
+// k-th decode step) "steps" names the steps a plan step acts at: "prefill",
+// "decode" (every decode step), "k", or a range "a:b" (a to b-1; "a:" open);
+// absent, every step. A plain forward is step 0. "rows" lists the batch rows
+// (dim 0 of the whole) it acts on: [0, 2]; absent, all.
+//
 // Where the value is laid out in attention heads (ir/head_layout.h), an edit
 // or save may name a part of the last dim instead of an index:
 //   {"at": "model.layers.0.self_attn.qkv_proj.output", "do": "zero", "segment": "k", "heads": [1]}
@@ -81,6 +87,12 @@ struct PlanStep {
   std::vector<int64_t> heads;  ///< consecutive, ascending; negative: from the end (resolve_heads normalises)
   std::optional<int64_t> visit;
   std::vector<std::string> modules;  ///< modules to run ad hoc (call)
+  std::string steps;                 ///< "steps" as written; empty: every step
+  int64_t steps_from = 0;            ///< the generation steps it acts at: [steps_from, steps_to)
+  int64_t steps_to = INT64_MAX;
+  std::vector<int64_t> rows;         ///< batch rows it acts on (ascending); empty: all
+  /// Whether it acts at generation step `step` (0: the prefill or a plain forward).
+  bool acts_at(int64_t step) const { return step >= steps_from && step < steps_to; }
   torch::Tensor value_tensor;        ///< loaded from `value`
   /// A canonical text of the step, its value's bytes included (not its path):
   /// what ranks compare to agree that they run the same plan.

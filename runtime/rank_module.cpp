@@ -1,6 +1,8 @@
 //===- runtime/rank_module.cpp - One rank's exported module --------------===//
 #include "runtime/rank_module.h"
 
+#include "runtime/forward_arguments.h"
+
 #include "ir/error.h"
 #include "runtime/cuda_graph.h"
 #include "runtime/rank_context.h"
@@ -174,12 +176,27 @@ GpuFusionScope::~GpuFusionScope() {
 }
 
 torch::Tensor run_forward(RankModule& rank_module, const torch::Tensor& input_ids, torch::jit::Function* forward) {
+  return run_forward_with(rank_module, input_ids, {}, forward);
+}
+
+torch::Tensor run_forward_with(RankModule& rank_module, const torch::Tensor& input_ids,
+                               const std::vector<c10::IValue>& extra, torch::jit::Function* forward) {
   torch::NoGradGuard no_grad;
   GpuFusionScope fusion(computes_in_half_precision(rank_module.module));
+  // A specialized copy of forward has no defaults of its own: fill them from the module's forward (a
+  // forward that takes a KV cache as well as the ids, called with the ids only).
+  std::vector<c10::IValue> args{rank_module.module._ivalue(), input_ids};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const auto& schema = rank_module.module.get_method("forward").function().getSchema();
+  for (size_t i = args.size(); i < schema.arguments().size() && schema.arguments()[i].default_value(); ++i)
+    args.push_back(*schema.arguments()[i].default_value());
   c10::IValue output;
   try {
-    output = forward == nullptr ? rank_module.module.forward({input_ids})
-                                : (*forward)({rank_module.module._ivalue(), input_ids});
+    if (forward == nullptr) {
+      output = rank_module.module.forward(std::vector<c10::IValue>(args.begin() + 1, args.end()));
+    } else {
+      output = (*forward)(std::move(args));
+    }
     // Collectives run asynchronously (NCCL): one wait per forward, where a
     // failed or timed-out one surfaces, instead of one per collective. A
     // forward being captured has run nothing yet: its replay waits.

@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Size flags and the config fields they set (unset flags keep the config's defaults).
 CONFIG_FLAGS = {"kv_heads": "num_key_value_heads", "layers": "num_hidden_layers", "hidden": "hidden_size",
                 "intermediate": "intermediate_size", "heads": "num_attention_heads", "vocab": "vocab_size",
-                "head_dim": "head_dim"}
+                "head_dim": "head_dim", "max_positions": "max_position_embeddings"}
 
 
 def main(argv=None) -> int:
@@ -57,6 +57,8 @@ def main(argv=None) -> int:
                    help="size of one attention head (default 8 for llama; hidden // heads when --hidden "
                         "or --heads is given)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1000)")
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="max_position_embeddings: the longest sequence, and KV cache (default 512)")
     p.add_argument("--vocab-padding", type=int, default=None,
                    help="llama: pad the vocabulary to a multiple of this (padding_size; default 64, vLLM's)")
     p.add_argument("--mlp", choices=list(LLAMA_MLP_KINDS), default=None,

@@ -9,6 +9,7 @@
 #include "ir/error.h"
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
+#include "program/decoder.h"
 #include "program/sharded_model.h"
 #include "runtime/safetensors.h"
 #include "tools/fragment_commands.h"
@@ -45,6 +46,7 @@ struct RunArguments {
   std::string plan;
   std::string rules_file;
   int generate = 0;
+  int64_t cache_len = 0;
   int repeat = 0;
   bool force = false;
 };
@@ -138,7 +140,25 @@ int run_rank(const RunArguments& args) {
   std::optional<frag::tools::TextTokenizer> tokenizer;
   if (!args.prompts.empty())
     tokenizer.emplace(args.tokenizer.empty() ? frag::tools::TextTokenizer::folder_beside(file) : args.tokenizer);
-  auto ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::tools::read_token_ids(args.input)).to(device);
+  // Prompts of different lengths: --generate batches them from a KV cache (right-padded here for the checks).
+  std::vector<std::vector<int64_t>> rows;
+  torch::Tensor ids;
+  if (tokenizer && args.generate > 0) {
+    rows = tokenizer->encode_rows(args.prompts);
+    size_t longest = 0;
+    for (const auto& row : rows) longest = std::max(longest, row.size());
+    ids = torch::zeros({static_cast<int64_t>(rows.size()), static_cast<int64_t>(longest)}, torch::kLong);
+    for (size_t b = 0; b < rows.size(); ++b)
+      ids[static_cast<int64_t>(b)].narrow(0, 0, static_cast<int64_t>(rows[b].size()))
+          .copy_(torch::tensor(rows[b], torch::kLong));
+    ids = ids.to(device);
+  } else {
+    ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::tools::read_token_ids(args.input)).to(device);
+    for (int64_t b = 0; b < ids.size(0); ++b) {
+      auto row = ids[b].to(torch::kCPU).contiguous();
+      rows.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+    }
+  }
   // Only rank 0 writes; its verdict on --out is shared below so that every rank stops alike.
   std::string output_error;
   frag::tools::OutputTarget output;
@@ -180,9 +200,29 @@ int run_rank(const RunArguments& args) {
 
   frag::runtime::TensorMap outputs;
   if (args.generate > 0) {
-    outputs["tokens"] = model.generate(ids, args.generate);
+    torch::Tensor new_tokens;
+    if (model.program().has_kv_cache()) {
+      // One cache for the batch (program/decoder.h); its size is checked and allocated before any forward.
+      std::vector<int64_t> lengths;
+      for (const auto& row : rows) lengths.push_back(static_cast<int64_t>(row.size()));
+      const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+      const int64_t length = args.cache_len > 0 ? args.cache_len : longest + args.generate;
+      frag::program::Decoder decoder(model, static_cast<int64_t>(rows.size()), length);
+      if (context->rank() == 0) std::cerr << "frag run: " << decoder.describe() << "\n";
+      new_tokens = decoder.generate(rows, args.generate);
+      outputs["prompt_lengths"] = torch::tensor(lengths, torch::kLong);
+      outputs["tokens"] = torch::cat({ids.cpu(), new_tokens}, 1);
+    } else {
+      for (const auto& row : rows)
+        if (row.size() != rows[0].size())
+          fail("{}: prompts of different lengths need a rank file whose forward takes a KV cache (export it "
+               "again with the kit)", file);
+      outputs["tokens"] = model.generate(ids, args.generate).cpu();
+      new_tokens = outputs["tokens"].narrow(1, ids.size(1), args.generate);
+    }
+    outputs["new_tokens"] = new_tokens;
     if (tokenizer && context->rank() == 0) {
-      auto texts = tokenizer->decode(outputs["tokens"].narrow(1, ids.size(1), args.generate));
+      auto texts = tokenizer->decode(new_tokens);
       for (size_t i = 0; i < texts.size(); ++i)
         std::cout << (texts.size() > 1 ? fmt::format("[{}] ", i + 1) : "") << args.prompts[i] << texts[i] << "\n";
       std::cout << std::flush;
@@ -217,11 +257,13 @@ int run_command(const RunArguments& args) {
     for (int rank = 0; rank < args.world; ++rank) check_input_files(args, file_for_rank(args, rank, args.world));
     if (!args.input.empty()) frag::tools::read_token_ids(args.input);
     if (!args.out.empty()) frag::tools::check_output_target(args.out, run_inputs(args, args.world), args.force, "--out");
-    if (!args.prompts.empty())
-      frag::tools::TextTokenizer(args.tokenizer.empty()
-                                     ? frag::tools::TextTokenizer::folder_beside(file_for_rank(args, 0, args.world))
-                                     : args.tokenizer)
-          .encode(args.prompts);
+    if (!args.prompts.empty()) {
+      frag::tools::TextTokenizer tokenizer(
+          args.tokenizer.empty() ? frag::tools::TextTokenizer::folder_beside(file_for_rank(args, 0, args.world))
+                                 : args.tokenizer);
+      if (args.generate > 0) tokenizer.encode_rows(args.prompts);  // any lengths: generation pads them
+      else tokenizer.encode(args.prompts);
+    }
     std::vector<std::string> child{"run"};
     for (const auto& f : args.files) child.push_back(f);
     if (!args.input.empty()) child.insert(child.end(), {"--input", args.input});
@@ -232,6 +274,7 @@ int run_command(const RunArguments& args) {
     if (!args.plan.empty()) child.insert(child.end(), {"--plan", args.plan});
     if (!args.rules_file.empty()) child.insert(child.end(), {"--rules", args.rules_file});
     if (args.generate > 0) child.insert(child.end(), {"--generate", std::to_string(args.generate)});
+    if (args.cache_len > 0) child.insert(child.end(), {"--cache-len", std::to_string(args.cache_len)});
     if (args.repeat > 0) child.insert(child.end(), {"--repeat", std::to_string(args.repeat)});
     if (args.force) child.push_back("--force");
     setenv("FRAG_LAUNCHED", "1", 1);
@@ -275,8 +318,9 @@ int main(int argc, char** argv) {
           ->check(non_empty("a file of token ids"));
   auto* prompt_opt = run_cmd->add_option(
       "--prompt", run.prompts,
-      "Text to run (repeatable: one batch of equal token lengths), tokenized with the checkpoint's tokenizer; "
-      "with --generate, prints each prompt and its decoded continuation")
+      "Text to run (repeatable: one batch; of equal token lengths for a forward, of any lengths with "
+      "--generate), tokenized with the checkpoint's tokenizer; with --generate, prints each prompt and its "
+      "decoded continuation")
       ->check(non_empty("the text to run"));
   input_opt->excludes(prompt_opt);
   run_cmd->add_option("--tokenizer", run.tokenizer,
@@ -305,8 +349,14 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--rules", run.rules_file, "JSON file declaring more classes as known layers")
       ->check(non_empty("a rules file (JSON)"));
   run_cmd->add_option("--generate", run.generate,
-                      "Greedy-decode this many tokens; writes 'tokens' and per-step saves 'step{k}.name'")
+                      "Greedy-decode this many tokens (from a KV cache where the rank file takes one); writes "
+                      "'tokens' (prompts right-padded with 0, then the new tokens), 'new_tokens', "
+                      "'prompt_lengths' and per-step saves 'step{k}.name'")
       ->check(CLI::Range(1, 100000));
+  run_cmd->add_option("--cache-len", run.cache_len,
+                      "With --generate: the KV cache's tokens per row (default: the longest prompt plus "
+                      "--generate); a prompt and its new tokens past it are refused before anything runs")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
 
   frag::tools::InspectArguments inspect;
   auto* inspect_cmd = app.add_subcommand(

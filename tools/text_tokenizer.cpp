@@ -129,17 +129,23 @@ std::string TextTokenizer::folder_beside(const std::string& rank_file) {
   return (parent.empty() ? std::filesystem::path(".") : parent).append("tokenizer").string();
 }
 
-torch::Tensor TextTokenizer::encode(const std::vector<std::string>& prompts) const {
+std::vector<std::vector<int64_t>> TextTokenizer::encode_rows(const std::vector<std::string>& prompts) const {
   auto answer = run_bridge({{"op", "encode"}, {"file", folder_ + "/tokenizer.json"}, {"texts", prompts}});
   auto rows = answer.get<std::vector<std::vector<int64_t>>>();
-  for (size_t i = 0; i < rows.size(); ++i) {
+  for (size_t i = 0; i < rows.size(); ++i)
     if (rows[i].empty()) fail("prompt {} gives no tokens", i + 1);
+  return rows;
+}
+
+torch::Tensor TextTokenizer::encode(const std::vector<std::string>& prompts) const {
+  auto rows = encode_rows(prompts);
+  for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i].size() != rows[0].size()) {
       std::string lengths;
       for (size_t j = 0; j < rows.size(); ++j)
         lengths += fmt::format("{}prompt {}: {} tokens", j ? ", " : "", j + 1, rows[j].size());
-      fail("the prompts tokenize to different lengths ({}); a batch must be of equal lengths (the models take "
-           "no padding mask): run them one at a time",
+      fail("the prompts tokenize to different lengths ({}); a forward's batch must be of equal lengths: "
+           "--generate batches them from a KV cache, or run them one at a time",
            lengths);
     }
   }

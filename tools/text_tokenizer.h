@@ -26,8 +26,10 @@ class TextTokenizer {
   /// The tokenizer folder an import writes beside its rank files: <dir of rank_file>/tokenizer.
   static std::string folder_beside(const std::string& rank_file);
 
-  /// int64 [B, T]; prompts of different token lengths are refused (the kit's models take no padding mask).
+  /// int64 [B, T]; prompts of different token lengths are refused (a forward takes no padding mask).
   torch::Tensor encode(const std::vector<std::string>& prompts) const;
+  /// Each prompt's ids, of any lengths (cached generation batches them: program/decoder.h).
+  std::vector<std::vector<int64_t>> encode_rows(const std::vector<std::string>& prompts) const;
 
   /// One string per row of `ids` (int64 [B, T]), special tokens kept.
   std::vector<std::string> decode(const torch::Tensor& ids) const;

@@ -11,6 +11,7 @@
 //===----------------------------------------------------------------------===//
 #include "ir/digest.h"
 #include "ir/error.h"
+#include "program/decoder.h"
 #include "program/exported_rank.h"
 #include "program/inspect_report.h"
 #include "runtime/exported_program.h"
@@ -64,6 +65,21 @@ PlanStep make_step(const py::handle& record) {
   py::object visit = record.attr("visit");
   if (!visit.is_none()) step.visit = visit.cast<int64_t>();
   step.modules = record.attr("modules").cast<std::vector<std::string>>();
+  // Generation: the steps and batch rows a step acts at (runtime/plan.h), where the record names them.
+  py::object steps = py::getattr(record, "steps", py::none());
+  if (!steps.is_none()) {
+    auto json = nlohmann::json::array({nlohmann::json::object({{"at", step.at}, {"do", "save"}, {"as", "s"}})});
+    json[0]["steps"] = py::isinstance<py::int_>(steps) ? nlohmann::json(steps.cast<int64_t>())
+                                                       : nlohmann::json(steps.cast<std::string>());
+    const auto parsed = Plan::from_json(json, step.at, "").steps.at(0);
+    step.steps = parsed.steps, step.steps_from = parsed.steps_from, step.steps_to = parsed.steps_to;
+  }
+  py::object rows = py::getattr(record, "rows", py::none());
+  if (!rows.is_none()) {
+    auto json = nlohmann::json::array({nlohmann::json::object({{"at", step.at}, {"do", "save"}, {"as", "s"}})});
+    json[0]["rows"] = rows.cast<std::vector<int64_t>>();
+    step.rows = Plan::from_json(json, step.at, "").steps.at(0).rows;
+  }
   py::object value = record.attr("value");
   if (!value.is_none()) {
     step.value_tensor = value.cast<torch::Tensor>().contiguous();
@@ -203,6 +219,34 @@ struct PyModel {
     model->on(location, hook, visit, label, /*edits=*/true);
   }
 
+  /// Registers `records` (and `callables`) as run() does, for the forwards that follow (generation driven
+  /// from Python through Decoder); finish() drops callables and saved tensors after.
+  void prepare(const py::list& records, const std::vector<py::tuple>& callables) {
+    model->clear_saved();
+    try {
+      if (callables.empty()) {
+        model->set_plan(make_plan(records, "model.generate"));
+      } else {
+        model->clear();
+        model->apply(make_plan(records, "model.generate"));
+        for (const auto& c : callables)
+          on(c[0].cast<std::string>(), c[1].cast<py::function>(),
+             c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
+      }
+    } catch (...) {
+      model->clear();
+      throw;
+    }
+  }
+  /// (saved, unreached visits) since prepare(); drops the callables (a plan without any stays registered).
+  py::tuple finish(bool had_callables) {
+    auto unreached = model->unreached_visits();
+    py::dict saved = saved_dict(model->saved());
+    if (had_callables) model->clear();
+    model->clear_saved();
+    return py::make_tuple(saved, unreached);
+  }
+
   /// Runs one forward with `records` registered (and nothing else); returns
   /// (logits, saved, unreached visits). A plan without callables stays registered
   /// after its forward (ShardedModel::set_plan): a trace that repeats it, as a
@@ -245,6 +289,12 @@ std::shared_ptr<RankContext> connect_from_env(double timeout_s, const std::strin
   py::gil_scoped_release release;
   return RankContext::connect(options);
 }
+
+/// program::Decoder for Python: holds the model it drives.
+struct PyDecoder {
+  std::shared_ptr<ShardedModel> model;
+  std::unique_ptr<program::Decoder> decoder;
+};
 
 }  // namespace
 }  // namespace frag::python
@@ -392,6 +442,9 @@ PYBIND11_MODULE(_C, m) {
              }
            })
       .def("run", &PyModel::run, py::arg("records"), py::arg("callables"), py::arg("ids"), py::arg("generate") = 0)
+      .def("prepare", &PyModel::prepare, py::arg("records"), py::arg("callables"))
+      .def("finish", &PyModel::finish, py::arg("had_callables"))
+      .def_property_readonly("has_kv_cache", [](const PyModel& m) { return m.model->program().has_kv_cache(); })
       .def(
           "call",
           [](PyModel& m, const std::vector<std::string>& paths, const torch::Tensor& whole) {
@@ -406,4 +459,32 @@ PYBIND11_MODULE(_C, m) {
             return m.model->call_module(path, wholes);
           },
           py::arg("path"), py::arg("wholes"));
+
+  // Cached generation (program/decoder.h); every call releases the GIL (collectives, Python callables).
+  py::class_<PyDecoder>(m, "Decoder")
+      .def(py::init([](PyModel& m, int64_t max_batch, int64_t max_len) {
+             py::gil_scoped_release release;
+             return PyDecoder{m.model, std::make_unique<frag::program::Decoder>(*m.model, max_batch, max_len)};
+           }),
+           py::arg("model"), py::arg("max_batch"), py::arg("max_len"))
+      .def("describe", [](const PyDecoder& d) { return d.decoder->describe(); })
+      .def_property_readonly("cache_bytes", [](const PyDecoder& d) { return d.decoder->cache_bytes(); })
+      .def_property_readonly("rows", [](const PyDecoder& d) { return d.decoder->rows(); })
+      .def_property_readonly("lengths", [](const PyDecoder& d) { return d.decoder->lengths(); })
+      .def_property_readonly("step", [](const PyDecoder& d) { return d.decoder->step(); })
+      .def(
+          "prefill",
+          [](PyDecoder& d, const std::vector<std::vector<int64_t>>& prompts) {
+            py::gil_scoped_release release;
+            return d.decoder->prefill(prompts);
+          },
+          py::arg("prompts"))
+      .def(
+          "decode",
+          [](PyDecoder& d, const torch::Tensor& tokens) {
+            py::gil_scoped_release release;
+            return d.decoder->decode(tokens);
+          },
+          py::arg("tokens"))
+      .def("drop", [](PyDecoder& d, int64_t row) { d.decoder->drop(row); }, py::arg("row"));
 }

@@ -41,6 +41,8 @@ class Step:
     modules: list = dataclasses.field(default_factory=list)
     value: torch.Tensor = None
     value_name: str = ""
+    steps: str = None   # generation steps it acts at ("prefill", "decode", "k", "a:b"); None: every step
+    rows: list = None   # batch rows it acts on; None: all
 
     def to_json(self, value_ref=None):
         """The step as a JSON plan entry (`value_ref`: "file.safetensors:name" for set/add)."""
@@ -57,6 +59,10 @@ class Step:
             out["modules"] = list(self.modules)
         if value_ref is not None:
             out["value"] = value_ref
+        if self.steps is not None:
+            out["steps"] = self.steps
+        if self.rows is not None:
+            out["rows"] = list(self.rows)
         return out
 
 
@@ -609,12 +615,20 @@ class Model:
         """`with model.trace(ids):` records; the block's end runs one forward with it all."""
         return Trace(self, ids)
 
-    def generate(self, ids, max_new_tokens):
-        """Like trace, but greedy generation: the edits apply at every step, saves are per-step lists and
-        `model.output.save()` is the tokens."""
-        if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-            raise FragmentsError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        return Trace(self, ids, generate=int(max_new_tokens))
+    def generate(self, prompts, max_new_tokens, **options):
+        """Generation as a trace (fragments._generate.Generation): recorded edits act at every step (narrow
+        them with `gen.iter[a:b]`, `gen.prefill()`, `gen.decode()`, `gen.rows(...)`), saves are per-step
+        lists, `model.output.save()` is the tokens. Prompts may differ in length (a KV cache batches them).
+        Options: temperature, top_p, seed, eos_token_id, stop, tokenizer, on_token, max_len (the cache's
+        tokens per row; default: the longest prompt plus max_new_tokens)."""
+        from ._generate import Generation
+        return Generation(self, prompts, max_new_tokens, **options)
+
+    def stream(self, prompts, max_new_tokens, **options):
+        """Yields (step, [new token or None per row]) as generation runs (the options of generate)."""
+        from ._generate import Generation
+        generation = Generation(self, prompts, max_new_tokens, **options)
+        yield from generation._run()
 
     def _head_layout(self, location):
         """name -> (start, stop, head_dim) on the last dim of the whole at `location`: q/k/v of a

@@ -95,12 +95,12 @@ wait_mid_run() {
   done
   sleep 3
 }
-# A long run so that a fault lands mid-run: many generated tokens (rank 0's --out is never written), or the
-# extra `frag run` arguments given (--repeat: forwards of one input).
+# A long run so that a fault lands mid-run: many forwards (rank 0's --out is never written; generation decodes
+# from a KV cache now, too fast and bounded by the model's positions), or the extra `frag run` arguments given.
 long_run() {  # long_run LOG TIMEOUT [ARGS...] -> launcher pid in $launcher
   local log=$1 timeout=$2
   shift 2
-  [ $# -gt 0 ] || set -- --generate 100000 --out "$work/long.safetensors"
+  [ $# -gt 0 ] || set -- --repeat 100000 --out "$work/long.safetensors"
   "$frag" run --world 2 "$tp2_0" "$tp2_1" --input "$work/ids.txt" --timeout "$timeout" --device "$device" "$@" \
     > "$log" 2>&1 &
   launcher=$!

@@ -117,10 +117,10 @@ PY
 ); then ok "tp=4 on two hosts equals tp=1: $compare"; else fail "tp=4 differs from tp=1: $compare"; fi
 
 timing=()
-# 2./3. Faults mid-run: a long generation, so that the fault lands while the ranks exchange tensors.
+# 2./3. Faults mid-run: many forwards, so that the fault lands while the ranks exchange tensors.
 fault_run() {  # fault_run NAME HOW (cut | kill)
   local name=$1 how=$2 timeout=10 r status s t0 t1 i
-  launch "$name" $timeout --generate 100000
+  launch "$name" $timeout --repeat 100000
   # Mid-run: rank 0 has been running for a while (past loading and the first collectives).
   sleep 8
   for r in 0 1 2 3; do

@@ -510,9 +510,9 @@ TEST(Faults, RanksDieWithTheirLauncher) {
   auto folder = temporary_folder();
   const auto files = model_files("llama_tp2");
   const std::string out = folder + "/out.safetensors";
-  // A long run: 400 greedy steps, each recomputing the whole sequence.
+  // A long run: many forwards (generation decodes from a KV cache: too fast to be killed mid-run).
   Process launcher({frag_binary(), "run", "--world", "2", files[0], files[1], "--input",
-                    ids_file(temporary_folder(), "ids.txt", "1 2 3 4 5 6 7 8\n"), "--generate", "400", "--out", out,
+                    ids_file(temporary_folder(), "ids.txt", "1 2 3 4 5 6 7 8\n"), "--repeat", "100000", "--out", out,
                     "--timeout", "120"},
                    {}, temporary_folder() + "/log.txt");
   std::vector<pid_t> ranks;

@@ -203,7 +203,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # x [B, T, n*hs]; cos/sin [T, rot/2]
+        # x [B, T, n*hs]; cos/sin [T, rot/2] or [B, T, rot/2]
         shape = x.shape
         new_shape: List[int] = []
         for i in range(len(shape) - 1):
@@ -231,7 +231,10 @@ class RotaryEmbedding(nn.Module):
         if positions.size(-1) > self.max_position_embeddings:
             raise ValueError("a sequence of {} tokens is longer than the model's max_position_embeddings ({})"
                              .format(positions.size(-1), self.max_position_embeddings))
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        # positions [T] (one sequence) or [B, T] (each row its own, as a KV cache's decode steps give them)
+        cos_sin = self.cos_sin_cache.index_select(0, positions.reshape(-1))
+        if positions.dim() > 1:
+            cos_sin = cos_sin.reshape(positions.size(0), positions.size(1), -1)
         half = self.rotary_dim // 2
         cos = cos_sin[..., :half]
         sin = cos_sin[..., half:]
@@ -239,24 +242,34 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal GQA attention over this rank's heads: q [B, T, nh*hs], k/v [B, T, nkv*hs] -> [B, T, nh*hs]."""
+    """Causal GQA attention over this rank's heads: q [B, T, nh*hs], k/v [B, T, nkv*hs] -> [B, T, nh*hs].
+
+    With a KV cache (``kv_cache`` [layers, 2, max_batch, nkv, max_len, hs], this rank's kv heads, allocated
+    by ``new_kv_cache``) the new k/v are written at each row's ``positions`` [B, T] (row b's token at position
+    p lives in slot p) and q attends to the slots at or before its own position, over the first ``cache_len``
+    slots. Rows are independent: a row's slots past its own length hold stale values that the mask hides."""
 
     num_heads: int
     head_size: int
     scale: float
     num_kv_heads: int
+    layer_idx: int
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, layer_idx: int = 0):
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
+        self.layer_idx = int(layer_idx)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Optional[Tensor] = None,
+                kv_cache: Optional[Tensor] = None, cache_len: int = 0) -> Tensor:
         b = q.shape[0]
         t = q.shape[1]
         qh = q.reshape(b, t, self.num_heads, self.head_size).transpose(1, 2).float()
+        if kv_cache is not None and positions is not None:
+            return self._cached(qh, k, v, positions, kv_cache, cache_len).to(q.dtype)
         kh = k.reshape(b, t, self.num_kv_heads, self.head_size).transpose(1, 2).float()
         vh = v.reshape(b, t, self.num_kv_heads, -1).transpose(1, 2).float()
         if self.num_heads != self.num_kv_heads:
@@ -268,6 +281,33 @@ class Attention(nn.Module):
         scores = scores.masked_fill(causal, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), vh)
         return out.transpose(1, 2).reshape(b, t, -1).to(q.dtype)
+
+    def _cached(self, qh: Tensor, k: Tensor, v: Tensor, positions: Tensor, kv_cache: Tensor,
+                cache_len: int) -> Tensor:
+        b = qh.shape[0]
+        t = qh.shape[2]
+        k_cache = kv_cache[self.layer_idx, 0]  # [max_batch, kv heads, max_len, head size]
+        v_cache = kv_cache[self.layer_idx, 1]
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(b, t)
+        rows = torch.arange(b, dtype=torch.long, device=positions.device).unsqueeze(1).expand(b, t)
+        index = torch.jit.annotate(List[Optional[Tensor]], [rows, positions])
+        # Written through [B, S, nkv, hs] views: the new tokens land in their slots of every kv head.
+        k_cache.transpose(1, 2).index_put_(index, k.reshape(b, t, self.num_kv_heads, self.head_size).to(k_cache.dtype))
+        v_cache.transpose(1, 2).index_put_(index, v.reshape(b, t, self.num_kv_heads, -1).to(v_cache.dtype))
+        n = cache_len if cache_len > 0 else k_cache.size(2)
+        kh = k_cache[:b, :, :n].float()  # [B, nkv, n, hs]: a view, each head's slots contiguous
+        vh = v_cache[:b, :, :n].float()
+        # GQA without copying the cache: the rep query heads of a kv head are stacked on the query dim.
+        rep = self.num_heads // self.num_kv_heads
+        qg = qh.reshape(b, self.num_kv_heads, rep * t, self.head_size)
+        scores = torch.matmul(qg, kh.transpose(-1, -2)) * self.scale  # [B, nkv, rep * t, n]
+        slots = torch.arange(n, dtype=torch.long, device=positions.device)
+        hidden = slots.view(1, 1, n) > positions.unsqueeze(-1)  # [B, t, n]: slots after the query's position
+        scores = scores.view(b, self.num_kv_heads, rep, t, n).masked_fill(hidden.view(b, 1, 1, t, n), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(b, self.num_kv_heads, rep * t, n)
+        out = torch.matmul(probs, vh).view(b, self.num_heads, t, -1)
+        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -352,15 +392,17 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings,
                                           config.rope_theta, is_neox_style=True,
                                           scaling=getattr(config, "rope_scaling", None))
-        self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
+                              layer_idx=_layer_index(prefix))
 
-    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+    def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         q = qkv[..., :self.q_size]
         k = qkv[..., self.q_size:self.q_size + self.kv_size]
         v = qkv[..., self.q_size + self.kv_size:]
         q, k = self.rotary_emb(positions, q, k)
-        attn_output = self.attn(q, k, v)
+        attn_output = self.attn(q, k, v, positions, kv_cache, cache_len)
         output, _ = self.o_proj(attn_output)
         return output
 
@@ -386,13 +428,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+    def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, cache_len)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + hidden_states
+
+
+def _layer_index(prefix: str) -> int:
+    """The N of "model.layers.N.self_attn": a layer's slot in the KV cache."""
+    parts = prefix.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else 0
 
 
 def _vocab_padding(config) -> int:
@@ -413,11 +462,13 @@ class LlamaModel(nn.Module):
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        positions = torch.arange(input_ids.shape[-1], dtype=torch.long, device=input_ids.device)
+    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1], dtype=torch.long, device=input_ids.device)
         hidden_states = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
+            hidden_states = layer(positions, hidden_states, kv_cache, cache_len)
         return self.norm(hidden_states)
 
 
@@ -435,9 +486,29 @@ class _CausalLMBase(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size, config.vocab_size, tp_rank=tp_rank,
                                                 tp_size=tp_size)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        hidden_states = self.model(input_ids)
+    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
+        """Logits [B, T, vocab]. Without a cache: the whole sequence (positions 0..T-1). With one
+        (``new_kv_cache``): ``positions`` [B, T] places each row's new tokens; see ``Attention``."""
+        hidden_states = self.model(input_ids, positions, kv_cache, cache_len)
         return self.logits_processor(self.lm_head(hidden_states))
+
+    @torch.jit.export
+    def kv_cache_shape(self, max_batch: int, max_len: int) -> List[int]:
+        """[layers, 2, max_batch, this rank's kv heads, max_len, head size]: what forward's kv_cache takes."""
+        attn = self.model.layers[0].self_attn
+        return [len(self.model.layers), 2, max_batch, attn.num_kv_heads, max_len, attn.head_dim]
+
+    @torch.jit.export
+    def new_kv_cache(self, max_batch: int, max_len: int) -> Tensor:
+        """A zeroed KV cache for ``max_batch`` rows of ``max_len`` tokens, on the model's device and dtype."""
+        weight = self.lm_head.weight
+        return torch.zeros(self.kv_cache_shape(max_batch, max_len), dtype=weight.dtype, device=weight.device)
+
+    @torch.jit.export
+    def max_positions(self) -> int:
+        """The longest sequence the rotary table covers."""
+        return self.model.layers[0].self_attn.rotary_emb.max_position_embeddings
 
 
 class LlamaForCausalLM(_CausalLMBase):
@@ -522,9 +593,10 @@ class Qwen2MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+    def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, cache_len)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -599,9 +671,10 @@ class MixtralDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+    def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, cache_len)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.block_sparse_moe(self.post_attention_layernorm(hidden_states))

