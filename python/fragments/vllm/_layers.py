@@ -56,7 +56,7 @@ _ATTRIBUTES = {
                           "head_size", "v_head_size"),
     "RowParallelLinear": ("tp_size", "tp_rank", "input_size", "output_size", "input_is_parallel",
                           "reduce_results"),
-    "ReplicatedLinear": (),
+    "ReplicatedLinear": ("tp_size", "tp_rank"),
     "VocabParallelEmbedding": ("tp_size", "num_embeddings_padded", "org_vocab_size"),
     "ParallelLMHead": ("tp_size", "num_embeddings_padded", "org_vocab_size"),
 }

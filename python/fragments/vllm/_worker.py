@@ -304,7 +304,27 @@ def install():
     def fragments_model_record(self):
         return _state.model_record() if _state is not None else None
 
+    _cpu_moe_silu_workaround()
+
     # vLLM's collective_rpc finds worker methods by name (its worker_extension_cls does the same by
     # inheritance); these two are fragments' own.
     worker_base.WorkerBase.fragments_take_saves = fragments_take_saves
     worker_base.WorkerBase.fragments_model_record = fragments_model_record
+
+
+def _cpu_moe_silu_workaround():
+    """vLLM 0.24's CPU MoE in float32 (its torch path, cpu_fused_moe.py) builds a SiluAndMul CustomOp at
+    every call, outside vLLM's config context, and fails ("Current vLLM config is not set"). The same
+    math (SiluAndMul.forward_native: silu(gate) * up) as a plain function; only that table entry changes."""
+    try:
+        import torch.nn.functional as F
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    except ImportError:
+        return
+    table = getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", None)
+    if isinstance(table, dict) and MoEActivation.SILU in table:
+        def silu_and_mul(x):
+            d = x.shape[-1] // 2
+            return F.silu(x[..., :d]) * x[..., d:]
+        table[MoEActivation.SILU] = silu_and_mul
