@@ -102,6 +102,9 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         if side not in ("input", "output") or path not in module_set:
             raise ValueError(f"{where}: no such location; expected <module path>.input or .output of this vLLM "
                              f"model (e.g. model.layers.0.mlp.down_proj.input)")
+        if side == "input" and path in record.get("logits_modules", ()):
+            raise ValueError(f"{where}: vLLM's logits processor takes the LM head module first, not a tensor; "
+                             "the hidden states it reads are the final norm's output (e.g. model.norm.output)")
         if at in record["refused"]:
             raise ValueError(f"{where}: {record['refused'][at]}")
         if d["do"] == "call":

@@ -40,10 +40,10 @@ _lock = threading.Lock()
 
 class _Work:
     """One plan step acting on one request's rows at one location in this forward."""
-    __slots__ = ("key", "start", "stop", "step", "index")
+    __slots__ = ("key", "start", "stop", "step", "at_step")
 
-    def __init__(self, key, start, stop, step, index):
-        self.key, self.start, self.stop, self.step, self.index = key, start, stop, step, index
+    def __init__(self, key, start, stop, step, at_step):
+        self.key, self.start, self.stop, self.step, self.at_step = key, start, stop, step, at_step
 
 
 class WorkerState:
@@ -184,6 +184,13 @@ class WorkerState:
         value when something was edited, else None."""
         if value is None:  # vLLM's logits on ranks other than the driver when it gathers to rank 0
             return None
+        if not isinstance(value, torch.Tensor) or value.dim() < 1 or not value.is_floating_point():
+            # the same on every rank: no collective runs, the requests get an error instead of the engine dying
+            for w in work:
+                self._fail(w.key, f"{location} holds {type(value).__name__}"
+                           f"{'' if not isinstance(value, torch.Tensor) else ' of ' + str(value.dtype)}, "
+                           "not a floating-point activation (vLLM calls this module with it first)")
+            return None
         rule = self.fragmented.get(location)
         rows = torch.cat([torch.arange(w.start, w.stop) for w in work]).unique(sorted=True)
         piece = value.index_select(0, rows.to(value.device))
@@ -202,27 +209,42 @@ class WorkerState:
             sel = slice(position[w.start], position[w.stop - 1] + 1)
             view = whole[sel]
             s = w.step
-            if s.do == "save":
-                part = _C.index_view(s.index, view, location) if s.index else view
-                record = self.saves.setdefault(w.key, {"saves": {}, "error": None})
-                record["saves"].setdefault(s.as_, []).append(part.detach().to("cpu", copy=True))
-                continue
-            target = _C.index_view(s.index, view, location) if s.index else view
-            if s.do == "zero":
-                target.zero_()
-            elif s.do == "scale":
-                target.mul_(s.by)
-            elif s.do == "add":
-                target.add_(s.value.to(target.dtype))
-            elif s.do == "set":
-                target.copy_(s.value.to(target.dtype).expand_as(target))
-            edited = True
+            # A step that cannot run (an index out of range, a value of the wrong shape) fails its request
+            # only; whole values are the same on every rank, so every rank fails it alike.
+            try:
+                if s.do == "save":
+                    part = _C.index_view(s.index, view, location) if s.index else view
+                    record = self.saves.setdefault(w.key, {"saves": {}, "error": None})
+                    record["saves"].setdefault(s.as_, []).append(part.detach().to("cpu", copy=True))
+                    continue
+                target = _C.index_view(s.index, view, location) if s.index else view
+                if s.do == "add":
+                    update = target + s.value.to(target.dtype)
+                elif s.do == "set":
+                    update = s.value.to(target.dtype).expand_as(target)
+                elif s.do == "scale":
+                    update = target * s.by
+                else:  # zero
+                    update = torch.zeros_like(target)
+                if update.shape != target.shape:
+                    raise ValueError(f"value of shape {tuple(s.value.shape)} does not fit {tuple(target.shape)}")
+                target.copy_(update)
+                edited = True
+            except (RuntimeError, ValueError) as e:
+                self._fail(w.key, f"{location} ({s.do}) at step {w.at_step}: {e}")
         if not edited:
             return None
         new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)
         out = value.clone()
         out.index_copy_(0, rows.to(value.device), new_piece.to(value.dtype))
         return out
+
+    def _fail(self, key: str, message: str) -> None:
+        record = self.saves.setdefault(key, {"saves": {}, "error": None})
+        record["error"] = record["error"] or f"fragments plan of request {key}: {message}"
+        for plan in self.plans.values():  # no further steps for that request
+            if plan is not None and plan.key == key:
+                plan.error = record["error"]
 
     # ---- RPC ----------------------------------------------------------------------------------------
     def take_saves(self, keys: List[str]) -> Optional[Dict[str, bytes]]:

@@ -109,13 +109,14 @@ def capture(model, modules, run):
     named = dict(model.named_modules())
 
     def first(x):
-        return x[0] if isinstance(x, tuple) else x
+        x = x[0] if isinstance(x, tuple) else x
+        return x[0] if x.dim() == 3 else x  # [1, S, W] -> [S, W]; MoE blocks call experts on [S, W] already
     for name in modules:
         mod = named[name]
         handles.append(mod.register_forward_pre_hook(
-            lambda m, args, name=name: captured.__setitem__((name, "input"), args[0][0].detach().clone())))
+            lambda m, args, name=name: captured.__setitem__((name, "input"), first(args[0]).detach().clone())))
         handles.append(mod.register_forward_hook(
-            lambda m, args, out, name=name: captured.__setitem__((name, "output"), first(out)[0].detach().clone())))
+            lambda m, args, out, name=name: captured.__setitem__((name, "output"), first(out).detach().clone())))
     try:
         result = run()
     finally:

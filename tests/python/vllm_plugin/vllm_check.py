@@ -11,7 +11,8 @@ fragments.vllm:register and fragments.vllm:FragmentsPlanValidator), submits in O
   R2 an editing plan on prompt B: v head 1 of layer 0 scaled by 0.5 ("segment"/"heads"), a vector added
      to layer 1's MLP down-projection input at every step; saves layer 1's qkv output at prefill and the
      logits at every step
-then a request whose plan names a rank-local location (refused at submission, the engine unharmed) and
+and R3, a plan whose value does not fit its location (it fails in the workers, alone), then a request
+whose plan names a rank-local location (refused at submission, the engine unharmed) and
 a last plain request. It checks, printing one line per check and exiting non-zero on any failure:
   every saved whole value equals transformers' within 1e-5 relative (max abs diff / max abs value);
   R1's tokens and logprobs equal R0's exactly; decode-step rows equal transformers' forward over the
@@ -132,20 +133,30 @@ def main():
               any(".attn." in k or k.endswith(".attn.output") for k in info["refused"]), str(list(info["refused"])[:4]))
 
     tokens = {"max_tokens": args.max_tokens, "temperature": 0.0, "logprobs": 2}
+    # R3: a plan that passes the submission check but cannot run (its value does not fit the location):
+    # it fails in the workers, that request alone, on every rank alike.
+    save_file({"w": torch.ones(7)}, os.path.join(work, "bad.safetensors"))
+    plan_unfit = [{"at": f"{down1}.input", "do": "add", "value": "bad.safetensors:w"}]
     outs = fv.generate(llm, [{"prompt_token_ids": prompt_a}, {"prompt_token_ids": prompt_a},
-                             {"prompt_token_ids": prompt_b}],
-                       [None, {"interventions": plan_read}, {"interventions": plan_edit, "base": work}], **tokens)
-    r0, r1, r2 = outs
-    for r in outs:
+                             {"prompt_token_ids": prompt_b}, {"prompt_token_ids": prompt_b}],
+                       [None, {"interventions": plan_read}, {"interventions": plan_edit, "base": work},
+                        {"interventions": plan_unfit, "base": work}], **tokens)
+    r0, r1, r2, r3 = outs
+    for r in outs[:3]:
         check("no plan error", r.fragments_error is None, str(r.fragments_error))
+    check("a step that cannot run fails its request alone", r3.fragments_error is not None and
+          "does not fit" in r3.fragments_error, str(r3.fragments_error)[:200])
     t0_ids, t1_ids = list(r0.outputs[0].token_ids), list(r1.outputs[0].token_ids)
     check("read-only plan: tokens equal the plain request's in the same batch", t0_ids == t1_ids,
           f"{t0_ids} vs {t1_ids}")
-    # The same batch again with no plans: R1's row positions and batch shape are the same, so plain vLLM's
-    # logprobs there are what the read-only plan must leave bit for bit (vLLM's CPU kernels give a row
-    # slightly different bits at another batch position, ~1e-7, so R0 is not the reference for them).
+    # The same batch again with R1's read-only plan left out (the other requests' plans kept: an edit of R2
+    # changes its tokens, hence MoE routing, hence which tokens share an expert matmul with R1's): plain
+    # vLLM's logprobs there are what the read-only plan must leave bit for bit. (vLLM's CPU kernels give a
+    # row slightly different bits at another batch position, ~1e-7, so R0 is not the reference for them.)
     plain = fv.generate(llm, [{"prompt_token_ids": prompt_a}, {"prompt_token_ids": prompt_a},
-                              {"prompt_token_ids": prompt_b}], [None, None, None], **tokens)[1]
+                              {"prompt_token_ids": prompt_b}, {"prompt_token_ids": prompt_b}],
+                       [None, None, {"interventions": plan_edit, "base": work},
+                        {"interventions": plan_unfit, "base": work}], **tokens)[1]
 
     def logprobs(r):
         return [{k: v.logprob for k, v in d.items()} for d in r.outputs[0].logprobs]
