@@ -12,10 +12,11 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gpt_neox")
 
 
 def config(family: str, heads: int = 4, kv_heads: int = 2):
-    common = dict(vocab_size=300, hidden_size=64 * heads, num_hidden_layers=2, num_attention_heads=heads,
+    # tp 3 (6 heads): every fragmented width and the padded vocab (380 -> 384) must divide by 3
+    common = dict(vocab_size=300 if heads % 3 else 380, hidden_size=64 * heads, num_hidden_layers=2, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, max_position_embeddings=128, torch_dtype="float32")
     if family == "llama":
-        return transformers.LlamaConfig(intermediate_size=256, **common)
+        return transformers.LlamaConfig(intermediate_size=64 * heads, **common)
     if family == "qwen2":
         return transformers.Qwen2Config(intermediate_size=256, **common)
     if family == "qwen3":
