@@ -88,7 +88,8 @@ class Reader:
                 out[f"{m}.down_proj.input"] = ("input", f"{m}.down_proj")
                 out[f"{m}.down_proj.output"] = ("output", f"{m}.down_proj")
         emb = "gpt_neox.embed_in" if f == "gpt_neox" else "model.embed_tokens"
-        out[f"{emb}.output"] = ("output", emb)
+        # Gemma 2: transformers' embedding module scales by sqrt(hidden); vLLM's scales after its embed_tokens
+        out[f"{emb}.output"] = ("gemma_embed", emb) if f == "gemma2" else ("output", emb)
         return out
 
     def read(self, spec, captured):
@@ -100,6 +101,9 @@ class Reader:
             h = self.cfg.num_attention_heads
             t = t.view(*t.shape[:-1], h, 3, -1)
             return torch.cat([t[..., j, :].flatten(-2) for j in range(3)], -1)
+        if kind == "gemma_embed":
+            t = captured[(what, "output")]
+            return t / torch.tensor(self.cfg.hidden_size ** 0.5, dtype=t.dtype)
         return captured[(what, kind)]
 
 
