@@ -108,7 +108,7 @@ void bind_rules(py::module& m) {
               return it == attributes.end() ? ir::IntAttributes{} : ir::IntAttributes(it->second.begin(),
                                                                                       it->second.end());
             });
-            runtime::resolve_heads(step, layout, fmt::format("{}: intervention {}", source, i));
+            runtime::resolve_heads(step, layout, fmt::format("{}: intervention {}: ", source, i));
           }
           py::dict d;
           d["at"] = step.at;

@@ -3,7 +3,8 @@ each in its own process: vLLM engines do not share a process cleanly).
 
 Default tier (CI): Llama at tp 1 and 2 and Qwen2-MoE at tp 2 (three engine starts, ~2-3 min each on 2
 shared cores). FRAG_SLOW=1 adds every family of families.FAMILIES at tp 1 and 2 and Llama at tp 3
-(6 heads, 3 kv heads). Skipped, loudly, where vLLM or the extension is missing.
+(6 heads, 3 kv heads) and Llama at tp 2 with one kv head
+(replicated on both ranks). Skipped, loudly, where vLLM or the extension is missing.
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_plugin.py
 """
@@ -16,7 +17,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = [("llama", 1, 4, 2), ("llama", 2, 4, 2), ("qwen2_moe", 2, 4, 2)]
 SLOW = [(f, tp, 4, 2) for f in ("qwen2", "qwen3", "gemma2", "gpt_neox") for tp in (1, 2)] + \
-       [("qwen2_moe", 1, 4, 2), ("llama", 3, 6, 3)]
+       [("qwen2_moe", 1, 4, 2), ("llama", 3, 6, 3), ("llama_kv1", 2, 4, 1)]
 CASES = DEFAULT + (SLOW if os.environ.get("FRAG_SLOW") == "1" else [])
 
 
@@ -40,7 +41,7 @@ def _make(family, tp, heads, kv):
         if why:
             print(f"SKIPPED vLLM plugin test {family} tp {tp}: {why}", file=sys.stderr)
             self.skipTest(why)
-        cmd = [sys.executable, os.path.join(HERE, "vllm_check.py"), family, str(tp), "--heads", str(heads),
+        cmd = [sys.executable, os.path.join(HERE, "vllm_check.py"), family.split("_kv")[0], str(tp), "--heads", str(heads),
                "--kv-heads", str(kv)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{"))]

@@ -113,7 +113,9 @@ def main():
     plan_read = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
     plan_read += [{"at": "logits_processor.output", "do": "save", "as": "final_logits"},
                   {"at": down0_in, "do": "save", "as": "down0_all"}]
-    plan_edit = [{"at": f"{qkv0}.output", "do": "scale", "by": 0.5, "segment": "v", "heads": [1]},
+    # the last v head: with fewer kv heads than ranks it is replicated, and the edit must reach every copy
+    vhead = (cfg.num_attention_heads if args.family == "gpt_neox" else cfg.num_key_value_heads) - 1
+    plan_edit = [{"at": f"{qkv0}.output", "do": "scale", "by": 0.5, "segment": "v", "heads": [vhead]},
                  {"at": f"{down1}.input", "do": "add", "value": "steer.safetensors:v"},
                  {"at": f"{qkv1}.output", "do": "save", "as": "qkv1", "step": 0},
                  {"at": "logits_processor.output", "do": "save", "as": "final_logits"}]
@@ -196,9 +198,9 @@ def main():
         out = out.clone()
         if args.family == "gpt_neox":  # per head [q k v]: kv heads = heads
             out = out.view(*out.shape[:-1], cfg.num_attention_heads, 3, hs)
-            out[..., 1, 2, :] *= 0.5
+            out[..., vhead, 2, :] *= 0.5
             return out.flatten(-3)
-        out[..., hs:2 * hs] *= 0.5
+        out[..., vhead * hs:(vhead + 1) * hs] *= 0.5
         return out
     if args.family == "gpt_neox":
         h1 = named[qkv0.replace("query_key_value", "query_key_value")].register_forward_hook(scale_v)
