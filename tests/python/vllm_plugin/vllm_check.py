@@ -162,9 +162,25 @@ def main():
 
     def logprobs(r):
         return [{k: v.logprob for k, v in d.items()} for d in r.outputs[0].logprobs]
-    check("read-only plan: tokens and logprobs equal plain vLLM's (exactly)",
-          list(plain.outputs[0].token_ids) == t1_ids and logprobs(plain) == logprobs(r1),
-          f"{logprobs(plain)[:1]} vs {logprobs(r1)[:1]}")
+    exact = list(plain.outputs[0].token_ids) == t1_ids and logprobs(plain) == logprobs(r1)
+    if exact:
+        check("read-only plan: tokens and logprobs equal plain vLLM's (exactly)", True)
+    else:
+        # Exact only where vLLM itself is: run the plain batch once more. vLLM 0.24's CPU MoE (float32 torch
+        # path) was seen to differ from itself by ~2e-7 between identical batches; then the plan must stay
+        # within that kind of noise (1e-5 relative), with equal tokens, and the line says so.
+        again = fv.generate(llm, [{"prompt_token_ids": prompt_a}, {"prompt_token_ids": prompt_a},
+                                  {"prompt_token_ids": prompt_b}, {"prompt_token_ids": prompt_b}],
+                            [None, None, {"interventions": plan_edit, "base": work},
+                             {"interventions": plan_unfit, "base": work}], **tokens)[1]
+        vllm_exact = logprobs(again) == logprobs(plain)
+
+        def gap(a, b):
+            return max(abs(x[k] - y[k]) for x, y in zip(a, b) for k in x if k in y)
+        g = gap(logprobs(plain), logprobs(r1))
+        check("read-only plan: tokens and logprobs equal plain vLLM's (exactly)", False if vllm_exact else
+              list(plain.outputs[0].token_ids) == t1_ids and g <= 1e-5,
+              f"vLLM bit-reproducible across identical batches: {vllm_exact}; plan vs plain max |dlogprob| {g:.2e}")
 
     # transformers, unedited, on prompt A (prefill) and on A + generated tokens (the decode rows)
     hf = families.hf_model(folder)
