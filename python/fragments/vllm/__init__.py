@@ -1,0 +1,136 @@
+"""fragments inside vLLM: whole values at vLLM's real tensor-parallel layers, per-request plans.
+
+Installed as vLLM plugins by the package (pyproject.toml):
+  vllm.general_plugins  fragments = fragments.vllm:register            (every process: engine and workers)
+  vllm.logits_processors fragments = fragments.vllm:FragmentsPlanValidator  (front end: plan checks at submission)
+Workers need eager mode (LLM(..., enforce_eager=True)); see docs/vllm.md for the data flow.
+
+    from fragments import vllm as fv
+    llm = LLM(model_dir, tensor_parallel_size=2, enforce_eager=True)
+    outs = fv.generate(llm, ["The capital of France is"], [plan], max_tokens=4, temperature=0)
+    outs[0].outputs[0].text, outs[0].fragments["qkv"]      # saves: name -> tensor (rows of every step run)
+    fv.inspect(llm)["fragmented"]                          # location -> rule, without running a forward
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from typing import Any, Dict, List, Optional, Sequence
+
+from ._plan import EXTRA_KEY, RequestPlan
+
+__all__ = ["register", "FragmentsPlanValidator", "sampling_params", "generate", "take_saves", "inspect",
+           "EXTRA_KEY"]
+
+
+def register() -> None:
+    """vLLM's general plugin entry point: runs in every vLLM process, before workers are built. It gives the
+    processes a shared state folder (the workers write the model's locations there for the front end's
+    plan checks) and wraps the model runners (fragments/vllm/_worker.py). Safe to call more than once."""
+    if os.environ.get("FRAGMENTS_VLLM", "1") == "0":
+        return
+    if "FRAGMENTS_VLLM_DIR" not in os.environ:  # the first process; spawned workers inherit it
+        os.environ["FRAGMENTS_VLLM_DIR"] = tempfile.mkdtemp(prefix="fragments-vllm-")
+    from . import _worker
+    _worker.install()
+
+
+def _model_record() -> Optional[dict]:
+    directory = os.environ.get("FRAGMENTS_VLLM_DIR")
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, "model.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+try:
+    from vllm.v1.sample.logits_processor import LogitsProcessor as _VllmLogitsProcessor
+except ImportError:  # pragma: no cover - vLLM not installed: the validator is not needed
+    _VllmLogitsProcessor = object  # type: ignore
+
+
+class FragmentsPlanValidator(_VllmLogitsProcessor):  # type: ignore[misc]
+    """Checks a request's plan when it is submitted (vLLM calls validate_params in the front end; a
+    ValueError fails that request alone: LLM raises it, the OpenAI server answers 400). It changes no
+    logits."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        if EXTRA_KEY not in extra:
+            return
+        record = _model_record()
+        if record is None:
+            raise ValueError("fragments: this request has a plan but fragments' plugin is not active in vLLM's "
+                             "workers (no model record in FRAGMENTS_VLLM_DIR); load the plugin "
+                             "(VLLM_PLUGINS unset or listing 'fragments')")
+        plan = RequestPlan.parse(extra[EXTRA_KEY], "<request>", record)
+        if plan.error:
+            raise ValueError(plan.error)
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def apply(self, logits):
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+
+def sampling_params(plan: Any = None, key: Optional[str] = None, base: Optional[str] = None, **kwargs):
+    """vLLM SamplingParams carrying `plan` (a plan dict/list, or None) under a fresh key."""
+    from vllm import SamplingParams
+    extra = dict(kwargs.pop("extra_args", None) or {})
+    if plan is not None:
+        spec = {"interventions": plan} if isinstance(plan, list) else dict(plan)
+        spec["key"] = key or spec.get("key") or uuid.uuid4().hex
+        if base is not None:
+            spec["base"] = base
+        extra[EXTRA_KEY] = spec
+    return SamplingParams(extra_args=extra or None, **kwargs)
+
+
+def take_saves(llm, keys: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """The saves of finished requests, by key (rank 0's copy; every rank drops its own). Each entry is
+    {"error": str|None, "saves": {name: tensor}}."""
+    from safetensors.torch import load
+    answers = llm.collective_rpc("fragments_take_saves", args=(list(keys),))
+    first = next((a for a in answers if a is not None), None)
+    if first is None:
+        raise RuntimeError("fragments: no worker answered fragments_take_saves; is the plugin loaded?")
+    return {key: {"error": v["error"], "saves": load(v["data"]) if v["data"] else {}} for key, v in first.items()}
+
+
+def generate(llm, prompts, plans: Optional[List[Any]] = None, use_tqdm: bool = False, **sampling_kwargs):
+    """llm.generate with one plan per prompt (None: no plan); each RequestOutput gets `.fragments` (name ->
+    tensor) and `.fragments_error`."""
+    prompts = list(prompts) if not isinstance(prompts, (str, dict)) else [prompts]
+    plans = list(plans) if plans is not None else [None] * len(prompts)
+    if len(plans) != len(prompts):
+        raise ValueError(f"fragments: {len(plans)} plans for {len(prompts)} prompts")
+    params = [sampling_params(p, **sampling_kwargs) for p in plans]
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    keys = [p.extra_args[EXTRA_KEY]["key"] for p in params if p.extra_args and EXTRA_KEY in p.extra_args]
+    saved = take_saves(llm, keys) if keys else {}
+    for out, p in zip(outputs, params):
+        key = p.extra_args[EXTRA_KEY]["key"] if p.extra_args and EXTRA_KEY in p.extra_args else None
+        entry = saved.get(key, {"error": None, "saves": {}}) if key else {"error": None, "saves": {}}
+        out.fragments = entry["saves"]
+        out.fragments_error = entry["error"]
+    return outputs
+
+
+def inspect(llm) -> dict:
+    """The model's fragment table and locations as the workers classified them (no forward runs):
+    {"tp_size", "table", "fragmented": {location: rule text}, "refused": {location: why}, ...}."""
+    answers = llm.collective_rpc("fragments_model_record")
+    return answers[0]

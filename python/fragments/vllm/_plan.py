@@ -1,0 +1,128 @@
+"""A request's plan: the project's plan JSON (runtime/plan.h) plus, per intervention, the engine steps it
+runs at. Parsed by the C++ plan parser (runtime::Plan::from_json via fragments._C.parse_plan), then checked
+against the vLLM model's locations. Used twice with the same code: in the front end at submission
+(FragmentsPlanValidator.validate_params: a bad plan fails that request alone, before it runs) and in each
+worker when the request first appears in a batch (never raises there: an error is recorded for the
+request and its steps are skipped, on every rank alike).
+
+    SamplingParams(extra_args={"fragments": {
+        "key": "req-7",                      # saves come back under this key (default: vLLM's request id)
+        "base": "/data/steer",               # folder of relative "value" files (default: the worker's cwd)
+        "interventions": [
+          {"at": "model.layers.0.self_attn.qkv_proj.output", "do": "save", "as": "qkv", "step": 0},
+          {"at": "model.layers.1.output", "do": "add", "value": "steer.safetensors:v", "step": "all"}]}})
+
+"step": 0 = the prefill forward (every chunk of it), k = the k-th decode step, a list of those,
+"prefill", "decode" or "all" (the default).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Dict, List, Optional
+
+from .. import _C
+
+EXTRA_KEY = "fragments"
+_STEP_WORDS = ("all", "prefill", "decode")
+
+
+class Step:
+    __slots__ = ("at", "do", "as_", "by", "index", "value", "steps", "logits")
+
+    def __init__(self, d: dict, steps, logits: bool):
+        self.at, self.do, self.as_, self.by, self.index = d["at"], d["do"], d["as"], d["by"], d["index"]
+        self.value = d["value"]
+        self.steps = steps
+        self.logits = logits
+
+    def runs_at(self, step: int) -> bool:
+        s = self.steps
+        if s == "all":
+            return True
+        if s == "prefill":
+            return step == 0
+        if s == "decode":
+            return step > 0
+        return step in s
+
+
+class RequestPlan:
+    __slots__ = ("key", "steps", "error")
+
+    def __init__(self, key: str, steps: List[Step], error: Optional[str]):
+        self.key, self.steps, self.error = key, steps, error
+
+    @staticmethod
+    def parse(spec, req_id: str, record: dict, modules: Optional[set] = None) -> "RequestPlan":
+        """`record` is the worker's model record (WorkerState.model_record). Never raises."""
+        key = req_id
+        try:
+            if isinstance(spec, dict):
+                key = str(spec.get("key", req_id))
+            steps = _parse(spec, record, modules)
+            return RequestPlan(key, steps, None)
+        except (ValueError, RuntimeError, TypeError, KeyError) as e:  # _C.FragError is a RuntimeError
+            return RequestPlan(key, [], f"fragments plan of request {key}: {e}")
+
+
+def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    if isinstance(spec, list):
+        spec = {"interventions": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f'extra_args["{EXTRA_KEY}"] must be a plan object or list, found {type(spec).__name__}')
+    unknown = sorted(set(spec) - {"interventions", "key", "base"})
+    if unknown:
+        raise ValueError(f'unknown field(s) {unknown}; a request plan has "interventions", "key" and "base"')
+    if record.get("compiled"):
+        raise ValueError("per-request plans need vLLM's eager mode: start the engine with enforce_eager=True "
+                         "(the compiled model has no module hooks; docs/vllm.md)")
+    interventions = spec.get("interventions")
+    if not isinstance(interventions, list):
+        raise ValueError('"interventions" must be a list')
+    stripped, step_sets = [], []
+    for i, item in enumerate(interventions):
+        if not isinstance(item, dict):
+            raise ValueError(f"intervention {i} is not an object")
+        item = copy.copy(item)
+        step_sets.append(_steps(item.pop("step", "all"), i))
+        stripped.append(item)
+    base = spec.get("base") or os.getcwd()
+    parsed = _C.parse_plan(json.dumps({"interventions": stripped}), "request plan", base,
+                           json.dumps(record["table"]), record["qkv_attributes"])
+    module_set = modules if modules is not None else set(record["modules"])
+    steps = []
+    for i, d in enumerate(parsed):
+        at = d["at"]
+        path, _, side = at.rpartition(".")
+        where = f"intervention {i} at {at}"
+        if side not in ("input", "output") or path not in module_set:
+            raise ValueError(f"{where}: no such location; expected <module path>.input or .output of this vLLM "
+                             f"model (e.g. model.layers.0.mlp.down_proj.input)")
+        if side == "input" and path in record.get("logits_modules", ()):
+            raise ValueError(f"{where}: vLLM's logits processor takes the LM head module first, not a tensor; "
+                             "the hidden states it reads are the final norm's output (e.g. model.norm.output)")
+        if at in record["refused"]:
+            raise ValueError(f"{where}: {record['refused'][at]}")
+        if d["do"] == "call":
+            raise ValueError(f'{where}: "call" (ad-hoc module calls, logit lens) is not supported inside vLLM yet')
+        if d["visit"] not in (None, 0):
+            raise ValueError(f'{where}: "visit" {d["visit"]}: vLLM calls each module once per forward; use 0')
+        steps.append(Step(d, step_sets[i], path in record.get("logits_modules", ())))
+    return steps
+
+
+def _steps(value, i):
+    if isinstance(value, str):
+        if value not in _STEP_WORDS:
+            raise ValueError(f'intervention {i}: "step" "{value}" is not one of {", ".join(_STEP_WORDS)} or a '
+                             "step number")
+        return value
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f'intervention {i}: "step" must be "all", "prefill", "decode", a step number '
+                         f"(0 = prefill, k = k-th decode step) or a list of them, found {json.dumps(value)}")
+    return frozenset(values)

@@ -1,0 +1,130 @@
+"""Tiny checkpoints of real model families, written by transformers' save_pretrained, and the map from
+vLLM's locations to the same values read with transformers' forward hooks.
+
+Each family gives: a config (head_dim 64: vLLM's CPU attention refuses smaller heads), the module prefix of
+its decoder layers in vLLM, and for every location a plan saves, how to read the whole value from
+transformers' hooks (q|k|v and gate|up concatenated in logical order: what fragments must return).
+"""
+import torch
+import transformers
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gpt_neox")
+
+
+def config(family: str, heads: int = 4, kv_heads: int = 2):
+    # tp 3 (6 heads): every fragmented width and the padded vocab (380 -> 384) must divide by 3
+    common = dict(vocab_size=300 if heads % 3 else 380, hidden_size=64 * heads, num_hidden_layers=2, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=128, torch_dtype="float32")
+    if family == "llama":
+        return transformers.LlamaConfig(intermediate_size=64 * heads, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(intermediate_size=256, **common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=256, head_dim=64, **common)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=128,
+                                           shared_expert_intermediate_size=192, num_experts=4,
+                                           num_experts_per_tok=2, decoder_sparse_step=1, **common)
+    if family == "gemma2":
+        return transformers.Gemma2Config(intermediate_size=256, head_dim=64, sliding_window=64, **common)
+    if family == "gpt_neox":
+        c = dict(common)
+        c.pop("num_key_value_heads")
+        return transformers.GPTNeoXConfig(intermediate_size=256, rotary_pct=0.25, **c)
+    raise ValueError(family)
+
+
+def write_checkpoint(family: str, folder: str, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    cfg = config(family, heads, kv_heads)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # weights large enough that every layer matters (default init is tiny)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+
+
+def hf_model(folder: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+class Reader:
+    """vLLM location -> (HF module path, side, how to turn HF values into vLLM's whole value)."""
+
+    def __init__(self, family: str, cfg):
+        self.family, self.cfg = family, cfg
+
+    def layer_prefix(self, i):
+        return f"gpt_neox.layers.{i}" if self.family == "gpt_neox" else f"model.layers.{i}"
+
+    def locations(self, layers=(0, 1)):
+        """The fragmented and whole vLLM locations a test saves, per layer, with their HF readers."""
+        out = {}
+        f = self.family
+        for i in layers:
+            p = self.layer_prefix(i)
+            if f == "gpt_neox":
+                out[f"{p}.attention.query_key_value.output"] = ("neox_qkv", f"{p}.attention.query_key_value")
+                out[f"{p}.attention.dense.input"] = ("input", f"{p}.attention.dense")
+                out[f"{p}.attention.dense.output"] = ("output", f"{p}.attention.dense")
+                out[f"{p}.mlp.dense_h_to_4h.output"] = ("output", f"{p}.mlp.dense_h_to_4h")
+                out[f"{p}.mlp.dense_4h_to_h.input"] = ("input", f"{p}.mlp.dense_4h_to_h")
+                out[f"{p}.mlp.dense_4h_to_h.output"] = ("output", f"{p}.mlp.dense_4h_to_h")
+                continue
+            a = f"{p}.self_attn"
+            out[f"{a}.qkv_proj.output"] = ("cat", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])
+            out[f"{a}.o_proj.input"] = ("input", f"{a}.o_proj")
+            out[f"{a}.o_proj.output"] = ("output", f"{a}.o_proj")
+            if f == "qwen2_moe":
+                s = f"{p}.mlp.shared_expert"
+                out[f"{s}.gate_up_proj.output"] = ("cat", [f"{s}.gate_proj", f"{s}.up_proj"])
+                out[f"{s}.down_proj.input"] = ("input", f"{s}.down_proj")
+                out[f"{s}.down_proj.output"] = ("output", f"{s}.down_proj")  # a partial sum in vLLM at tp > 1
+                out[f"{p}.mlp.experts.output"] = ("output", f"{p}.mlp")  # routed + gated shared, all-reduced
+            else:
+                m = f"{p}.mlp"
+                out[f"{m}.gate_up_proj.output"] = ("cat", [f"{m}.gate_proj", f"{m}.up_proj"])
+                out[f"{m}.down_proj.input"] = ("input", f"{m}.down_proj")
+                out[f"{m}.down_proj.output"] = ("output", f"{m}.down_proj")
+        emb = "gpt_neox.embed_in" if f == "gpt_neox" else "model.embed_tokens"
+        # Gemma 2: transformers' embedding module scales by sqrt(hidden); vLLM's scales after its embed_tokens
+        out[f"{emb}.output"] = ("gemma_embed", emb) if f == "gemma2" else ("output", emb)
+        return out
+
+    def read(self, spec, captured):
+        kind, what = spec
+        if kind == "cat":
+            return torch.cat([captured[(m, "output")] for m in what], -1)
+        if kind == "neox_qkv":  # HF's fused layout is per head [q k v]; vLLM's (and the whole) is [Q | K | V]
+            t = captured[(what, "output")]
+            h = self.cfg.num_attention_heads
+            t = t.view(*t.shape[:-1], h, 3, -1)
+            return torch.cat([t[..., j, :].flatten(-2) for j in range(3)], -1)
+        if kind == "gemma_embed":
+            t = captured[(what, "output")]
+            return t / torch.tensor(self.cfg.hidden_size ** 0.5, dtype=t.dtype)
+        return captured[(what, kind)]
+
+
+def capture(model, modules, run):
+    """Runs `run()` with hooks capturing (module, "input"/"output") of every named module (first tensor,
+    the batch dim dropped, a clone: rotary edits q and k in place later)."""
+    captured, handles = {}, []
+    named = dict(model.named_modules())
+
+    def first(x):
+        x = x[0] if isinstance(x, tuple) else x
+        return x[0] if x.dim() == 3 else x  # [1, S, W] -> [S, W]; MoE blocks call experts on [S, W] already
+    for name in modules:
+        mod = named[name]
+        handles.append(mod.register_forward_pre_hook(
+            lambda m, args, name=name: captured.__setitem__((name, "input"), first(args[0]).detach().clone())))
+        handles.append(mod.register_forward_hook(
+            lambda m, args, out, name=name: captured.__setitem__((name, "output"), first(out).detach().clone())))
+    try:
+        result = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return captured, result
