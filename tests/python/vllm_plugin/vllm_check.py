@@ -178,8 +178,12 @@ def main():
         def gap(a, b):
             return max(abs(x[k] - y[k]) for x, y in zip(a, b) for k in x if k in y)
         g = gap(logprobs(plain), logprobs(r1))
-        check("read-only plan: tokens and logprobs equal plain vLLM's (exactly)", False if vllm_exact else
-              list(plain.outputs[0].token_ids) == t1_ids and g <= 1e-5,
+        # MoE: the CPU experts group tokens of every request in the step, and which requests share a step
+        # depends on when they reach vLLM's engine-core process (timing): bits then vary with the run,
+        # plan or not. Dense families: rows are independent, so exact is required.
+        moe = args.family == "qwen2_moe"
+        check("read-only plan: tokens and logprobs equal plain vLLM's (exactly; MoE: tokens and 1e-5)",
+              (moe or not vllm_exact) and list(plain.outputs[0].token_ids) == t1_ids and g <= 1e-5,
               f"vLLM bit-reproducible across identical batches: {vllm_exact}; plan vs plain max |dlogprob| {g:.2e}")
 
     # transformers, unedited, on prompt A (prefill) and on A + generated tokens (the decode rows)
