@@ -4,7 +4,7 @@
 #   passes/   ir/            (graph rewriting; no collectives)
 #   runtime/  ir/            (executes prepared programs; never rewrites graphs)
 #   program/  ir/ passes/ runtime/        (the C++ API)
-#   python/   ir/ runtime/ program/       (the Python front end: never the CLI in tools/)
+#   python/   ir/ passes/ runtime/ program/   (the Python front end, beside program/: never the CLI in tools/)
 #   tools/    any layer, and tools/       (the CLI, benchmarks, examples: on top; never tests/)
 # Bazel enforces runtime/ -> passes/ too (passes/BUILD's visibility); this also
 # covers the CMake build and headers that Bazel would only see when compiled.
@@ -25,7 +25,7 @@ declare -A ALLOWED=(
   [passes]='ir|passes'
   [runtime]='ir|runtime'
   [program]='ir|passes|runtime|program'
-  [python]='ir|runtime|program'
+  [python]='ir|passes|runtime|program'
   [tools]='ir|passes|runtime|program|tools'
 )
 for folder in ir passes runtime program python tools; do
