@@ -146,7 +146,9 @@ def main():
                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                          num_hidden_layers=args.layers, max_position_embeddings=args.max_positions, dtype=dtype)
     kit = LlamaForCausalLM(config).eval()
-    kit.load_state_dict({k: v for k, v in torch.jit.load(args.file).state_dict().items()})
+    # The rank file also holds the rotary tables (buffers the kit's module makes itself): weights only.
+    wanted = kit.state_dict().keys()
+    kit.load_state_dict({k: v for k, v in torch.jit.load(args.file).state_dict().items() if k in wanted})
     kit.to(device)
     hf = None
     if not args.skip_transformers:
