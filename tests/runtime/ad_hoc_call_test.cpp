@@ -181,7 +181,7 @@ TEST(AdHocCall, BadCallsFailBeforeAnythingRuns) {
   expect_apply_error({{"at", "model.layers.0.output"}, {"do", "call"}, {"modules", {"model.nope"}}, {"as", "x"}},
                      "unknown module 'model.nope'");
   expect_apply_error({{"at", "model.layers.0.output"}, {"do", "call"}, {"modules", {"model.layers.1"}}, {"as", "x"}},
-                     "model.layers.1 has no call wrapper for 1 tensor(s): its forward takes 2 argument(s)");
+                     "model.layers.1 has no call wrapper for 1 tensor(s): its forward takes 4 argument(s), 2 required");
   expect_apply_error({{"at", "model.layers.0.output"}, {"do", "call"}, {"modules", {"model.layers.0.self_attn.attn"}},
                       {"as", "x"}},
                      "model.layers.0.self_attn.attn has no call wrapper");

@@ -112,7 +112,7 @@ TEST(Plan, MisspeltFieldsAndActionsGetADidYouMean) {
   // Issue 16: "unknown field \"actoin\"" said neither which field was meant nor which exist.
   EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"vist", 1}}}),
             "plan.json: intervention 0: unknown field \"vist\" (did you mean \"visit\"?); a step's fields are at, do, "
-            "as, value, by, index, segment, heads, visit, modules");
+            "as, value, by, index, segment, heads, visit, modules, steps, rows");
   // The words a user may write for a field, and their typos, point at the field's name.
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"actoin", "zero"}}}),
               HasSubstr("unknown field \"actoin\" (did you mean \"do\"?)"));
