@@ -64,9 +64,11 @@ def scenarios(model, ids, other_ids):
     out["lens_outside"] = model.lm_head(m.norm(resid.value))
     out.update(heads(model, ids))
     out.update(repeats(model, ids, hidden))
-    # Greedy generation with a steering edit at every step; saves are per-step lists.
+    # Greedy generation with a steering edit at every step; saves are per-step lists. The edit covers every
+    # position a forward computes: each position is then steered exactly once whether the file decodes from
+    # a KV cache (TorchScript: one new position a step) or recomputes the prefix (.pt2), so both agree.
     with model.generate(ids[:, :4], max_new_tokens=3):
-        m.layers[0].output[:, -1] += 4 * _vector(hidden, 1)
+        m.layers[0].output[:] += 4 * _vector(hidden, 1)
         steps = m.layers[1].output.save()
         tokens = model.output.save()
     out["gen_tokens"] = tokens.value

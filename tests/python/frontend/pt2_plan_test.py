@@ -146,6 +146,14 @@ class Pt2PlanTest(unittest.TestCase):
         torchscript = fragments.launch(worker.scenarios_on_rank, world=2, args=(pattern("llama_tp2", "pt"), ids, other))
         for r in range(2):
             self.assertEqual(sorted(exported[r]), sorted(torchscript[r]))
+            # Generation: a .pt2 archive has no cached forward yet, so it recomputes the prefix each step and
+            # its per-step saves hold every position ([3, 4, 5, 6] wide), the KV-cached TorchScript file's the
+            # new one ([3, 4, 1, 1]); the tokens, and the last step's last position, must agree.
+            pt2_steps, ts_steps = exported[r].pop("gen_steps"), torchscript[r].pop("gen_steps")
+            self.assertEqual(pt2_steps.tolist(), [3, 4, 5, 6], f"rank {r}: .pt2 per-step save widths")
+            self.assertEqual(ts_steps.tolist(), [3, 4, 1, 1], f"rank {r}: TorchScript per-step save widths")
+            self.check_close(exported[r].pop("gen_last")[:, -1:], torchscript[r].pop("gen_last"),
+                             f"rank {r}: the last generation step's last position")
             for name, value in exported[r].items():
                 if value.is_floating_point():
                     self.check_close(value, torchscript[r][name], f"rank {r}: {name}")
