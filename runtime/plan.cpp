@@ -264,10 +264,6 @@ std::vector<std::string> field_names(const nlohmann::json& step) {
   return names;
 }
 
-/// The fields a plan step may have, in the README's order.
-const std::vector<std::string> kStepFields = {"at", "do", "as", "value", "by", "index", "segment", "heads", "visit",
-                                              "modules", "steps", "rows"};
-
 /// Words a user may write for a field (and their typos, by edit distance): "action" is "do".
 constexpr std::pair<const char*, const char*> kFieldSynonyms[] = {
     {"action", "do"},   {"op", "do"},         {"location", "at"}, {"loc", "at"},       {"where", "at"},
@@ -287,7 +283,7 @@ const char* expected_in(const std::string& key) {
 
 /// " (did you mean \"do\"?)" for an unknown field `key`, or "".
 std::string field_suggestion(const std::string& key) {
-  std::vector<std::string> candidates = kStepFields;
+  std::vector<std::string> candidates = plan_step_fields();
   for (const auto& [synonym, _] : kFieldSynonyms) candidates.emplace_back(synonym);
   const auto close = ir::closest_names(key, candidates, 1);
   if (close.empty()) return "";
@@ -297,7 +293,8 @@ std::string field_suggestion(const std::string& key) {
   return fmt::format(" (did you mean \"{}\"?)", field);
 }
 
-/// Names the first field of `step` whose JSON type is not the one its key needs.
+/// Names the first field of `step` whose JSON type is not the one its key needs ("" if none). "heads",
+/// "visit", "steps" and "rows" say what they need where they are read.
 std::string wrong_type(const nlohmann::json& step) {
   for (const auto& [key, value] : step.items()) {
     const char* expected = nullptr;
@@ -313,169 +310,254 @@ std::string wrong_type(const nlohmann::json& step) {
     }
     if (expected) return fmt::format("\"{}\" must be {}, got {}", key, expected, value.dump());
   }
-  return "a field has the wrong type";
+  return "";
+}
+
+/// The checks every field takes whatever the action (the schema's step properties): "at" and "do" given,
+/// no unknown field, no empty string, each field's JSON type.
+void check_fields(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) fail("{} is not an object", where);
+  for (const char* key : {"at", "do"})
+    if (!j.contains(key))
+      fail("{}: needs \"{}\" ({}); it has {}", where, key,
+           std::string(key) == "at" ? "the location, e.g. \"model.layers.0.mlp.output\""
+                                    : "the action: save, set, add, scale, zero or call",
+           j.empty() ? std::string("no fields") : fmt::format("the fields {}", fmt::join(field_names(j), ", ")));
+  const auto& fields = plan_step_fields();
+  for (const auto& [key, _] : j.items())
+    if (std::find(fields.begin(), fields.end(), key) == fields.end())
+      fail("{}: unknown field \"{}\"{}; a step's fields are {}", where, key, field_suggestion(key),
+           fmt::join(fields, ", "));
+  // An empty string names nothing: say which field, and what it should hold.
+  for (const auto& [key, value] : j.items())
+    if (value.is_string() && value.get_ref<const std::string&>().empty() && expected_in(key) != nullptr)
+      fail("{}: \"{}\" is empty: expected {}", where, key, expected_in(key));
+  if (const auto wrong = wrong_type(j); !wrong.empty()) fail("{}: {}", where, wrong);
+}
+
+Action read_action(const std::string& text, const std::string& where) {
+  const auto action = parse_action(text);
+  if (!action) {
+    const auto close = ir::closest_names(text, action_names(), 1);
+    fail("{}: unknown action \"{}\"{}; expected one of save, set, add, scale, zero, call", where, text,
+         close.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", close.front()));
+  }
+  return *action;
+}
+
+/// "file.safetensors:tensor": a file before the last ':' and a tensor name after it.
+void check_value_ref(const std::string& value, const std::string& where) {
+  const auto colon = value.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == value.size())
+    fail("{}: \"value\" must be \"file.safetensors:tensor\", got \"{}\"{}", where, value,
+         colon == std::string::npos ? ""
+         : colon == 0               ? " (no file before ':')"
+                                    : " (no tensor name after ':')");
+}
+
+/// "as", "value", "by" and "modules": what the action needs, checked wherever given.
+void read_operands(const nlohmann::json& j, PlanStep& step, const std::string& where) {
+  const char* action = action_name(step.action);
+  const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
+  if (names_output && !j.contains("as")) fail("{}: \"{}\" needs \"as\": the name to save under", where, action);
+  if (j.contains("as")) {
+    const auto as = j.at("as").get<std::string>();
+    // Names become safetensors keys and lines of output: no control characters (a NUL, a newline).
+    if (std::any_of(as.begin(), as.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
+      fail("{}: \"as\": \"{}\" holds a control character; a saved name must be printable", where, as);
+    if (reserved_save_name(as))
+      fail("{}: \"as\": \"{}\" is reserved (frag run --out writes the logits and metadata under it)", where, as);
+    if (names_output) step.as = as;
+  }
+  const bool takes_value = step.action == Action::kSet || step.action == Action::kAdd;
+  if (takes_value && !j.contains("value"))
+    fail("{}: \"{}\" needs \"value\": \"file.safetensors:tensor\"", where, action);
+  if (j.contains("value")) {
+    const auto value = j.at("value").get<std::string>();
+    check_value_ref(value, where);
+    if (takes_value) step.value = value;
+  }
+  if (step.action == Action::kScale) {
+    if (!j.contains("by")) fail("{}: \"scale\" needs \"by\": the factor", where);
+    step.by = j.at("by").get<double>();
+  }
+  if (step.action == Action::kCall && !j.contains("modules"))
+    fail("{}: \"call\" needs \"modules\": the module paths to call, e.g. [\"model.norm\", \"lm_head\"]", where);
+  if (j.contains("modules")) {
+    const auto modules = j.at("modules").get<std::vector<std::string>>();
+    if (modules.empty())
+      fail("{}: \"modules\" is empty: expected the module paths to call, e.g. [\"model.norm\", \"lm_head\"]", where);
+    for (size_t m = 0; m < modules.size(); ++m)
+      if (modules[m].empty())
+        fail("{}: \"modules\": entry {} is empty: expected a module path such as \"model.norm\"", where, m);
+    if (step.action == Action::kCall) step.modules = modules;
+  }
+}
+
+/// "heads": a non-empty list of head numbers, each run of one sign consecutive and ascending.
+void read_heads(const nlohmann::json& heads, PlanStep& step, const std::string& where) {
+  if (!heads.is_array() || heads.empty() ||
+      !std::all_of(heads.begin(), heads.end(), [](const auto& h) { return h.is_number_integer(); }))
+    fail("{}: \"heads\" must be a non-empty list of head numbers, e.g. [2], got {}", where, heads.dump());
+  for (const auto& h : heads) {
+    if (h.is_number_unsigned() && h.get<uint64_t>() > INT64_MAX)
+      fail("{}: \"heads\": {} is not a head number", where, h.dump());
+    step.heads.push_back(h.get<int64_t>());
+  }
+  // One slice of the last dim stands for them: only a run of consecutive heads is one slice. Negative
+  // numbers count from the end (-1: the last head); a run of one sign is checked here, one mixing
+  // signs when resolve_heads knows the segment's head count.
+  for (size_t h = 1; h < step.heads.size(); ++h)
+    if ((step.heads[h] < 0) == (step.heads[h - 1] < 0) && step.heads[h] != step.heads[h - 1] + 1)
+      fail("{}: \"heads\" must be consecutive head numbers in ascending order (e.g. [2, 3], or [-2, -1] "
+           "counted from the end), got {}; write one step per run of heads",
+           where, heads.dump());
+}
+
+/// "index", "segment" and "heads": the part of the whole a step acts on.
+void read_selection(const nlohmann::json& j, PlanStep& step, const std::string& where) {
+  if (j.contains("index")) {
+    if (step.action == Action::kSave || step.action == Action::kCall)
+      fail("{}: \"index\" applies to edits only", where);
+    try {
+      step.index = WholeIndex::parse(j.at("index").get<std::string>());
+    } catch (const Error& e) {
+      fail("{}: \"index\": {}", where, e.what());
+    }
+  }
+  if (!j.contains("segment") && !j.contains("heads")) return;
+  if (step.action == Action::kCall) fail("{}: \"segment\" and \"heads\" apply to edits and saves only", where);
+  if (j.contains("segment")) step.segment = j.at("segment").get<std::string>();
+  if (j.contains("heads")) read_heads(j.at("heads"), step, where);
+  // The segment's slice becomes the last component: an index beside it may only address leading dims.
+  if (step.index && step.index->items.back().kind != IndexItem::Kind::kEllipsis)
+    fail("{}: \"index\" '{}' may address the last dim, which \"segment\"/\"heads\" select; end it with "
+         "'...' to index the leading dims only (e.g. \"0,...\")",
+         where, step.index->text);
+}
+
+/// "visit", "steps" and "rows": when and on which batch rows a step acts.
+void read_when(const nlohmann::json& j, PlanStep& step, const std::string& where) {
+  if (j.contains("visit")) {
+    const auto& visit = j.at("visit");
+    if (!visit.is_number_integer() || (visit.is_number_unsigned() && visit.get<uint64_t>() > INT64_MAX))
+      fail("{}: \"visit\" must be a whole number of calls (0 for the first), got {}", where, visit.dump());
+    step.visit = visit.get<int64_t>();
+    if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
+  }
+  if (j.contains("steps")) parse_steps(j.at("steps"), step, where);
+  if (j.contains("rows")) {
+    const auto& rows = j.at("rows");
+    if (!rows.is_array() || rows.empty())
+      fail("{}: \"rows\" must be a non-empty list of batch rows such as [0, 2], got {}", where, rows.dump());
+    for (const auto& r : rows) {
+      if (!r.is_number_integer() || r.get<int64_t>() < 0)
+        fail("{}: \"rows\" must list non-negative row numbers, got {}", where, rows.dump());
+      if (!step.rows.empty() && r.get<int64_t>() <= step.rows.back())
+        fail("{}: \"rows\" must be in ascending order without repeats, got {}", where, rows.dump());
+      step.rows.push_back(r.get<int64_t>());
+    }
+  }
+}
+
+/// A plan's list of steps: the JSON itself (a bare list) or its "interventions", after its "format".
+const nlohmann::json& interventions_of(const nlohmann::json& json, const std::string& source) {
+  if (json.is_array()) return json;
+  if (!json.is_object())
+    fail("{}: a plan is {{\"format\": \"{}\", \"interventions\": [...]}} or a list of steps, got {}", source,
+         kPlanFormat, json.type_name());
+  std::vector<std::string> keys;
+  for (const auto& [key, _] : json.items()) keys.push_back(key);
+  if (!json.contains("interventions")) {
+    const auto close = ir::closest_names("interventions", keys, 1);
+    fail("{}: a plan needs \"interventions\": [...]{}", source,
+         close.empty() ? "" : fmt::format(" (found \"{}\"; did you mean \"interventions\"?)", close.front()));
+  }
+  if (json.contains("format")) {
+    const auto& format = json.at("format");
+    if (!format.is_string())
+      fail("{}: \"format\" must be a string such as \"{}\", got {}", source, kPlanFormat, format.dump());
+    if (format.get<std::string>() != kPlanFormat)
+      fail("{}: plan format is \"{}\", expected \"{}\" (this build reads that version only)", source,
+           format.get<std::string>(), kPlanFormat);
+  }
+  for (const auto& key : keys)
+    if (key != "format" && key != "interventions") {
+      const auto close = ir::closest_names(key, {"format", "interventions"}, 1);
+      fail("{}: unknown plan field \"{}\"{}; a plan has \"format\" and \"interventions\"", source, key,
+           close.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", close.front()));
+    }
+  const auto& list = json.at("interventions");
+  if (!list.is_array()) fail("{}: \"interventions\" must be a list", source);
+  return list;
 }
 
 }  // namespace
+
+std::vector<std::string> action_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, _] : kActions) names.emplace_back(name);
+  return names;
+}
+
+const std::vector<std::string>& plan_step_fields() {
+  static const std::vector<std::string> fields = {"at",    "do",    "as",      "value", "by",    "index",
+                                                  "segment", "heads", "visit", "modules", "steps", "rows"};
+  return fields;
+}
+
+PlanStep parse_step(const nlohmann::json& j, const std::string& where) {
+  check_fields(j, where);
+  PlanStep step;
+  try {
+    step.at = j.at("at").get<std::string>();
+    step.action = read_action(j.at("do").get<std::string>(), where);
+    read_operands(j, step, where);
+    read_selection(j, step, where);
+    read_when(j, step, where);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: {}", where, e.what());
+  }
+  return step;
+}
 
 Plan Plan::from_file(const std::string& path) {
   return from_json(ir::read_json_file(path, "plan"), path, std::filesystem::path(path).parent_path().string());
 }
 
-Plan Plan::from_json(const nlohmann::json& json, const std::string& source, const std::string& base) {
-  const nlohmann::json* list = &json;
-  if (json.is_object()) {
-    if (!json.contains("interventions")) {
-      std::vector<std::string> keys;
-      for (const auto& [key, _] : json.items()) keys.push_back(key);
-      const auto close = ir::closest_names("interventions", keys, 1);
-      fail("{}: a plan needs \"interventions\": [...]{}", source,
-           close.empty() ? "" : fmt::format(" (found \"{}\"; did you mean \"interventions\"?)", close.front()));
-    }
-    list = &json["interventions"];
-  }
-  if (!list->is_array()) fail("{}: \"interventions\" must be a list", source);
+Plan Plan::parse(const nlohmann::json& json, const std::string& source) {
+  const auto& list = interventions_of(json, source);
   Plan plan;
   plan.source = source;
   std::set<std::string> saved_names;
-  for (size_t i = 0; i < list->size(); ++i) {
-    const auto& j = (*list)[i];
+  for (size_t i = 0; i < list.size(); ++i) {
     const std::string where = fmt::format("{}: intervention {}", source, i);
-    if (!j.is_object()) fail("{} is not an object", where);
-    PlanStep step;
-    for (const char* key : {"at", "do"})
-      if (!j.contains(key))
-        fail("{}: needs \"{}\" ({}); it has {}", where, key,
-             std::string(key) == "at" ? "the location, e.g. \"model.layers.0.mlp.output\""
-                                      : "the action: save, set, add, scale, zero or call",
-             j.empty() ? std::string("no fields") : fmt::format("the fields {}", fmt::join(field_names(j), ", ")));
-    try {
-      for (const auto& [key, _] : j.items())
-        if (std::find(kStepFields.begin(), kStepFields.end(), key) == kStepFields.end())
-          fail("{}: unknown field \"{}\"{}; a step's fields are {}", where, key, field_suggestion(key),
-               fmt::join(kStepFields, ", "));
-      // An empty string names nothing: say which field, and what it should hold.
-      for (const auto& [key, value] : j.items())
-        if (value.is_string() && value.get_ref<const std::string&>().empty() && expected_in(key) != nullptr)
-          fail("{}: \"{}\" is empty: expected {}", where, key, expected_in(key));
-      step.at = j.at("at").get<std::string>();
-      const auto action_text = j.at("do").get<std::string>();
-      const auto action = parse_action(action_text);
-      if (!action) {
-        std::vector<std::string> names;
-        for (const auto& [name, _] : kActions) names.emplace_back(name);
-        const auto close = ir::closest_names(action_text, names, 1);
-        fail("{}: unknown action \"{}\"{}; expected one of save, set, add, scale, zero, call", where, action_text,
-             close.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", close.front()));
-      }
-      step.action = *action;
-      const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
-      if (names_output) {
-        if (!j.contains("as")) fail("{}: \"{}\" needs \"as\": the name to save under", where, action_text);
-        step.as = j.at("as").get<std::string>();
-        // Names become safetensors keys and lines of output: no control characters (a NUL, a newline).
-        if (std::any_of(step.as.begin(), step.as.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
-          fail("{}: \"as\": \"{}\" holds a control character; a saved name must be printable", where, step.as);
-        if (reserved_save_name(step.as))
-          fail("{}: \"as\": \"{}\" is reserved (frag run --out writes the logits and metadata under it)", where,
-               step.as);
-        if (!saved_names.insert(step.as).second)
-          fail("{}: \"as\": \"{}\" is already saved by an earlier step; give each step its own name", where,
-               step.as);
-      }
-      if (step.action == Action::kSet || step.action == Action::kAdd) step.value = j.at("value").get<std::string>();
-      if (step.action == Action::kScale) step.by = j.at("by").get<double>();
-      if (step.action == Action::kCall) {
-        step.modules = j.at("modules").get<std::vector<std::string>>();
-        if (step.modules.empty())
-          fail("{}: \"modules\" is empty: expected the module paths to call, e.g. [\"model.norm\", \"lm_head\"]",
-               where);
-        for (size_t m = 0; m < step.modules.size(); ++m)
-          if (step.modules[m].empty())
-            fail("{}: \"modules\": entry {} is empty: expected a module path such as \"model.norm\"", where, m);
-      }
-      if (j.contains("index")) {
-        if (names_output) fail("{}: \"index\" applies to edits only", where);
-        try {
-          step.index = WholeIndex::parse(j.at("index").get<std::string>());
-        } catch (const Error& e) {
-          fail("{}: \"index\": {}", where, e.what());
-        }
-      }
-      if (j.contains("segment") || j.contains("heads")) {
-        if (step.action == Action::kCall) fail("{}: \"segment\" and \"heads\" apply to edits and saves only", where);
-        if (j.contains("segment")) {
-          step.segment = j.at("segment").get<std::string>();
-          if (step.segment.empty()) fail("{}: \"segment\" is empty; expected q, k or v", where);
-        }
-        if (j.contains("heads")) {
-          const auto& heads = j.at("heads");
-          if (!heads.is_array() || heads.empty() ||
-              !std::all_of(heads.begin(), heads.end(), [](const auto& h) { return h.is_number_integer(); }))
-            fail("{}: \"heads\" must be a non-empty list of head numbers, e.g. [2], got {}", where, heads.dump());
-          for (const auto& h : heads) {
-            if (h.is_number_unsigned() && h.get<uint64_t>() > INT64_MAX)
-              fail("{}: \"heads\": {} is not a head number", where, h.dump());
-            step.heads.push_back(h.get<int64_t>());
-          }
-          // One slice of the last dim stands for them: only a run of consecutive heads is one slice. Negative
-          // numbers count from the end (-1: the last head); a run of one sign is checked here, one mixing
-          // signs when resolve_heads knows the segment's head count.
-          for (size_t h = 1; h < step.heads.size(); ++h)
-            if ((step.heads[h] < 0) == (step.heads[h - 1] < 0) && step.heads[h] != step.heads[h - 1] + 1)
-              fail("{}: \"heads\" must be consecutive head numbers in ascending order (e.g. [2, 3], or [-2, -1] "
-                   "counted from the end), got {}; write one step per run of heads",
-                   where, heads.dump());
-        }
-        // The segment's slice becomes the last component: an index beside it may only address leading dims.
-        if (step.index && step.index->items.back().kind != IndexItem::Kind::kEllipsis)
-          fail("{}: \"index\" '{}' may address the last dim, which \"segment\"/\"heads\" select; end it with "
-               "'...' to index the leading dims only (e.g. \"0,...\")",
-               where, step.index->text);
-      }
-      if (j.contains("visit")) {
-        const auto& visit = j.at("visit");
-        if (!visit.is_number_integer() || (visit.is_number_unsigned() && visit.get<uint64_t>() > INT64_MAX))
-          fail("{}: \"visit\" must be a whole number of calls (0 for the first), got {}", where, visit.dump());
-        step.visit = visit.get<int64_t>();
-        if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
-      }
-      if (j.contains("steps")) parse_steps(j.at("steps"), step, where);
-      if (j.contains("rows")) {
-        const auto& rows = j.at("rows");
-        if (!rows.is_array() || rows.empty())
-          fail("{}: \"rows\" must be a non-empty list of batch rows such as [0, 2], got {}", where, rows.dump());
-        for (const auto& r : rows) {
-          if (!r.is_number_integer() || r.get<int64_t>() < 0)
-            fail("{}: \"rows\" must list non-negative row numbers, got {}", where, rows.dump());
-          if (!step.rows.empty() && r.get<int64_t>() <= step.rows.back())
-            fail("{}: \"rows\" must be in ascending order without repeats, got {}", where, rows.dump());
-          step.rows.push_back(r.get<int64_t>());
-        }
-      }
-    } catch (const nlohmann::json::type_error&) {
-      // Which field has the wrong type: the library's message names only the types.
-      fail("{}: {}", where, wrong_type(j));
-    } catch (const nlohmann::json::exception& e) {
-      fail("{}: {}", where, e.what());
-    }
-    if (!step.value.empty()) {
-      auto colon = step.value.rfind(':');
-      if (colon == std::string::npos || colon == 0 || colon + 1 == step.value.size())
-        fail("{}: \"value\" must be \"file.safetensors:tensor\", got \"{}\"{}", where, step.value,
-             colon == std::string::npos ? ""
-             : colon == 0               ? " (no file before ':')"
-                                        : " (no tensor name after ':')");
-      std::filesystem::path file = step.value.substr(0, colon);
-      if (file.is_relative() && !base.empty()) file = std::filesystem::path(base) / file;
-      auto tensors = read_safetensors(file.string());
-      auto it = tensors.find(step.value.substr(colon + 1));
-      if (it == tensors.end())
-        fail("{}: {} has no tensor \"{}\"", where, file.string(), step.value.substr(colon + 1));
-      step.value_tensor = it->second;
-    }
+    PlanStep step = parse_step(list[i], where);
+    if (!step.as.empty() && !saved_names.insert(step.as).second)
+      fail("{}: \"as\": \"{}\" is already saved by an earlier step; give each step its own name", where, step.as);
     plan.steps.push_back(std::move(step));
   }
+  return plan;
+}
+
+void Plan::load_values(const std::string& base) {
+  for (size_t i = 0; i < steps.size(); ++i) {
+    PlanStep& step = steps[i];
+    if (step.value.empty()) continue;
+    const auto colon = step.value.rfind(':');
+    std::filesystem::path file = step.value.substr(0, colon);
+    if (file.is_relative() && !base.empty()) file = std::filesystem::path(base) / file;
+    auto tensors = read_safetensors(file.string());
+    auto it = tensors.find(step.value.substr(colon + 1));
+    if (it == tensors.end())
+      fail("{}: intervention {}: {} has no tensor \"{}\"", source, i, file.string(), step.value.substr(colon + 1));
+    step.value_tensor = it->second;
+  }
+}
+
+Plan Plan::from_json(const nlohmann::json& json, const std::string& source, const std::string& base) {
+  Plan plan = parse(json, source);
+  plan.load_values(base);
   return plan;
 }
 

@@ -1,7 +1,9 @@
 //===- runtime/plan.h - Intervention plans (JSON) ----------------*- C++ -*-===//
 //
-// A plan is the same JSON file on every rank: a list of interventions.
-//   {"interventions": [
+// A plan is the same JSON file on every rank: a list of interventions. Its
+// format, "fragments.plan/1", is defined once in runtime/plan.schema.json (JSON
+// Schema); this parser reads exactly what it allows (tests/runtime/plan_schema_test.py).
+//   {"format": "fragments.plan/1", "interventions": [
 //     {"at": "model.layers.0.mlp.down_proj.input", "do": "save", "as": "down_in"},
 //     {"at": "model.layers.1.output", "do": "add", "value": "steer.safetensors:v",
 //      "index": "...,0:64", "visit": 0},
@@ -10,7 +12,8 @@
 // "do": save | set | add | scale | zero | call. "index" is a numpy-style basic
 // index of the whole tensor: comma-separated integers, slices a:b:c and one
 // "..."; "visit" restricts a step to the k-th call of that module in a
-// forward. A bare JSON list of steps is accepted too.
+// forward. A plan without "format", or a bare JSON list of steps, reads as
+// fragments.plan/1; another format is refused in words.
 //
 // In generation (program/decoder.h: step 0 is the prefill, step k >= 1 the
 // k-th decode step) "steps" names the steps a plan step acts at: "prefill",
@@ -66,11 +69,18 @@ struct WholeIndex {
   void check_last_dim(int64_t width, const std::string& location) const;
 };
 
+/// The plan format this parser reads: a plan's "format" (absent: this one).
+inline constexpr const char* kPlanFormat = "fragments.plan/1";
+
 /// What a step does. Parsed once from the plan's "do"; run time switches on it.
 enum class Action { kSave, kSet, kAdd, kScale, kZero, kCall };
 
 /// The plan's word for an action ("save", …).
 const char* action_name(Action action);
+/// Every action's word, in Action's order (the schema's "do" enum).
+std::vector<std::string> action_names();
+/// A step's fields, in the README's order (the schema's step properties).
+const std::vector<std::string>& plan_step_fields();
 /// Whether the action changes the whole tensor.
 bool edits(Action action);
 
@@ -99,6 +109,10 @@ struct PlanStep {
   std::string describe() const;
 };
 
+/// Parses one step (a JSON object) into its typed form; `where` starts every error. No I/O: a "value"
+/// is named (checked as "file:tensor"), not loaded.
+PlanStep parse_step(const nlohmann::json& json, const std::string& where);
+
 /// Replaces a step's "segment"/"heads" by the equivalent index on the last dim,
 /// given its location's head layout (ir::head_layout). Errors start with `where`
 /// and name the location: an unknown segment, a head out of range, a location
@@ -114,8 +128,14 @@ struct Plan {
 
   /// Reads a plan file and the tensors it names (paths relative to the plan's folder).
   static Plan from_file(const std::string& path);
-  /// Parses a plan; `source` names it in errors; `base` is the folder value paths are relative to.
+  /// Parses a plan and loads its values; `source` names it in errors; `base` is the folder value paths are
+  /// relative to.
   static Plan from_json(const nlohmann::json& json, const std::string& source, const std::string& base);
+  /// Parses a plan without reading its values (step.value named, value_tensor undefined): its format
+  /// checked, every step typed, each save name used once.
+  static Plan parse(const nlohmann::json& json, const std::string& source);
+  /// Loads every step's "value" (relative paths under `base`).
+  void load_values(const std::string& base);
 };
 
 /// Names a save may not take: they would overwrite the logits or the file's metadata in `frag run --out`.

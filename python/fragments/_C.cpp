@@ -40,48 +40,41 @@ void bind_rules(py::module& m);  // _C_rules.cpp: the rule library and plans for
 namespace {
 
 using program::ShardedModel;
-using runtime::Action;
 using runtime::Plan;
 using runtime::PlanStep;
 using runtime::RankContext;
 
-std::optional<Action> parse_action(const std::string& name) {
-  for (Action action : {Action::kSave, Action::kSet, Action::kAdd, Action::kScale, Action::kZero, Action::kCall})
-    if (name == runtime::action_name(action)) return action;
-  return std::nullopt;
+/// A JSON value from Python's: what a Step's to_json() returns (dicts, lists, strings, numbers, None).
+nlohmann::json json_of(const py::handle& value) {
+  if (value.is_none()) return nullptr;
+  if (py::isinstance<py::bool_>(value)) return value.cast<bool>();
+  if (py::isinstance<py::int_>(value)) return value.cast<int64_t>();
+  if (py::isinstance<py::float_>(value)) return value.cast<double>();
+  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
+  if (py::isinstance<py::dict>(value)) {
+    auto out = nlohmann::json::object();
+    for (const auto& [key, item] : value.cast<py::dict>()) out[key.cast<std::string>()] = json_of(item);
+    return out;
+  }
+  if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+    auto out = nlohmann::json::array();
+    for (const auto& item : value) out.push_back(json_of(item));
+    return out;
+  }
+  if (py::hasattr(value, "__index__"))  // numpy integers
+    return py::int_(py::reinterpret_borrow<py::object>(value)).cast<int64_t>();
+  fail("a plan step holds a {}, not a JSON value", std::string(py::str(value.get_type().attr("__name__"))));
 }
 
-/// One plan step from Python's typed record (python/fragments/_trace.py: Step).
-PlanStep make_step(const py::handle& record) {
-  PlanStep step;
-  step.at = record.attr("at").cast<std::string>();
-  const auto action_text = record.attr("do").cast<std::string>();
-  const auto action = parse_action(action_text);
-  if (!action) fail("{}: unknown action \"{}\"", step.at, action_text);
-  step.action = *action;
-  step.as = record.attr("as_").cast<std::string>();
-  step.by = record.attr("by").cast<double>();
-  py::object index = record.attr("index");
-  if (!index.is_none()) step.index = runtime::WholeIndex::parse(index.cast<std::string>());
-  py::object visit = record.attr("visit");
-  if (!visit.is_none()) step.visit = visit.cast<int64_t>();
-  step.modules = record.attr("modules").cast<std::vector<std::string>>();
-  // Generation: the steps and batch rows a step acts at (runtime/plan.h), where the record names them.
-  py::object steps = py::getattr(record, "steps", py::none());
-  if (!steps.is_none()) {
-    auto json = nlohmann::json::array({nlohmann::json::object({{"at", step.at}, {"do", "save"}, {"as", "s"}})});
-    json[0]["steps"] = py::isinstance<py::int_>(steps) ? nlohmann::json(steps.cast<int64_t>())
-                                                       : nlohmann::json(steps.cast<std::string>());
-    const auto parsed = Plan::from_json(json, step.at, "").steps.at(0);
-    step.steps = parsed.steps, step.steps_from = parsed.steps_from, step.steps_to = parsed.steps_to;
-  }
-  py::object rows = py::getattr(record, "rows", py::none());
-  if (!rows.is_none()) {
-    auto json = nlohmann::json::array({nlohmann::json::object({{"at", step.at}, {"do", "save"}, {"as", "s"}})});
-    json[0]["rows"] = rows.cast<std::vector<int64_t>>();
-    step.rows = Plan::from_json(json, step.at, "").steps.at(0).rows;
-  }
+/// One plan step from Python's typed record (python/fragments/_model.py: Step): its JSON (Step.to_json, the
+/// format runtime/plan.schema.json defines) parsed by the plan parser; a tensor value is attached after.
+PlanStep make_step(const py::handle& record, const std::string& source, size_t i) {
   py::object value = record.attr("value");
+  // A tensor given in Python has no file: the parser checks the reference's form only, never reads it.
+  py::object json = record.attr("to_json")(value.is_none() ? py::none() : py::str("python:value"));
+  const std::string where =
+      fmt::format("{}: intervention {} at {}", source, i, record.attr("at").cast<std::string>());
+  PlanStep step = runtime::parse_step(json_of(json), where);
   if (!value.is_none()) {
     step.value_tensor = value.cast<torch::Tensor>().contiguous();
     step.value = record.attr("value_name").cast<std::string>();
@@ -92,7 +85,7 @@ PlanStep make_step(const py::handle& record) {
 Plan make_plan(const py::list& records, const std::string& source) {
   Plan plan;
   plan.source = source;
-  for (const auto& record : records) plan.steps.push_back(make_step(record));
+  for (const auto& record : records) plan.steps.push_back(make_step(record, source, plan.steps.size()));
   return plan;
 }
 
@@ -297,14 +290,8 @@ struct PyDecoder {
   std::unique_ptr<program::Decoder> decoder;
 };
 
-}  // namespace
-}  // namespace frag::python
-
-PYBIND11_MODULE(_C, m) {
-  using namespace frag::python;
-  m.doc() = "fragments' C++ runtime (program::ShardedModel) for the Python front end";
-  bind_rules(m);
-
+/// fragments.FragError (frag::Error) and its RankAgreementError.
+void bind_errors(py::module& m) {
   static py::exception<frag::Error> error(m, "FragError", PyExc_RuntimeError);
   static py::exception<frag::runtime::RankAgreementError> agreement(m, "RankAgreementError", error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
@@ -316,7 +303,9 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(error.ptr(), e.what());
     }
   });
+}
 
+void bind_rank_context(py::module& m) {
   py::class_<RankContext, std::shared_ptr<RankContext>>(m, "RankContext")
       .def_property_readonly("rank", &RankContext::rank)
       .def_property_readonly("world_size", &RankContext::world_size)
@@ -340,9 +329,29 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_process_rank_context", &frag::runtime::set_process_rank_context, py::arg("context"),
         "Makes `context` the one the frag:: collectives of any program in this process run on (a plain "
         "torch.jit.load or torch.export.load of a rank file included).");
+}
 
-  py::class_<PyModel>(m, "ShardedModel")
-      .def(py::init([](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device) {
+/// The plan format (runtime/plan.schema.json) as the C++ parser reads it: tests compare it with the schema.
+void bind_plan_format(py::module& m) {
+  m.attr("PLAN_FORMAT") = frag::runtime::kPlanFormat;
+  m.def("plan_step_fields", &frag::runtime::plan_step_fields, "A plan step's fields, in the README's order.");
+  m.def("plan_actions", &frag::runtime::action_names, "The words of \"do\", in runtime::Action's order.");
+  m.def(
+      "check_plan",
+      [](const std::string& text, const std::string& source) {
+        return frag::runtime::Plan::parse(nlohmann::json::parse(text), source).steps.size();
+      },
+      py::arg("text"), py::arg("source"),
+      "Parses a plan's JSON text as frag run does, without reading its values; returns its number of steps or "
+      "raises FragError.");
+}
+
+using PyModelClass = py::class_<PyModel>;
+
+/// Loading one rank: a TorchScript rank file, or a .pt2 program run by torch.export in Python.
+PyModelClass bind_model_loading(py::module& m) {
+  PyModelClass cls(m, "ShardedModel");
+  cls.def(py::init([](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device) {
              std::shared_ptr<ShardedModel> model;
              {
                py::gil_scoped_release release;  // collectives: other ranks' threads may need the GIL
@@ -366,15 +375,19 @@ PYBIND11_MODULE(_C, m) {
             py::list names;
             for (size_t id = 0; id < prepared.locations->size(); ++id)
               names.append(prepared.locations->at(static_cast<int64_t>(id)).name);
-            py::object runner =
-                make_runner(path, py::bytes(rewritten), names, device);
+            py::object runner = make_runner(path, py::bytes(rewritten), names, device);
             auto program = std::make_shared<PythonProgram>(path, prepared, std::move(runner));
             auto model = std::make_shared<ShardedModel>(ShardedModel::over(context, std::move(program)));
             return PyModel{context, model, path};
           },
           py::arg("context"), py::arg("path"), py::arg("device"), py::arg("make_runner"),
           "One rank of a .pt2 program: C++ prepares it and runs its plans, make_runner(path, rewritten bytes, "
-          "location names in id order, device) returns what runs it (fragments._exported.ExportedRunner).")
+          "location names in id order, device) returns what runs it (fragments._exported.ExportedRunner).");
+  return cls;
+}
+
+void bind_model_properties(PyModelClass& model) {
+  model
       .def_property_readonly("rank", [](const PyModel& m) { return m.context->rank(); })
       .def_property_readonly("world_size", [](const PyModel& m) { return m.context->world_size(); })
       .def_property_readonly("python_calls", [](const PyModel& m) { return m.python_calls; })
@@ -394,7 +407,12 @@ PYBIND11_MODULE(_C, m) {
                              [](PyModel& m) -> py::object {
                                return py::reinterpret_borrow<py::object>(
                                    reinterpret_cast<PyObject*>(torch::getTHPDtype(m.model->program().dtype())));
-                             })
+                             });
+}
+
+/// What a model holds: its locations, modules, head layouts and report (no forward runs).
+void bind_model_tables(PyModelClass& model) {
+  model
       .def("inspect_json",
            [](const PyModel& m) {
              const auto heads = frag::program::head_layouts_of(
@@ -442,7 +460,11 @@ PYBIND11_MODULE(_C, m) {
              } catch (const frag::Error& e) {
                return e.what();
              }
-           })
+           });
+}
+
+void bind_model_runs(PyModelClass& model) {
+  model
       .def("run", &PyModel::run, py::arg("records"), py::arg("callables"), py::arg("ids"), py::arg("generate") = 0)
       .def("prepare", &PyModel::prepare, py::arg("records"), py::arg("callables"))
       .def("finish", &PyModel::finish, py::arg("had_callables"))
@@ -461,7 +483,9 @@ PYBIND11_MODULE(_C, m) {
             return m.model->call_module(path, wholes);
           },
           py::arg("path"), py::arg("wholes"));
+}
 
+void bind_decoder(py::module& m) {
   // Cached generation (program/decoder.h); every call releases the GIL (collectives, Python callables).
   py::class_<PyDecoder>(m, "Decoder")
       .def(py::init([](PyModel& m, int64_t max_batch, int64_t max_len) {
@@ -489,4 +513,21 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tokens"))
       .def("drop", [](PyDecoder& d, int64_t row) { d.decoder->drop(row); }, py::arg("row"));
+}
+
+}  // namespace
+}  // namespace frag::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace frag::python;
+  m.doc() = "fragments' C++ runtime (program::ShardedModel) for the Python front end";
+  bind_rules(m);
+  bind_errors(m);
+  bind_rank_context(m);
+  bind_plan_format(m);
+  auto model = bind_model_loading(m);
+  bind_model_properties(model);
+  bind_model_tables(model);
+  bind_model_runs(model);
+  bind_decoder(m);
 }

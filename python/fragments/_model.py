@@ -3,8 +3,9 @@
 `load(path)` returns a Model whose attributes mirror the module tree of the rank file. Inside
 `with model.trace(ids):` reads (`.save()`), edits (`loc[...] += v`, `loc.output = t`, `*=`), ad-hoc
 calls (`model.lm_head(model.model.norm(loc))`) and Python callables (`loc.apply(fn)`) are only
-recorded; when the block ends they become one plan (steps of runtime/plan.h, made in C++ from typed
-records, never JSON) and one forward runs in C++ with the GIL released.
+recorded; when the block ends they become one plan (steps of runtime/plan.h: each Step's to_json, the
+format runtime/plan.schema.json defines, handed to C++'s plan parser as Python objects, never as text)
+and one forward runs in C++ with the GIL released.
 """
 import dataclasses
 import difflib
@@ -31,7 +32,8 @@ def _did_you_mean(name, candidates):
 
 @dataclasses.dataclass
 class Step:
-    """One plan step (runtime::PlanStep), as recorded by a trace."""
+    """One plan step (runtime::PlanStep), as recorded by a trace; to_json is the step in the plan format
+    (fragments.plan/1, runtime/plan.schema.json), which C++ parses into the step it runs."""
     at: str
     do: str
     as_: str = ""
@@ -510,7 +512,7 @@ class Trace:
             save_file(values, os.path.join(folder, "values.safetensors"))
         path = os.path.join(folder, "plan.json")
         with open(path, "w") as f:
-            json.dump({"interventions": entries}, f, indent=1)
+            json.dump({"format": _C.PLAN_FORMAT, "interventions": entries}, f, indent=1)
         return path
 
     def _run(self):

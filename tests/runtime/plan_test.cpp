@@ -2,7 +2,9 @@
 //
 // A plan's text becomes typed steps at parse time: enum actions, parsed
 // indices, values loaded. Names and visits are validated there, and the
-// text ranks compare describes a value by its bytes, not its path.
+// text ranks compare describes a value by its bytes, not its path. The
+// format is fragments.plan/1 (runtime/plan.schema.json; the parser's tables
+// are compared with it here, every plan of the repository in plan_schema_test.py).
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/plan.h"
@@ -10,6 +12,8 @@
 #include "ir/error.h"
 #include "runtime/safetensors.h"
 #include "tests/support/test_support.h"
+
+#include <filesystem>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -134,6 +138,70 @@ TEST(Plan, ControlCharactersNeitherTruncateMessagesNorBecomeNames) {
   EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", std::string("x\0y", 3)}}}),
               HasSubstr("\"as\": \"x\\x00y\" holds a control character; a saved name must be printable"));
   EXPECT_EQ(std::string(Error(std::string("before\0after\x01", 13)).what()), "before\\x00after\\x01");
+}
+
+TEST(Plan, OneVersionedFormat) {
+  // fragments.plan/1: a "format" naming it, none, or a bare list of steps; another version refused in words.
+  const nlohmann::json steps = nlohmann::json::array({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}}});
+  EXPECT_EQ(parse({{"format", "fragments.plan/1"}, {"interventions", steps}}).steps.size(), 1u);
+  EXPECT_EQ(parse({{"interventions", steps}}).steps.size(), 1u);
+  EXPECT_EQ(parse(steps).steps.size(), 1u);
+  EXPECT_EQ(parse_error({{"format", "fragments.plan/2"}, {"interventions", steps}}),
+            "plan.json: plan format is \"fragments.plan/2\", expected \"fragments.plan/1\" (this build reads that "
+            "version only)");
+  EXPECT_EQ(parse_error({{"format", 1}, {"interventions", steps}}),
+            "plan.json: \"format\" must be a string such as \"fragments.plan/1\", got 1");
+  EXPECT_EQ(parse_error({{"fromat", "fragments.plan/1"}, {"interventions", steps}}),
+            "plan.json: unknown plan field \"fromat\" (did you mean \"format\"?); a plan has \"format\" and "
+            "\"interventions\"");
+  EXPECT_THAT(parse_error(3), HasSubstr("plan.json: a plan is {\"format\": \"fragments.plan/1\", \"interventions\""));
+}
+
+TEST(Plan, TheParserReadsTheSchemasFieldsAndActions) {
+  // runtime/plan.schema.json defines the format; the parser's tables are its, in its order.
+  std::string path = frag::testing::data_path("runtime/plan.schema.json");
+#ifdef FRAG_SOURCE_DIR
+  if (!std::filesystem::exists(path)) path = std::string(FRAG_SOURCE_DIR) + "/runtime/plan.schema.json";  // CMake
+#endif
+  const auto schema = nlohmann::ordered_json::parse(frag::testing::read_text(path));
+  const auto& defs = schema.at("$defs");
+  std::vector<std::string> fields;
+  for (const auto& [key, _] : defs.at("step_fields").at("properties").items()) fields.push_back(key);
+  EXPECT_EQ(fields, plan_step_fields());
+  EXPECT_EQ(defs.at("step_fields").at("properties").at("do").at("enum").get<std::vector<std::string>>(),
+            action_names());
+  EXPECT_EQ(defs.at("format").at("const").get<std::string>(), kPlanFormat);
+}
+
+TEST(Plan, ParseNamesValuesAndLoadReadsThem) {
+  const nlohmann::json steps =
+      nlohmann::json::array({{{"at", "a.output"}, {"do", "add"}, {"value", "none.safetensors:v"}}});
+  const auto plan = Plan::parse(steps, "plan.json");
+  EXPECT_EQ(plan.steps.at(0).value, "none.safetensors:v");
+  EXPECT_FALSE(plan.steps.at(0).value_tensor.defined());
+  EXPECT_THAT(parse_error(steps), HasSubstr("none.safetensors"));
+}
+
+TEST(Plan, EveryFieldIsCheckedWhateverTheAction) {
+  // The schema types every field wherever it appears; so does the parser (it used to read only what the
+  // action needs, letting "by": "2" beside a save through).
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}, {"by", "2"}}}),
+              HasSubstr("intervention 0: \"by\" must be a number, got \"2\""));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"as", "logits"}}}), HasSubstr("is reserved"));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "save"}, {"as", "x"}, {"value", "v"}}}),
+              HasSubstr("\"value\" must be \"file.safetensors:tensor\", got \"v\""));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "zero"}, {"modules", nlohmann::json::array()}}}),
+              HasSubstr("\"modules\" is empty"));
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "add"}}}),
+            "plan.json: intervention 0: \"add\" needs \"value\": \"file.safetensors:tensor\"");
+  EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "scale"}}}),
+            "plan.json: intervention 0: \"scale\" needs \"by\": the factor");
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}}}), HasSubstr("\"call\" needs \"modules\""));
+  // Read but not used where the action takes none: a step's canonical text is unchanged by them.
+  const auto plain = parse({{{"at", "a.output"}, {"do", "zero"}}}).steps.at(0).describe();
+  EXPECT_EQ(
+      parse({{{"at", "a.output"}, {"do", "zero"}, {"as", "x"}, {"by", 2}, {"modules", {"m"}}}}).steps.at(0).describe(),
+      plain);
 }
 
 // q 4 heads of 16, k and v 2 heads of 16 and 8: ir::qkv_output_heads of such a layer.

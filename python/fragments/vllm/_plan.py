@@ -1,4 +1,5 @@
-"""A request's plan: the project's plan JSON (runtime/plan.h) plus, per intervention, the engine steps it
+"""A request's plan: the project's plan JSON (fragments.plan/1, runtime/plan.schema.json; its $defs
+vllm_request is this shape) plus, per intervention, the engine steps it
 runs at. Parsed by the C++ plan parser (runtime::Plan::from_json via fragments._C.parse_plan), then checked
 against the vLLM model's locations. Used twice with the same code: in the front end at submission
 (FragmentsPlanValidator.validate_params: a bad plan fails that request alone, before it runs) and in each
@@ -74,9 +75,10 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         spec = {"interventions": spec}
     if not isinstance(spec, dict):
         raise ValueError(f'extra_args["{EXTRA_KEY}"] must be a plan object or list, found {type(spec).__name__}')
-    unknown = sorted(set(spec) - {"interventions", "key", "base"})
+    unknown = sorted(set(spec) - {"format", "interventions", "key", "base"})
     if unknown:
-        raise ValueError(f'unknown field(s) {unknown}; a request plan has "interventions", "key" and "base"')
+        raise ValueError(f'unknown field(s) {unknown}; a request plan has "format", "interventions", "key" and '
+                         '"base"')
     if record.get("compiled"):
         raise ValueError("per-request plans need vLLM's eager mode: start the engine with enforce_eager=True "
                          "(the compiled model has no module hooks; docs/vllm.md)")
@@ -91,7 +93,10 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         step_sets.append(_steps(item.pop("step", "all"), i))
         stripped.append(item)
     base = spec.get("base") or os.getcwd()
-    parsed = _C.parse_plan(json.dumps({"interventions": stripped}), "request plan", base,
+    plan = {"interventions": stripped}
+    if "format" in spec:  # the C++ parser refuses a version it does not read
+        plan["format"] = spec["format"]
+    parsed = _C.parse_plan(json.dumps(plan), "request plan", base,
                            json.dumps(record["table"]), record["qkv_attributes"])
     module_set = modules if modules is not None else set(record["modules"])
     steps = []
