@@ -63,7 +63,7 @@ nlohmann::json json_of(const py::handle& value) {
   }
   if (py::hasattr(value, "__index__"))  // numpy integers
     return py::int_(py::reinterpret_borrow<py::object>(value)).cast<int64_t>();
-  fail("a plan step holds a {}, not a JSON value", std::string(py::str(value.get_type().attr("__name__"))));
+  fail("a plan step holds a {}, not a JSON value", Py_TYPE(value.ptr())->tp_name);
 }
 
 /// One plan step from Python's typed record (python/fragments/_model.py: Step): its JSON (Step.to_json, the
@@ -71,7 +71,8 @@ nlohmann::json json_of(const py::handle& value) {
 PlanStep make_step(const py::handle& record, const std::string& source, size_t i) {
   py::object value = record.attr("value");
   // A tensor given in Python has no file: the parser checks the reference's form only, never reads it.
-  py::object json = record.attr("to_json")(value.is_none() ? py::none() : py::str("python:value"));
+  const py::object ref = value.is_none() ? py::object(py::none()) : py::object(py::str("python:value"));
+  const py::object json = record.attr("to_json")(ref);
   const std::string where =
       fmt::format("{}: intervention {} at {}", source, i, record.attr("at").cast<std::string>());
   PlanStep step = runtime::parse_step(json_of(json), where);

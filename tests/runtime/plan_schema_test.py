@@ -78,7 +78,9 @@ def as_plan(value):
 def is_vllm(plan):
     """A vLLM request plan (docs/vllm.md): "key"/"base" beside the steps, or a step's engine "step"."""
     steps = plan.get("interventions", []) if isinstance(plan, dict) else plan
-    return (isinstance(plan, dict) and ({"key", "base"} & set(plan))) or any(
+    if not isinstance(steps, list):
+        return False
+    return bool(isinstance(plan, dict) and ({"key", "base"} & set(plan))) or any(
         isinstance(s, dict) and "step" in s for s in steps)
 
 
@@ -92,10 +94,15 @@ def core_plan(plan):
 
 
 def schema_errors(plan):
+    """[] if `plan` is valid, else the most telling error (jsonschema's best_match), with where it is."""
     if is_vllm(plan):
-        return [e.message for e in VLLM_REQUEST.iter_errors(plan if isinstance(plan, dict) else
-                                                           {"interventions": plan})]
-    return [e.message for e in PLAN.iter_errors(plan)]
+        errors = list(VLLM_REQUEST.iter_errors(plan if isinstance(plan, dict) else {"interventions": plan}))
+    else:
+        errors = list(PLAN.iter_errors(plan))
+    if not errors:
+        return []
+    best = jsonschema.exceptions.best_match(errors)
+    return [f"at /{'/'.join(map(str, best.absolute_path))}: {best.message}"]
 
 
 def cpp_error(plan, source="plan.json"):

@@ -196,7 +196,8 @@ TEST(Plan, EveryFieldIsCheckedWhateverTheAction) {
             "plan.json: intervention 0: \"add\" needs \"value\": \"file.safetensors:tensor\"");
   EXPECT_EQ(parse_error({{{"at", "a.output"}, {"do", "scale"}}}),
             "plan.json: intervention 0: \"scale\" needs \"by\": the factor");
-  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}}}), HasSubstr("\"call\" needs \"modules\""));
+  EXPECT_THAT(parse_error({{{"at", "a.output"}, {"do", "call"}, {"as", "y"}}}),
+              HasSubstr("\"call\" needs \"modules\""));
   // Read but not used where the action takes none: a step's canonical text is unchanged by them.
   const auto plain = parse({{{"at", "a.output"}, {"do", "zero"}}}).steps.at(0).describe();
   EXPECT_EQ(
