@@ -1,8 +1,9 @@
 //===- python/fragments/_C.cpp - The Python extension: ShardedModel and plans --===//
 //
 // The thin layer under `import fragments`: it binds the rank context, the C++
-// API (program::ShardedModel) and typed plan steps. Python builds one plan per
-// trace (a list of typed steps, never JSON) and the forward runs in C++ with
+// API (program::ShardedModel) and plan steps. Python builds one plan per trace
+// (its steps' to_json, the plan format as Python objects, parsed by the one plan
+// parser, runtime::parse_step; never text) and the forward runs in C++ with
 // the GIL released: no Python runs per layer unless a step is a Python
 // callable (`.apply`). Loading this module registers the frag:: ops (static
 // initializers of the linked libraries), so rewritten files load with plain

@@ -22,13 +22,16 @@ import json
 import os
 import re
 import sys
+import tempfile
+import types
 import unittest
 
 import jsonschema
+import torch
 
 import fragments  # noqa: F401  (loads fragments._C)
 from fragments import _C
-from fragments._model import Step
+from fragments._model import Step, Trace
 
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
 del sys.argv[1:]
@@ -280,9 +283,15 @@ class OneDefinition(unittest.TestCase):
         entries = [s.to_json("values.safetensors:v" if s.do in ("set", "add") else None) for s in steps]
         for entry in entries:
             self.assertEqual([e.message for e in STEP.iter_errors(entry)], [], entry)
-        plan = {"format": _C.PLAN_FORMAT, "interventions": entries}  # what Trace.plan_json writes
+        # The file Trace.plan_json writes for `frag run --plan` (a trace's steps; its values beside it).
+        steps[2].value, steps[3].value = torch.ones(8), torch.zeros(())
+        with tempfile.TemporaryDirectory() as folder:
+            path = Trace.plan_json(types.SimpleNamespace(_steps=steps), folder)
+            with open(path) as f:
+                plan = json.load(f)
+        self.assertEqual(plan["format"], _C.PLAN_FORMAT)
         self.assertEqual(schema_errors(plan), [])
-        self.assertEqual(_C.check_plan(json.dumps(plan), "python plan"), len(steps))
+        self.assertEqual(_C.check_plan(json.dumps(plan), path), len(steps))
 
 
 def base_plan():
