@@ -22,7 +22,6 @@
 #include "runtime/plan.h"
 
 #include <torch/csrc/utils/pybind.h>
-#include <torch/extension.h>
 
 #include <map>
 #include <string>
