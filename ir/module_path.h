@@ -9,7 +9,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/module.h>
 
 #include <cstdint>
 #include <map>

@@ -18,7 +18,8 @@
 #include "ir/fragment_table.h"
 #include "passes/method_specializer.h"
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/api/module.h>
 
 #include <cstdint>
 #include <string>

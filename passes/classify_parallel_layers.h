@@ -22,7 +22,7 @@
 #include "ir/fragment_table.h"
 #include "ir/module_description.h"
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/module.h>
 
 #include <map>
 #include <string>

@@ -31,7 +31,7 @@
 #include "passes/analyze_location_flow.h"
 #include "passes/method_specializer.h"
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/module.h>
 
 namespace frag::passes {
 

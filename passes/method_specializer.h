@@ -16,7 +16,7 @@
 #pragma once
 
 #include <torch/csrc/jit/api/function_impl.h>
-#include <torch/script.h>
+#include <torch/csrc/jit/api/module.h>
 
 #include <memory>
 #include <optional>

@@ -11,7 +11,7 @@
 #include "passes/classify_parallel_layers.h"
 
 #include <nlohmann/json.hpp>
-#include <torch/script.h>
+#include <torch/csrc/jit/api/module.h>
 
 #include <vector>
 

@@ -28,7 +28,7 @@
 #include "runtime/cuda_graph.h"
 #include "runtime/intervention_runtime.h"
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <memory>

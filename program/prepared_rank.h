@@ -20,7 +20,9 @@
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <string>

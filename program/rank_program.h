@@ -17,7 +17,7 @@
 #include "ir/location_table.h"
 #include "runtime/ad_hoc_call.h"
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <string>

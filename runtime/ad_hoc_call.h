@@ -22,7 +22,8 @@
 #include "ir/location_table.h"
 #include "runtime/rank_context.h"
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/types.h>
 
 #include <map>
 #include <optional>

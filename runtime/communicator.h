@@ -14,7 +14,7 @@
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <atomic>
 #include <chrono>

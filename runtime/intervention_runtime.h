@@ -30,7 +30,7 @@
 #include "ir/location_table.h"
 #include "runtime/current.h"
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <memory>

@@ -36,7 +36,7 @@
 
 #include "ir/head_layout.h"
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <nlohmann/json.hpp>
 

@@ -10,6 +10,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/jit/codegen/fuser/interface.h>
+#include <torch/csrc/jit/serialization/import.h>  // torch::jit::load
 
 #include <sys/stat.h>
 

@@ -10,7 +10,9 @@
 
 #include "runtime/rank_context.h"
 
-#include <torch/script.h>
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/types.h>
 
 #include <map>
 #include <string>

@@ -21,7 +21,7 @@
 #include "ir/fragment_rule.h"
 #include "runtime/rank_context.h"
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <string_view>
 

@@ -52,6 +52,8 @@ launcher=()
 if command -v ccache > /dev/null; then
   export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/fragments/ccache} CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
   export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
+  # Precompiled headers (CMakeLists.txt, FRAG_PCH): ccache caches them and the sources using them only so.
+  export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros}
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 fi
 if [ ! -f "$build/build.ninja" ]; then

@@ -1,7 +1,7 @@
 //===- tools/token_ids.h - Read and check token ids --------------*- C++ -*-===//
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <string>

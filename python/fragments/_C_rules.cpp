@@ -22,7 +22,6 @@
 #include "runtime/plan.h"
 
 #include <torch/csrc/utils/pybind.h>
-#include <torch/extension.h>
 
 #include <map>
 #include <string>
@@ -46,50 +45,59 @@ ir::FragmentRule rule_of(const std::string& rule_json) {
   return ir::rule_from_json(nlohmann::json::parse(rule_json));
 }
 
-/// Plans of hook-based front ends: parsed by the plan parser, heads resolved through the table's layouts.
-void bind_request_plans(py::module& m) {
-  m.def(
-      "parse_plan",
-      [](const std::string& text, const std::string& source, const std::string& base, const std::string& table_json,
-         const std::map<std::string, std::map<std::string, int64_t>>& attributes) {
-        auto plan = runtime::Plan::from_json(nlohmann::json::parse(text), source, base);
-        const auto table = ir::table_from_json(nlohmann::json::parse(table_json), source);
-        py::list steps;
-        for (size_t i = 0; i < plan.steps.size(); ++i) {
-          auto& step = plan.steps[i];
-          if (!step.segment.empty() || !step.heads.empty()) {
-            const auto layout = ir::head_layout(table, step.at, [&](const std::string& path) {
-              auto it = attributes.find(path);
-              return it == attributes.end() ? ir::IntAttributes{} : ir::IntAttributes(it->second.begin(),
-                                                                                      it->second.end());
-            });
-            runtime::resolve_heads(step, layout, fmt::format("{}: intervention {}: ", source, i));
-          }
-          py::dict d;
-          d["at"] = step.at;
-          d["do"] = runtime::action_name(step.action);
-          d["as"] = step.as;
-          d["by"] = step.by;
-          d["index"] = step.index ? py::object(py::str(step.index->text)) : py::object(py::none());
-          d["visit"] = step.visit ? py::object(py::int_(*step.visit)) : py::object(py::none());
-          d["value"] = step.value_tensor.defined() ? py::object(py::cast(step.value_tensor)) : py::object(py::none());
-          d["value_name"] = step.value;
-          d["modules"] = step.modules;
-          steps.append(d);
-        }
-        return steps;
-      },
-      py::arg("text"), py::arg("source"), py::arg("base"), py::arg("table"), py::arg("attributes"),
-      "runtime::Plan::from_json on a plan's JSON text (values read relative to `base`); \"segment\"/\"heads\" "
-      "become an index through the table's head layouts (`attributes`: path -> int attributes of QKV layers). "
-      "Returns the steps as dicts.");
-  m.def(
-      "index_view",
-      [](const std::string& index, const torch::Tensor& whole, const std::string& location) {
-        return runtime::WholeIndex::parse(index).select(whole, location);
-      },
-      py::arg("index"), py::arg("whole"), py::arg("location"),
-      "The view of `whole` a numpy-style basic index selects (runtime::WholeIndex).");
+/// classify_layers: the described modules (dicts in pre-order) -> the fragment table's JSON text.
+std::string classify_layers(const py::list& modules, const std::string& source) {
+  std::vector<ir::ModuleDescription> described;
+  for (const auto& item : modules) {
+    ir::ModuleDescription d;
+    d.path = item["path"].cast<std::string>();
+    d.class_name = item["class"].cast<std::string>();
+    for (const auto& [name, value] : item["attributes"].cast<py::dict>())
+      d.attributes[name.cast<std::string>()] = config_value(value);
+    for (const auto& [name, shape] : item["parameters"].cast<py::dict>())
+      d.parameter_shapes[name.cast<std::string>()] = shape.cast<std::vector<int64_t>>();
+    d.config_origin = source;
+    described.push_back(std::move(d));
+  }
+  return ir::to_json(passes::classify_parallel_layers(described, passes::LayerAliases{}, source)).dump();
+}
+
+using PathAttributes = std::map<std::string, std::map<std::string, int64_t>>;
+
+/// One parsed step as the dict parse_plan returns.
+py::dict step_dict(const runtime::PlanStep& step) {
+  py::dict d;
+  d["at"] = step.at;
+  d["do"] = runtime::action_name(step.action);
+  d["as"] = step.as;
+  d["by"] = step.by;
+  d["index"] = step.index ? py::object(py::str(step.index->text)) : py::object(py::none());
+  d["visit"] = step.visit ? py::object(py::int_(*step.visit)) : py::object(py::none());
+  d["value"] = step.value_tensor.defined() ? py::object(py::cast(step.value_tensor)) : py::object(py::none());
+  d["value_name"] = step.value;
+  d["modules"] = step.modules;
+  return d;
+}
+
+/// parse_plan: a plan's JSON text -> its steps as dicts, "segment"/"heads" resolved through the table.
+py::list parse_plan(const std::string& text, const std::string& source, const std::string& base,
+                    const std::string& table_json, const PathAttributes& attributes) {
+  auto plan = runtime::Plan::from_json(nlohmann::json::parse(text), source, base);
+  const auto table = ir::table_from_json(nlohmann::json::parse(table_json), source);
+  py::list steps;
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    auto& step = plan.steps[i];
+    if (!step.segment.empty() || !step.heads.empty()) {
+      const auto layout = ir::head_layout(table, step.at, [&](const std::string& path) {
+        auto it = attributes.find(path);
+        return it == attributes.end() ? ir::IntAttributes{} : ir::IntAttributes(it->second.begin(),
+                                                                                it->second.end());
+      });
+      runtime::resolve_heads(step, layout, fmt::format("{}: intervention {}: ", source, i));
+    }
+    steps.append(step_dict(step));
+  }
+  return steps;
 }
 
 }  // namespace
@@ -97,21 +105,7 @@ void bind_request_plans(py::module& m) {
 void bind_rules(py::module& m) {
   m.def(
       "classify_layers",
-      [](const py::list& modules, const std::string& source) {
-        std::vector<ir::ModuleDescription> described;
-        for (const auto& item : modules) {
-          ir::ModuleDescription d;
-          d.path = item["path"].cast<std::string>();
-          d.class_name = item["class"].cast<std::string>();
-          for (const auto& [name, value] : item["attributes"].cast<py::dict>())
-            d.attributes[name.cast<std::string>()] = config_value(value);
-          for (const auto& [name, shape] : item["parameters"].cast<py::dict>())
-            d.parameter_shapes[name.cast<std::string>()] = shape.cast<std::vector<int64_t>>();
-          d.config_origin = source;
-          described.push_back(std::move(d));
-        }
-        return ir::to_json(passes::classify_parallel_layers(described, passes::LayerAliases{}, source)).dump();
-      },
+      &classify_layers,
       py::arg("modules"), py::arg("source"),
       "The fragment table (JSON) of described modules: dicts with path, class, attributes (config values "
       "by the kit's / vLLM's names) and parameters (name -> shape), in pre-order.");
@@ -139,7 +133,20 @@ void bind_rules(py::module& m) {
       py::arg("rule"), "\"all_gather\", \"all_reduce\" or \"none\": the collective that makes the whole.");
   m.def(
       "describe_rule", [](const std::string& rule) { return ir::describe(rule_of(rule)); }, py::arg("rule"));
-  bind_request_plans(m);
+  m.def(
+      "parse_plan",
+      &parse_plan,
+      py::arg("text"), py::arg("source"), py::arg("base"), py::arg("table"), py::arg("attributes"),
+      "runtime::Plan::from_json on a plan's JSON text (values read relative to `base`); \"segment\"/\"heads\" "
+      "become an index through the table's head layouts (`attributes`: path -> int attributes of QKV layers). "
+      "Returns the steps as dicts.");
+  m.def(
+      "index_view",
+      [](const std::string& index, const torch::Tensor& whole, const std::string& location) {
+        return runtime::WholeIndex::parse(index).select(whole, location);
+      },
+      py::arg("index"), py::arg("whole"), py::arg("location"),
+      "The view of `whole` a numpy-style basic index selects (runtime::WholeIndex).");
 }
 
 }  // namespace frag::python

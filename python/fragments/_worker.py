@@ -77,7 +77,6 @@ def main(argv=None):
         import cloudpickle as pickler
     except ImportError:
         import pickle as pickler
-    import pickle
 
     rank = int(os.environ["RANK"])
 
@@ -101,10 +100,21 @@ def main(argv=None):
     except BaseException as e:  # noqa: B902 - the driver says it in words
         send("error", f"rank {rank} could not load {a.path}: {type(e).__name__}: {e}")
         return 1
+    return _serve(conn.recv_bytes, send, model, device, rank)
+
+
+def _serve(recv, send, model, device, rank):
+    """Answers the driver's requests until it closes or goes away; returns the exit status."""
+    import pickle
+
+    import torch
+    import fragments
+    from fragments import _program
+
     weights, scripted = {}, None
     while True:
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            kind, payload = pickle.loads(recv())
         except (EOFError, OSError):
             return 0  # the driver went away
         if kind == "close":

@@ -11,6 +11,8 @@
 #include "runtime/communicator.h"
 #include "runtime/rank_context.h"
 
+#include <torch/cuda.h>  // torch::cuda::is_available
+
 #include <chrono>
 #include <functional>
 #include <map>
