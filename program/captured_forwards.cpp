@@ -1,28 +1,92 @@
 //===- program/captured_forwards.cpp - Forwards replayed from CUDA graphs ===//
 #include "program/captured_forwards.h"
 
+#include "ir/error.h"
 #include "program/recently_used.h"
+
+#include <fmt/ranges.h>
 
 namespace frag::program {
 
-CapturedForwards::Entry& CapturedForwards::entry(const std::string& plan, bool specialize, const void* weights,
-                                                 const torch::Tensor& input) {
+CapturedForwards::Entry& CapturedForwards::entry(const Key& key, const void* weights, const torch::Tensor& input) {
   if (weights != weights_) {
     entries_.clear();
     weights_ = weights;
   }
   const auto sizes = input.sizes();
   if (auto* hit = find_recent(entries_, [&](const auto& entry) {
-        return entry->dtype == input.scalar_type() && sizes.equals(entry->shape) &&
-               entry->specialize == specialize && entry->plan == plan;
+        return entry->dtype == input.scalar_type() && sizes.equals(entry->shape) && entry->key == key;
       }))
     return **hit;
   auto fresh = std::make_unique<Entry>();
-  fresh->plan = plan;
-  fresh->specialize = specialize;
+  fresh->key = key;
   fresh->shape.assign(sizes.begin(), sizes.end());
   fresh->dtype = input.scalar_type();
   return *add_recent(entries_, std::move(fresh), kCapacity);
+}
+
+torch::Tensor CapturedForwards::run(Entry& entry, const torch::Tensor& ids, const torch::Tensor& positions,
+                                    const Forward& forward) {
+  if (!entry.captured()) {
+    if (entry.refused || entry.eager_runs < kEagerRunsFirst) {
+      ++entry.eager_runs;
+      return forward.run(ids, positions);
+    }
+    capture(entry, ids, positions, forward);
+    if (!entry.captured()) return forward.run(ids, positions);
+  }
+  return replay(entry, ids, positions, forward);
+}
+
+torch::Tensor CapturedForwards::replay(Entry& entry, const torch::Tensor& ids, const torch::Tensor& positions,
+                                       const Forward& forward) {
+  entry.input.copy_(ids);
+  if (positions.defined()) entry.positions.copy_(positions);
+  entry.graph->replay();
+  ++stats_.replays;
+  forward.interventions.replayed(entry.counts);
+  for (const auto& [slot, buffer] : entry.saves) forward.saved.keep(slot, buffer.clone());
+  auto logits = entry.output.clone();
+  try {
+    // As an eager forward ends: one wait for the collectives, which throws what failed or timed out.
+    forward.context.watch_replay();
+    forward.context.synchronize();
+  } catch (const Error& e) {
+    fail("{}: forward failed: {}", forward.path, e.what());
+  }
+  return logits;
+}
+
+void CapturedForwards::capture(Entry& entry, const torch::Tensor& ids, const torch::Tensor& positions,
+                               const Forward& forward) {
+  const auto before = forward.interventions.counts();
+  entry.input = ids.clone();
+  if (positions.defined()) entry.positions = positions.clone();
+  forward.saved.redirect(&entry.saves);  // the saves of the captured forward are buffers of the graph
+  try {
+    entry.graph = std::make_unique<runtime::CudaGraph>(
+        [&] { entry.output = forward.run(entry.input, entry.positions); });
+  } catch (const Error& e) {
+    forward.saved.redirect(nullptr);
+    entry.saves.clear();
+    entry.input = entry.output = entry.positions = torch::Tensor();
+    entry.refused = e.what();
+    ++stats_.refusals;
+    if (forward.context.rank() == 0)
+      fmt::print(stderr, "fragments: {}: input shape [{}] runs eagerly: {}\n", forward.path,
+                 fmt::join(entry.shape, ", "), e.what());
+    forward.interventions.begin_forward();  // the eager forward that follows counts its own visits
+    return;
+  }
+  forward.saved.redirect(nullptr);
+  // A graph replays reading the hooks' device values where they are: it keeps them alive, whatever
+  // becomes of the hooks (a plan registered again later is replayed from here).
+  entry.held = forward.hook_values();
+  ++stats_.captures;
+  auto after = forward.interventions.counts();
+  for (size_t id = 0; id < after.collectives.size(); ++id) after.collectives[id] -= before.collectives[id];
+  entry.counts = std::move(after);
+  forward.interventions.begin_forward();  // the replay counts them
 }
 
 }  // namespace frag::program

@@ -25,12 +25,15 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "program/saved_values.h"
 #include "runtime/cuda_graph.h"
 #include "runtime/intervention_runtime.h"
+#include "runtime/rank_context.h"
 
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,10 +47,25 @@ class CapturedForwards {
   static constexpr size_t kCapacity = 4;
   static constexpr int64_t kEagerRunsFirst = 2;
 
+  /// What a graph is of, besides its input's shape and dtype: numbers made when the plan changes, no text.
+  struct Key {
+    uint64_t plan = 0;  ///< RankAgreement::plan_digest: the hooks registered, in order
+    bool specialize = true;
+    /// A decode step (program/decoder.h) reads and writes its cache where it is: the graph is that cache's
+    /// (its storage, its rows) and that attended length's.
+    bool decode = false;
+    const void* cache = nullptr;
+    int64_t cache_rows = 0;
+    int64_t cache_len = 0;
+    bool operator==(const Key& other) const {
+      return plan == other.plan && specialize == other.specialize && decode == other.decode &&
+             cache == other.cache && cache_rows == other.cache_rows && cache_len == other.cache_len;
+    }
+  };
+
   /// One plan's forward of one input shape.
   struct Entry {
-    std::string plan;  ///< the interventions' canonical text (ShardedModel's descriptors), registration order
-    bool specialize = true;
+    Key key;
     std::vector<int64_t> shape;
     at::ScalarType dtype = at::kLong;
     int64_t eager_runs = 0;
@@ -56,8 +74,8 @@ class CapturedForwards {
     torch::Tensor input;   ///< the graph's input buffer: a replay reads the ids copied here
     torch::Tensor output;  ///< the logits buffer a replay fills
     torch::Tensor positions;  ///< a decode step's positions buffer (program/decoder.h); undefined for a forward
-    /// (name, buffer) of every save the plan made during the capture, in order; a replay refills them.
-    std::vector<std::pair<std::string, torch::Tensor>> saves;
+    /// (slot, buffer) of every save the plan made during the capture, in order; a replay refills them.
+    std::vector<std::pair<SavedValues::Slot, torch::Tensor>> saves;
     /// Tensors the graph reads that the plan's hooks own (edit values on the device): a plan registered
     /// again later is replayed from here while the hooks that made them are gone.
     std::vector<torch::Tensor> held;
@@ -72,10 +90,25 @@ class CapturedForwards {
     int64_t refusals = 0;
   };
 
-  /// The entry of (plan, specialize, input shape): cached (made the most recent), or new (the least
+  /// What a capture and a replay touch besides the entry.
+  struct Forward {
+    /// Runs the (specialized) forward of `ids` (at `positions`: a decode step; else undefined).
+    std::function<torch::Tensor(const torch::Tensor& ids, const torch::Tensor& positions)> run;
+    runtime::InterventionRuntime& interventions;
+    runtime::RankContext& context;
+    SavedValues& saved;  ///< a capture's saves become the graph's buffers; a replay keeps copies here
+    /// The tensors the hooks keep on the device (edit values): the graph holds them.
+    std::function<std::vector<torch::Tensor>()> hook_values;
+    const std::string& path;  ///< the rank file, for messages
+  };
+
+  /// The entry of (key, input shape and dtype): cached (made the most recent), or new (the least
   /// recently used goes when full). `weights` is the storage of the model's first weight: a graph reads
   /// the weights where they were, so another value than the last drops every entry first.
-  Entry& entry(const std::string& plan, bool specialize, const void* weights, const torch::Tensor& input);
+  Entry& entry(const Key& key, const void* weights, const torch::Tensor& input);
+  /// Runs one forward of `entry`'s key and shape: eagerly for its first kEagerRunsFirst runs and where
+  /// CUDA refused to capture it, captured on the next, replayed from then on. Returns the logits.
+  torch::Tensor run(Entry& entry, const torch::Tensor& ids, const torch::Tensor& positions, const Forward& forward);
   /// Drops every entry (their graphs and buffers).
   void clear() { entries_.clear(); }
 
@@ -83,6 +116,10 @@ class CapturedForwards {
   const Stats& stats() const { return stats_; }
 
  private:
+  /// Captures the forward into `entry`; where CUDA refuses, marks it refused (it runs eagerly from then on).
+  void capture(Entry& entry, const torch::Tensor& ids, const torch::Tensor& positions, const Forward& forward);
+  torch::Tensor replay(Entry& entry, const torch::Tensor& ids, const torch::Tensor& positions, const Forward& forward);
+
   const void* weights_ = nullptr;
   std::vector<std::unique_ptr<Entry>> entries_;  ///< most recently used last
   Stats stats_;

@@ -80,15 +80,15 @@ torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positi
   // On a GPU a decode step attends over the whole cache (static shapes: ShardedModel replays it from a CUDA
   // graph, as transformers' StaticCache does); elsewhere over the longest row's slots only.
   step.cache_len = cache_.is_cuda() && ids.size(1) == 1 ? max_len_ : positions.max().item<int64_t>() + 1;
-  model_.set_generation_step(step_, fmt::format("step{}.", step_));
+  model_.set_generation_step(step_, step_);
   torch::Tensor logits;
   try {
     logits = model_.forward_cached(ids.to(cache_.device()), step);
   } catch (...) {
-    model_.set_generation_step(0, "");
+    model_.set_generation_step(0, std::nullopt);
     throw;
   }
-  model_.set_generation_step(0, "");
+  model_.set_generation_step(0, std::nullopt);
   ++step_;
   return logits;
 }
@@ -171,6 +171,31 @@ torch::Tensor Decoder::generate(const torch::Tensor& input_ids, int64_t steps) {
     prompts.emplace_back(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + ids.size(1));
   auto tokens = generate(prompts, steps);
   return torch::cat({input_ids, tokens.to(input_ids.device(), input_ids.scalar_type())}, 1);
+}
+
+torch::Tensor generate(ShardedModel& model, const torch::Tensor& input_ids, int64_t steps) {
+  if (model.program().has_kv_cache()) {
+    // One KV cache sized for this batch: a prefill and steps - 1 decode steps.
+    Decoder decoder(model, input_ids.size(0), input_ids.size(1) + steps);
+    return decoder.generate(input_ids, steps);
+  }
+  // Each step recomputes the whole sequence: its forward is generation step 0 (plan steps with "steps"
+  // act as at a plain forward), its saves are keyed by the step.
+  torch::Tensor tokens = input_ids;
+  for (int64_t s = 0; s < steps; ++s) {
+    model.set_generation_step(0, s);
+    torch::Tensor logits;
+    try {
+      logits = model.forward(tokens);
+    } catch (...) {
+      model.set_generation_step(0, std::nullopt);
+      throw;
+    }
+    auto next = logits.select(1, logits.size(1) - 1).argmax(-1, /*keepdim=*/true).to(tokens.dtype());
+    tokens = torch::cat({tokens, next}, 1);
+  }
+  model.set_generation_step(0, std::nullopt);
+  return tokens;
 }
 
 }  // namespace frag::program

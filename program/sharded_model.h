@@ -21,14 +21,15 @@
 #include "ir/head_layout.h"
 #include "ir/location_table.h"
 #include "program/captured_forwards.h"
+#include "program/plan_binder.h"
 #include "program/rank_program.h"
+#include "program/saved_values.h"
 #include "program/torchscript_program.h"
 #include "runtime/ad_hoc_call.h"
 #include "runtime/intervention_runtime.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
 
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,9 +43,6 @@ using runtime::Plan;
 using runtime::PlanStep;
 using runtime::RankContext;
 using runtime::VisitInfo;
-
-/// Saved whole tensors by name, in the order they were captured.
-using SavedTensors = std::map<std::string, std::vector<torch::Tensor>>;
 
 /// What kind of location a name is.
 using LocationKind = ir::LocationKind;
@@ -120,7 +118,7 @@ class ShardedModel {
   void set_cuda_graphs(bool on);
   bool cuda_graphs() const { return cuda_graphs_; }
   /// Captures, replays and refused captures so far.
-  const CapturedForwards::Stats& graph_stats() const { return graphs_.stats(); }
+  const CapturedForwards::Stats& graph_stats() const { return graphs_->stats(); }
   /// The graph the next forward runs (specialized or the full rewrite), for inspection.
   std::shared_ptr<torch::jit::Graph> forward_graph();
 
@@ -134,10 +132,11 @@ class ShardedModel {
   /// interventions, as forward runs them (no CUDA graph). program/decoder.h drives it.
   torch::Tensor forward_cached(const torch::Tensor& input_ids, const CachedStep& step);
   /// Generation step the next forwards belong to (0: the prefill or a plain forward), which plan steps
-  /// with "steps" act at, and the prefix of saved names ("step3."): set by program/decoder.h.
-  void set_generation_step(int64_t step, std::string save_prefix) {
-    generation_step_ = step;
-    save_prefix_ = std::move(save_prefix);
+  /// with "steps" act at, and the step their saves are keyed by ("step3.name"; nullopt: "name"): set by
+  /// program/decoder.h.
+  void set_generation_step(int64_t step, std::optional<int64_t> saves_step) {
+    binder_->state().generation_step = step;
+    binder_->state().saved.set_step(saves_step);
   }
 
   /// Runs modules ad hoc on a whole tensor (a logit lens: {"model.norm",
@@ -153,79 +152,31 @@ class ShardedModel {
   std::vector<std::string> unreached_visits() const;
 
   /// Saved tensors accumulate over forwards (generate keys them by step) until clear_saved().
-  const SavedTensors& saved() const { return saved_; }
-  void clear_saved() { saved_.clear(); }
+  const SavedTensors& saved() const { return binder_->state().saved.view(); }
+  void clear_saved() { binder_->state().saved.clear(); }
 
  private:
   ShardedModel() = default;
-  /// The id of a location a step or hook may act at (fragmented or whole); else frag::Error.
-  ir::LocationId checked_location(const std::string& location, const std::string& what) const;
-  /// `capturable`: the hook only enqueues GPU work (a save, an edit, a call step), so a CUDA graph may hold it.
-  void add_hook(ir::LocationId location, Hook hook, std::optional<int64_t> visit, const std::string& label,
-                bool edits, bool capturable);
-  /// Where a save's value goes: saved_, or during a capture the graph's list of buffers.
-  void keep_saved(const std::string& name, torch::Tensor value);
+  /// What every forward does first: the ranks' agreement after a change, deferred width checks.
+  void prepare_forward(const torch::Tensor& input_ids);
   /// The cache entry when this forward may use a CUDA graph, else nullptr.
-  /// `cached`: a decode step's entry, keyed also by its cache's storage (nullptr for a forward).
+  /// `cached`: a decode step's entry, keyed also by its cache (nullptr for a forward).
   CapturedForwards::Entry* graph_entry(const torch::Tensor& input_ids, const CachedStep* cached = nullptr);
-  /// `cached`: a decode step (its positions go to the entry's buffer; its cache is read where it is).
-  torch::Tensor forward_with_graph(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
-                                   const std::vector<ir::LocationId>* kept, const CachedStep* cached = nullptr);
-  /// The program's forward of `input_ids` (or its cached forward with `cached`, positions from `positions`).
-  torch::Tensor run_program(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
-                            const CachedStep* cached, const torch::Tensor& positions);
-  /// Captures the forward into `entry`; where CUDA refuses, marks it refused (it runs eagerly from then on).
-  void capture(CapturedForwards::Entry& entry, const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
-               const CachedStep* cached = nullptr);
-  void agree_on_interventions();
-  /// descriptors_ joined: what the ranks compare, and the CUDA graph cache's key.
-  const std::string& plan_text();
-  /// `where` names the plan step in errors its hooks raise while the forward runs (a call chain that fails).
-  void register_step(const PlanStep& step, ir::LocationId location, const std::string& where);
-  /// A step with "steps" or "rows": its hook checks the generation step and narrows to the rows.
-  void register_filtered_step(const PlanStep& step, ir::LocationId location, const std::string& where);
-  /// Saves the whole at `location` under `name`, or only `index` of it (a plan's segment or heads).
-  void add_save(ir::LocationId location, const std::string& name, std::optional<int64_t> visit,
-                const std::optional<runtime::WholeIndex>& index);
-  /// A step's index, value and call input against the whole's last-dim width.
-  void check_against_width(const PlanStep& step, int64_t width, const std::string& where) const;
-  /// The last-dim width of the whole at a location: from the rule table, or
-  /// learned by a probe forward (whole locations), else unknown.
-  std::optional<int64_t> whole_width_at(ir::LocationId location) const;
-  /// Runs the checks `apply` could not make yet (program/width_probe).
-  void check_widths_at_whole_locations(const torch::Tensor& input_ids);
+  /// Runs `entry` (program/captured_forwards.h) on the program's forward, or its cached forward.
+  torch::Tensor run_captured(CapturedForwards::Entry& entry, const torch::Tensor& input_ids,
+                             const std::vector<ir::LocationId>* kept, const CachedStep* cached);
   /// The locations whose ops the next forward keeps: nullptr for all (the full rewrite).
   const std::vector<ir::LocationId>* kept_locations();
   TorchScriptProgram& torchscript(const char* what);
 
+  // Pointers: hooks and the binder hold on to these parts, and a model is returned by value.
   std::shared_ptr<RankContext> context_;
   std::shared_ptr<RankProgram> program_;
   std::shared_ptr<InterventionRuntime> runtime_;
-  std::vector<std::string> descriptors_;
-  /// (location, visit) of every hook registered for one visit only.
-  std::vector<std::pair<ir::LocationId, int64_t>> single_visits_;
-  bool agreed_ = false;
-  int64_t exchanges_ = 0;
-  std::string save_prefix_;
-  int64_t generation_step_ = 0;
-  SavedTensors saved_;
-  /// Plan steps at whole locations of unknown width, checked before the next forward.
-  struct WidthCheck {
-    PlanStep step;
-    ir::LocationId location;
-    std::string where;
-  };
-  std::vector<WidthCheck> width_checks_;
-  std::map<ir::LocationId, int64_t> probed_widths_;
+  std::unique_ptr<PlanBinder> binder_;
+  std::unique_ptr<CapturedForwards> graphs_ = std::make_unique<CapturedForwards>();
   bool specialize_ = true;
   bool cuda_graphs_ = true;
-  int64_t callbacks_ = 0;  ///< hooks registered that are not capturable
-  CapturedForwards graphs_;
-  /// Set while a forward is captured: where its saves and the tensors its edits read go.
-  CapturedForwards::Entry* capturing_ = nullptr;
-  std::string plan_text_;  ///< plan_text(), as of runtime_->changes() == plan_text_at_changes_
-  int64_t plan_text_at_changes_ = -1;
-  std::string table_digest_;  ///< of the rule table (fixed at load), made at the first agreement
   std::string set_plan_text_;  ///< the steps of the last set_plan, described
   int64_t set_plan_at_changes_ = -1;  ///< runtime_->changes() right after it registered them
   int64_t specialized_at_changes_ = -1;  ///< runtime_->changes() when `kept_` was taken

@@ -32,4 +32,25 @@ std::map<ir::LocationId, int64_t> probe_widths(RankProgram& program,
   return widths;
 }
 
+std::optional<int64_t> WholeWidths::at(const ir::LocationTable& locations, ir::LocationId location) const {
+  const auto& side = locations.at(location).side;
+  if (side && side->whole_width) return *side->whole_width;
+  if (auto it = probed_.find(location); it != probed_.end()) return it->second;
+  return std::nullopt;
+}
+
+void WholeWidths::defer(ir::LocationId location, std::function<void(int64_t)> check) {
+  checks_.emplace_back(location, std::move(check));
+}
+
+void WholeWidths::check_pending(RankProgram& program, const std::shared_ptr<runtime::RankContext>& context,
+                                const torch::Tensor& input_ids) {
+  std::vector<ir::LocationId> probed;
+  for (const auto& check : checks_) probed.push_back(check.first);
+  for (const auto& [id, width] : probe_widths(program, context, probed, input_ids)) probed_.emplace(id, width);
+  for (const auto& [location, check] : checks_)
+    if (auto width = at(*program.locations(), location)) check(*width);
+  checks_.clear();
+}
+
 }  // namespace frag::program

@@ -18,8 +18,10 @@
 #include "program/rank_program.h"
 #include "runtime/rank_context.h"
 
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace frag::program {
@@ -31,5 +33,27 @@ std::map<ir::LocationId, int64_t> probe_widths(RankProgram& program,
                                                const std::shared_ptr<runtime::RankContext>& context,
                                                const std::vector<ir::LocationId>& locations,
                                                const torch::Tensor& input_ids);
+
+/// The last-dim widths of whole values a plan's checks need: the rule table's, else probed; the checks
+/// that must wait for a probe, run before the next forward.
+class WholeWidths {
+ public:
+  /// The width at `location`: from the rule table, or learned by a probe; else unknown.
+  std::optional<int64_t> at(const ir::LocationTable& locations, ir::LocationId location) const;
+  /// Runs `check` on the width at `location` before the next forward (check_pending).
+  void defer(ir::LocationId location, std::function<void(int64_t)> check);
+  bool pending() const { return !checks_.empty(); }
+  /// Probes the locations of the deferred checks (probe_widths) and runs the checks whose width is
+  /// known now; a location the probe did not reach (an expert no token was routed to, a branch on
+  /// length) is checked when first visited, on every rank alike. A check that throws stays pending.
+  void check_pending(RankProgram& program, const std::shared_ptr<runtime::RankContext>& context,
+                     const torch::Tensor& input_ids);
+  /// Drops the deferred checks (the plan they belong to was cleared); learned widths stay.
+  void clear_pending() { checks_.clear(); }
+
+ private:
+  std::vector<std::pair<ir::LocationId, std::function<void(int64_t)>>> checks_;
+  std::map<ir::LocationId, int64_t> probed_;
+};
 
 }  // namespace frag::program
