@@ -179,11 +179,12 @@ torch::Tensor generate(ShardedModel& model, const torch::Tensor& input_ids, int6
     Decoder decoder(model, input_ids.size(0), input_ids.size(1) + steps);
     return decoder.generate(input_ids, steps);
   }
-  // Each step recomputes the whole sequence: its forward is generation step 0 (plan steps with "steps"
-  // act as at a plain forward), its saves are keyed by the step.
+  // Each step recomputes the whole sequence: forward s is generation step s (a plan step's "steps" pick
+  // forwards as in cached decoding, but such a forward covers every position, prompt included), its saves
+  // are keyed by the step.
   torch::Tensor tokens = input_ids;
   for (int64_t s = 0; s < steps; ++s) {
-    model.set_generation_step(0, s);
+    model.set_generation_step(s, s);
     torch::Tensor logits;
     try {
       logits = model.forward(tokens);

@@ -79,8 +79,9 @@ class Decoder {
 
 /// Greedy generation of `steps` tokens (ShardedModel::generate): from a Decoder sized for this batch where
 /// the rank file's forward takes a KV cache (a prefill, then one token per step), else recomputing the
-/// whole sequence each step (older files, .pt2 archives). Saves are keyed "step{k}.". Returns the tokens,
-/// input included.
+/// whole sequence each step (older files, .pt2 archives; forward k is generation step k there too, so a
+/// plan step's "steps" act, over every position that forward computes). Saves are keyed "step{k}.".
+/// Returns the tokens, input included.
 torch::Tensor generate(ShardedModel& model, const torch::Tensor& input_ids, int64_t steps);
 
 }  // namespace frag::program
