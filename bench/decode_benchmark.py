@@ -12,7 +12,7 @@ Exports a kit Llama (hidden 256, intermediate 768, 8 heads of 32, 4 kv heads, 4 
      LlamaForCausalLM of the same shape (random weights) with generate(use_cache=True), side by side.
 
     PY=$(bash tools/python_env.sh); bazel build //python/fragments
-    PYTHONPATH=bazel-bin/python:python:tools $PY tools/bench/decode_benchmark.py [--threads 1] [--reps 5]
+    PYTHONPATH=bazel-bin/python:python:. $PY bench/decode_benchmark.py [--threads 1] [--reps 5]
 
 Single-rank (tp 1), torch.set_num_threads(--threads) on every side. Numbers move when other jobs run on the
 machine: compare the ratios of one run. Memory: ~100 MB.
@@ -35,7 +35,7 @@ def export(folder):
     cmd = [sys.executable, script, "--model", "llama", "--tp", "1", "--out", folder]
     for k, v in SHAPE.items():
         cmd += ["--" + k.replace("_", "-"), str(v)]
-    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH="tools"))
+    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH="."))
     return os.path.join(folder, "rank0.pt")
 
 

@@ -1,4 +1,4 @@
-//===- tools/bench/gpu_collectives_benchmark.cpp - Host syncs and assembly on one GPU ===//
+//===- bench/gpu_collectives_benchmark.cpp - Host syncs and assembly on one GPU ===//
 //
 // What one GPU can show of issue 17 (no NCCL peer needed), side by side in one
 // run, interleaved, medians:
@@ -22,7 +22,7 @@
 #include "ir/fragment_rule.h"
 #include "runtime/communicator.h"
 #include "runtime/whole_value.h"
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
     fmt::print("this build has no NCCL: part 1 skipped\n");
   } else {
     c10d::TCPStoreOptions options;
-    options.port = static_cast<uint16_t>(tools::find_free_port());
+    options.port = static_cast<uint16_t>(cli::find_free_port());
     options.isServer = true;
     options.numWorkers = 1;
     auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);

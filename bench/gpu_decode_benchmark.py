@@ -19,7 +19,7 @@ prompt of --prompt tokens prefilled in both. Goals (issue 28): fragments >= 2x t
 plain PyTorch's captured step.
 
     bash tools/device/decode_run.sh     (on the GPU machine: builds the extension, exports, runs this)
-    PYTHONPATH=build/device/python:tools python3 tools/bench/gpu_decode_benchmark.py FILE.pt [--batches 1 32]
+    PYTHONPATH=build/device/python:. python3 bench/gpu_decode_benchmark.py FILE.pt [--batches 1 32]
 
 --device cpu --layers 1 --hidden 64 ... runs the same code on a CPU (no graphs), as a smoke test.
 """

@@ -1,4 +1,4 @@
-//===- tools/bench/gpu_forward_benchmark.cpp - Rewritten vs original on GPUs ===//
+//===- bench/gpu_forward_benchmark.cpp - Rewritten vs original on GPUs ===//
 //
 // One process per GPU (NCCL), or world size 1. Forward time, CUDA-synchronised,
 // of twelve variants run interleaved in an order that rotates every iteration,
@@ -8,7 +8,7 @@
 //     the full rewrite (every location's ops); saves at every decoder layer's
 //     output, at every fragmented location, at every location; and the raw
 //     collectives of the fragmented saves in the forward (each triple replaced
-//     by the bare NCCL collective of its piece, tools/bench/raw_collectives.h);
+//     by the bare NCCL collective of its piece, bench/raw_collectives.h);
 //   FUSED (TorchScript's GPU fusers on, LibTorch's default and this runtime's
 //     before issue 17 item 4): the original; full rewrite and specialized, each
 //     with nothing registered and with layer saves.
@@ -33,7 +33,7 @@
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
 #include "program/sharded_model.h"
-#include "tools/bench/raw_collectives.h"
+#include "bench/raw_collectives.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>

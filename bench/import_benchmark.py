@@ -1,7 +1,7 @@
 """Import benchmark: a checkpoint larger than memory imported rank by rank, against a plain copy of its bytes.
 
-    PYTHONPATH=tools python3 tools/bench/import_benchmark.py [--like llama3-8b] [--layers N] [--tps 1,2,4,8]
-        [--work DIR] [--frag bazel-bin/tools/frag] [--frag-layers 4] [--json OUT.json]
+    PYTHONPATH=. python3 bench/import_benchmark.py [--like llama3-8b] [--layers N] [--tps 1,2,4,8]
+        [--work DIR] [--frag bazel-bin/cli/frag] [--frag-layers 4] [--json OUT.json]
 
 1. ``python3 -m fragkit.synthetic --like llama3-8b`` writes a Hugging Face folder (bf16, ~16 GB).
 2. For each tp: the checkpoint's pages are dropped from the page cache (posix_fadvise DONTNEED on its files,
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOLS = os.path.dirname(HERE)
+ROOT = os.path.dirname(HERE)  # holds fragkit/
 
 
 def drop_cache(folder: str) -> None:
@@ -75,7 +75,7 @@ def largest_tensor(folder) -> int:
 
 
 def env():
-    return dict(os.environ, PYTHONPATH=TOOLS + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
 
 
 def frag_check(args, work):
@@ -125,7 +125,7 @@ def main():
     p.add_argument("--frag-layers", type=int, default=4)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    sys.path.insert(0, TOOLS)
+    sys.path.insert(0, ROOT)
     from fragkit.synthetic import like_config, tensor_shapes
 
     cfg = like_config(args.like, args.layers)

@@ -5,7 +5,7 @@ Issue 17 item 5 (target (d)) and issue 31 item 3. Every column runs on the weigh
 the same process, interleaved in a rotating order, synchronised (``torch.cuda.synchronize``) around each
 forward; rank 0 prints medians (ms), each column's logits against the kit model's eager ones, and the ratios:
 
-  plain PyTorch       an independent model written here (tools/bench/peer_models.py: torch.nn.Linear, an
+  plain PyTorch       an independent model written here (bench/peer_models.py: torch.nn.Linear, an
                       RMSNorm, rotary, F.scaled_dot_product_attention, SiLU·mul; embedding and LM head
                       included, as in every other column): eager, and captured in a torch.cuda.CUDAGraph
   HF transformers     transformers' LlamaForCausalLM from a LlamaConfig of the same shape, same weights: eager,
@@ -13,7 +13,7 @@ forward; rank 0 prints medians (ms), each column's logits against the kit model'
                       fails or takes longer than --compile-timeout). A full forward of the prompt, no KV cache:
                       a decode column with a static cache (transformers' StaticCache, one token after the
                       prompt) is one more entry in ``hf_columns`` once the KV-cache work has landed.
-  kit model (peer)    the kit's eager Llama (tools/fragkit) with plain torch.distributed collectives
+  kit model (peer)    the kit's eager Llama (fragkit) with plain torch.distributed collectives
                       (all_reduce in place, all_gather): eager, and captured in a torch.cuda.CUDAGraph
   fragments           fragments.load of the same file, nothing registered: eager (``cuda_graphs = False``,
                       the original computation op by op through the Python trace API), and replayed from its
@@ -33,7 +33,7 @@ skipped with a message (a smoke test: tests/python/frontend/peer_benchmark_test.
 
   python3 tools/export_model.py --model llama --tp 1 --layers 4 --hidden 4096 --intermediate 14336 \\
     --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000 --dtype bfloat16 --out /tmp/l8b1
-  PYTHONPATH=build/device/python:tools python3 tools/bench/peer_benchmark.py /tmp/l8b1/rank{rank}.pt \\
+  PYTHONPATH=build/device/python:. python3 bench/peer_benchmark.py /tmp/l8b1/rank{rank}.pt \\
     --layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000 \\
     --dtype bfloat16 --tokens 1 --iterations 30 --json /tmp/peer_t1.json
   (two GPUs: the same under torchrun --nproc-per-node 2, or RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* per process)

@@ -1,5 +1,5 @@
-"""Independent peers for tools/bench/peer_benchmark.py (issue 31, item 3): models nobody here wrote the
-numerics of, built on the weights of a tp-1 rank file of the kit's Llama (tools/fragkit), so their logits
+"""Independent peers for bench/peer_benchmark.py (issue 31, item 3): models nobody here wrote the
+numerics of, built on the weights of a tp-1 rank file of the kit's Llama (fragkit), so their logits
 can be compared with the kit model's and their times with fragments'.
 
 ``PlainLlama`` is the model a PyTorch user writes by hand: ``torch.nn.Linear`` (q/k/v fused into one, gate

@@ -18,7 +18,7 @@ Prints medians (rank 0) and (hooks - plain) / (raw - plain), to read beside gpu_
 
   E="--hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000 --layers 4"
   for r in 0 1; do RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \\
-    python3 tools/bench/python_hooks_benchmark.py $E --tokens 128 --iterations 40 & done; wait
+    python3 bench/python_hooks_benchmark.py $E --tokens 128 --iterations 40 & done; wait
 """
 import argparse
 import contextlib

@@ -5,9 +5,9 @@
     clears, applies and runs the forward R times and prints its median per forward (run before and after
     the Python runs; their mean is the reference).
 
-    PYTHONPATH=bazel-bin/python:python:tools $(bash tools/python_env.sh) tools/bench/python_trace_overhead.py \\
+    PYTHONPATH=bazel-bin/python:python:. $(bash tools/python_env.sh) bench/python_trace_overhead.py \\
         'bazel-bin/tests/models/llama_tp2/rank{rank}.pt' [--world 2] [--tokens 128] [--repeats 30] \\
-        [--frag bazel-bin/tools/frag] [--rounds K]
+        [--frag bazel-bin/cli/frag] [--rounds K]
 
 Prints, on rank 0, the median time per forward of each and the ratios (goal, issue 15: trace <= 1.05 x CLI).
 """
@@ -91,7 +91,7 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=1,
                    help="CLI / Python / CLI rounds; more than one prints each round and the median of their "
                         "ratios (this machine's speed drifts by more than the 5 %% goal between runs)")
-    p.add_argument("--frag", default="bazel-bin/tools/frag", help="the frag CLI")
+    p.add_argument("--frag", default="bazel-bin/cli/frag", help="the frag CLI")
     a = p.parse_args()
     rounds = []
     with tempfile.TemporaryDirectory() as folder:

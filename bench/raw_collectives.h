@@ -1,4 +1,4 @@
-//===- tools/bench/raw_collectives.h - The raw collectives a save needs, in the forward -*- C++ -*-===//
+//===- bench/raw_collectives.h - The raw collectives a save needs, in the forward -*- C++ -*-===//
 //
 // The benchmarks' baseline for saves: the rewritten graph with every
 // gather -> intervene -> split triple replaced by frag_bench::raw_collective,

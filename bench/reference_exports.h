@@ -1,4 +1,4 @@
-//===- tools/bench/reference_exports.h - Where the benchmarks find their exports -*- C++ -*-===//
+//===- bench/reference_exports.h - Where the benchmarks find their exports -*- C++ -*-===//
 //
 // The benchmarks' default inputs are reference exports of //tests/models,
 // built by Bazel as data of the benchmark (runfiles) or found under bazel-bin/

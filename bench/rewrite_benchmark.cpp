@@ -1,4 +1,4 @@
-//===- tools/bench/rewrite_benchmark.cpp - How fast is the fragment rewrite? ===//
+//===- bench/rewrite_benchmark.cpp - How fast is the fragment rewrite? ===//
 //
 // For llama exports of growing depth (40, 80 and 160 decoder layers at tp 2 by
 // default) measures, in one process and side by side:
@@ -28,11 +28,11 @@
 // the same copy with the original graph; printed beside the TorchScript row of
 // the same depth.
 //
-//   bazel build //tools/bench:rewrite_benchmark
-//   bazel-bin/tools/bench/rewrite_benchmark [--reps N (>= 5)] [--warmup N] [FILE.pt ...]
-//   bazel-bin/tools/bench/rewrite_benchmark --profile-rewrite N FILE.pt   (N rewrites, nothing
+//   bazel build //bench:rewrite_benchmark
+//   bazel-bin/bench/rewrite_benchmark [--reps N (>= 5)] [--warmup N] [FILE.pt ...]
+//   bazel-bin/bench/rewrite_benchmark --profile-rewrite N FILE.pt   (N rewrites, nothing
 //       else, for `perf record`)
-//   bazel-bin/tools/bench/rewrite_benchmark --profile-save N FILE.pt   (one rewrite, then N saves
+//   bazel-bin/bench/rewrite_benchmark --profile-save N FILE.pt   (one rewrite, then N saves
 //       of the rewritten module, for `perf record`)
 //
 // With no files it uses the exports //tests/models:bench_llama_l{40,80,160}_tp2
@@ -46,7 +46,7 @@
 #include "passes/insert_fragment_ops_exported.h"
 #include "runtime/exported_program.h"
 #include "runtime/rank_module.h"
-#include "tools/bench/reference_exports.h"
+#include "bench/reference_exports.h"
 
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/ir.h>

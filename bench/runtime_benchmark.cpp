@@ -1,4 +1,4 @@
-//===- tools/bench/runtime_benchmark.cpp - What do the fragment ops cost at run time? ===//
+//===- bench/runtime_benchmark.cpp - What do the fragment ops cost at run time? ===//
 //
 // Two ranks run as threads of this process over real Gloo (tp = 2, one intra-op
 // thread per rank), for the tiny llama export and a larger CPU llama export.
@@ -52,10 +52,10 @@
 // minima) over the iterations, the median CPU time of the rank's own thread, and
 // the spread. Both ranks do identical work in the same order.
 //
-//   bazel build //tools/bench:runtime_benchmark
-//   bazel-bin/tools/bench/runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T]
+//   bazel build //bench:runtime_benchmark
+//   bazel-bin/bench/runtime_benchmark [--iters N] [--warmup N] [--block N] [--batch B] [--tokens T]
 //                                           [--micro N] [--locations] [--graphs] [EXPORT_DIR ...]
-//   bazel-bin/tools/bench/runtime_benchmark --profile VARIANT [--iters N] [EXPORT_DIR]   (one variant
+//   bazel-bin/bench/runtime_benchmark --profile VARIANT [--iters N] [EXPORT_DIR]   (one variant
 //       only, original|rewritten|full|stripped|passthrough|saves|rawfwd|raw|raw+asm, for `perf record`)
 //   --locations: list every fragmented location with its collective and shapes;
 //   --graphs: compare the node kinds of the optimized plans of the full rewritten graph and the stripped one.
@@ -73,10 +73,10 @@
 #include "runtime/rank_context.h"
 #include "runtime/rank_module.h"
 #include "program/sharded_model.h"
-#include "tools/bench/raw_collectives.h"
+#include "bench/raw_collectives.h"
 #include "ir/location_table.h"
-#include "tools/bench/reference_exports.h"
-#include "tools/launcher.h"
+#include "bench/reference_exports.h"
+#include "cli/launcher.h"
 
 #include <torch/csrc/jit/api/compilation_unit.h>
 #include <torch/csrc/jit/api/function_impl.h>
@@ -619,7 +619,7 @@ ModelResult run_model(const std::string& label, const std::string& folder, const
   ModelResult result;
   result.label = label;
   result.folder = folder;
-  const int port = tools::find_free_port();
+  const int port = cli::find_free_port();
   std::vector<std::thread> threads;
   for (int rank = 0; rank < kWorld; ++rank)
     threads.emplace_back([&, rank] {
@@ -798,7 +798,7 @@ int main(int argc, char** argv) {
   if (options.iters > 0)
     for (auto& e : options.exports) e.iters = options.iters;
 
-  std::string command = fmt::format("bazel-bin/tools/bench/runtime_benchmark{} --warmup {} --block {} --batch {} "
+  std::string command = fmt::format("bazel-bin/bench/runtime_benchmark{} --warmup {} --block {} --batch {} "
                                     "--tokens {} --micro {}{}{}",
                                     options.iters > 0 ? fmt::format(" --iters {}", options.iters) : "",
                                     options.warmup, options.block, options.batch, options.tokens, options.micro,
@@ -806,7 +806,7 @@ int main(int argc, char** argv) {
   for (const auto& folder : folders) command += " " + folder;
   fmt::print("runtime_benchmark: tp = 2 as two threads over Gloo, 1 intra-op thread per rank, libtorch {}\n",
              TORCH_VERSION);
-  fmt::print("rerun: cd {} && bazel build //tools/bench:runtime_benchmark && {}\n",
+  fmt::print("rerun: cd {} && bazel build //bench:runtime_benchmark && {}\n",
              std::filesystem::current_path().string(), command);
   std::fflush(stdout);
 

@@ -7,7 +7,7 @@ per-trace overhead against a plain forward, side by side in one run:
     (`Model._c.run([], [], ids)`, timed on rank 0, no messages), against the session's trace with nothing
     but `model.output.save()` (recording, messages, the logits sent back) and with the body.
 
-    PYTHONPATH=bazel-bin/python:python:tools $(bash tools/python_env.sh) tools/bench/session_benchmark.py \\
+    PYTHONPATH=bazel-bin/python:python:. $(bash tools/python_env.sh) bench/session_benchmark.py \\
         bazel-bin/tests/models/llama_tp2 [--tp 2] [--tokens 32] [--traces 100] [--launches 100]
 
 Prints medians and the ratios.

@@ -1,4 +1,4 @@
-//===- tools/frag_main.cpp - The frag command line ------------------------===//
+//===- cli/frag_main.cpp - The frag command line ------------------------===//
 //
 // frag run:     run an exported (or rewritten) sharded model on N ranks.
 // frag inspect: list which locations are fragmented, and how.
@@ -12,11 +12,11 @@
 #include "program/decoder.h"
 #include "program/sharded_model.h"
 #include "runtime/safetensors.h"
-#include "tools/fragment_commands.h"
-#include "tools/launcher.h"
-#include "tools/safe_files.h"
-#include "tools/text_tokenizer.h"
-#include "tools/token_ids.h"
+#include "cli/fragment_commands.h"
+#include "cli/launcher.h"
+#include "cli/safe_files.h"
+#include "cli/text_tokenizer.h"
+#include "cli/token_ids.h"
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Logging.h>
@@ -32,7 +32,7 @@
 namespace {
 
 using frag::fail;
-using frag::tools::require_regular_file;
+using frag::cli::require_regular_file;
 
 struct RunArguments {
   std::vector<std::string> files;
@@ -129,7 +129,7 @@ void time_forwards(frag::program::ShardedModel& model, const RunArguments& args,
 }
 
 int run_rank(const RunArguments& args) {
-  frag::tools::remove_temporaries_on_signals();
+  frag::cli::remove_temporaries_on_signals();
   auto options = frag::runtime::RendezvousOptions::from_env();
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
   options.backend = args.device == "cuda" ? "nccl" : "gloo";
@@ -137,9 +137,9 @@ int run_rank(const RunArguments& args) {
                                                : torch::Device(torch::kCPU);
   const std::string file = file_for_rank(args, options.rank, options.world_size);
   check_input_files(args, file);
-  std::optional<frag::tools::TextTokenizer> tokenizer;
+  std::optional<frag::cli::TextTokenizer> tokenizer;
   if (!args.prompts.empty())
-    tokenizer.emplace(args.tokenizer.empty() ? frag::tools::TextTokenizer::folder_beside(file) : args.tokenizer);
+    tokenizer.emplace(args.tokenizer.empty() ? frag::cli::TextTokenizer::folder_beside(file) : args.tokenizer);
   // Prompts of different lengths: --generate batches them from a KV cache (right-padded here for the checks).
   std::vector<std::vector<int64_t>> rows;
   torch::Tensor ids;
@@ -153,7 +153,7 @@ int run_rank(const RunArguments& args) {
           .copy_(torch::tensor(rows[b], torch::kLong));
     ids = ids.to(device);
   } else {
-    ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::tools::read_token_ids(args.input)).to(device);
+    ids = (tokenizer ? tokenizer->encode(args.prompts) : frag::cli::read_token_ids(args.input)).to(device);
     for (int64_t b = 0; b < ids.size(0); ++b) {
       auto row = ids[b].to(torch::kCPU).contiguous();
       rows.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
@@ -161,10 +161,10 @@ int run_rank(const RunArguments& args) {
   }
   // Only rank 0 writes; its verdict on --out is shared below so that every rank stops alike.
   std::string output_error;
-  frag::tools::OutputTarget output;
+  frag::cli::OutputTarget output;
   if (options.rank == 0 && !args.out.empty()) {
     try {
-      output = frag::tools::check_output_target(args.out, run_inputs(args, options.world_size), args.force, "--out");
+      output = frag::cli::check_output_target(args.out, run_inputs(args, options.world_size), args.force, "--out");
     } catch (const frag::Error& e) {
       output_error = e.what();
     }
@@ -174,15 +174,15 @@ int run_rank(const RunArguments& args) {
   context->agree("output", output_error);
   // Different ids on different ranks would give wrong logits silently, or a
   // collective of mismatched sizes: compare them before any collective.
-  if (auto error = frag::tools::compare_fingerprints(
-          context->exchange("input ids", frag::tools::ids_fingerprint(ids, ids_source(args))));
+  if (auto error = frag::cli::compare_fingerprints(
+          context->exchange("input ids", frag::cli::ids_fingerprint(ids, ids_source(args))));
       !error.empty())
     throw frag::runtime::RankAgreementError(error);
   auto model = frag::program::ShardedModel::load(context, file, device, args.rules_file);
   // An id past the vocabulary reads a padding row, or another rank's shard's, without an error at tp > 1.
   // Every rank has the same ids (compared above) and export: each finds the same error, rank 0 reports it.
   if (const auto [embedding, vocab] = vocabulary_of(model); vocab > 0)
-    if (auto error = frag::tools::check_ids_in_vocab(ids, vocab, ids_source(args), embedding); !error.empty())
+    if (auto error = frag::cli::check_ids_in_vocab(ids, vocab, ids_source(args), embedding); !error.empty())
       throw frag::runtime::RankAgreementError(error);
   std::string plan_error;
   std::optional<frag::runtime::Plan> plan;  // read once; --repeat applies it again per forward
@@ -242,7 +242,7 @@ int run_rank(const RunArguments& args) {
         for (size_t i = 0; i < tensors.size(); ++i) outputs[fmt::format("{}.{}", name, i)] = tensors[i];
       }
     }
-    frag::tools::write_output(output, frag::runtime::safetensors_bytes(outputs));
+    frag::cli::write_output(output, frag::runtime::safetensors_bytes(outputs));
   }
   return 0;
 }
@@ -255,11 +255,11 @@ int run_command(const RunArguments& args) {
     // Local launch: this process only starts and watches the ranks. What every rank would check alike is
     // checked here once first (files, ids, prompts, --out), so that a problem is reported once.
     for (int rank = 0; rank < args.world; ++rank) check_input_files(args, file_for_rank(args, rank, args.world));
-    if (!args.input.empty()) frag::tools::read_token_ids(args.input);
-    if (!args.out.empty()) frag::tools::check_output_target(args.out, run_inputs(args, args.world), args.force, "--out");
+    if (!args.input.empty()) frag::cli::read_token_ids(args.input);
+    if (!args.out.empty()) frag::cli::check_output_target(args.out, run_inputs(args, args.world), args.force, "--out");
     if (!args.prompts.empty()) {
-      frag::tools::TextTokenizer tokenizer(
-          args.tokenizer.empty() ? frag::tools::TextTokenizer::folder_beside(file_for_rank(args, 0, args.world))
+      frag::cli::TextTokenizer tokenizer(
+          args.tokenizer.empty() ? frag::cli::TextTokenizer::folder_beside(file_for_rank(args, 0, args.world))
                                  : args.tokenizer);
       if (args.generate > 0) tokenizer.encode_rows(args.prompts);  // any lengths: generation pads them
       else tokenizer.encode(args.prompts);
@@ -278,7 +278,7 @@ int run_command(const RunArguments& args) {
     if (args.repeat > 0) child.insert(child.end(), {"--repeat", std::to_string(args.repeat)});
     if (args.force) child.push_back("--force");
     setenv("FRAG_LAUNCHED", "1", 1);
-    return frag::tools::launch_local_ranks(
+    return frag::cli::launch_local_ranks(
         args.world, child, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
   }
   return run_rank(args);
@@ -358,7 +358,7 @@ int main(int argc, char** argv) {
                       "--generate); a prompt and its new tokens past it are refused before anything runs")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
 
-  frag::tools::InspectArguments inspect;
+  frag::cli::InspectArguments inspect;
   auto* inspect_cmd = app.add_subcommand(
       "inspect", "List the fragmented locations of an export (and the rank-local values)");
   inspect_cmd->add_option("files", inspect.files, "Rank files of one export (one is enough)")->required()
@@ -370,7 +370,7 @@ int main(int argc, char** argv) {
                           "JSON file declaring more classes as known layers: {\"layers\": {\"Cls\": \"Kind\"}}")
       ->check(non_empty("a rules file (JSON)"));
 
-  frag::tools::RewriteArguments rewrite;
+  frag::cli::RewriteArguments rewrite;
   auto* rewrite_cmd = app.add_subcommand(
       "rewrite", "Insert gather/intervene/split ops at every location and save the rewritten files");
   rewrite_cmd->add_option("files", rewrite.files, "Rank files to rewrite")
@@ -394,8 +394,8 @@ int main(int argc, char** argv) {
     if (run_cmd->parsed() && run.input.empty() && run.prompts.empty())
       fail("frag run needs the tokens to run: --input ids.txt or --prompt \"text\"");
     if (run_cmd->parsed()) return run_command(run);
-    if (inspect_cmd->parsed()) return frag::tools::inspect_command(inspect);
-    if (rewrite_cmd->parsed()) return frag::tools::rewrite_command(rewrite);
+    if (inspect_cmd->parsed()) return frag::cli::inspect_command(inspect);
+    if (rewrite_cmd->parsed()) return frag::cli::rewrite_command(rewrite);
   } catch (const frag::runtime::RankAgreementError& e) {
     // Every rank raised it alike: rank 0 reports it, the others only exit.
     if (rank_prefix().empty() || std::string(std::getenv("RANK")) == "0")

@@ -1,14 +1,14 @@
-//===- tools/fragment_commands.cpp - frag inspect and frag rewrite -------===//
+//===- cli/fragment_commands.cpp - frag inspect and frag rewrite -------===//
 //
 // Both load every rank file given, run the pass on each (the decisions never
 // depend on the rank, so the tables must agree) and then report (inspect) or
 // save (rewrite). A rewrite is saved to a temporary file beside the target and
 // renamed into place, so a failure never leaves a half-written file; with
 // several inputs nothing is moved into place until every file was rewritten
-// (tools/safe_files.h: temporaries, signals, targets that are links or devices).
+// (cli/safe_files.h: temporaries, signals, targets that are links or devices).
 //
 //===----------------------------------------------------------------------===//
-#include "tools/fragment_commands.h"
+#include "cli/fragment_commands.h"
 
 #include "program/inspect_report.h"
 
@@ -19,7 +19,7 @@
 #include "passes/rewrite_for_fragments.h"
 #include "runtime/exported_program.h"
 #include "runtime/rank_module.h"
-#include "tools/safe_files.h"
+#include "cli/safe_files.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -33,7 +33,7 @@
 #include <memory>
 #include <sstream>
 
-namespace frag::tools {
+namespace frag::cli {
 namespace {
 
 using program::HeadLayouts;
@@ -214,4 +214,4 @@ int rewrite_command(const RewriteArguments& args) {
   return 0;
 }
 
-}  // namespace frag::tools
+}  // namespace frag::cli

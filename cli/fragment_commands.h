@@ -1,10 +1,10 @@
-//===- tools/fragment_commands.h - frag inspect and frag rewrite -*- C++ -*-===//
+//===- cli/fragment_commands.h - frag inspect and frag rewrite -*- C++ -*-===//
 #pragma once
 
 #include <string>
 #include <vector>
 
-namespace frag::tools {
+namespace frag::cli {
 
 struct InspectArguments {
   std::vector<std::string> files;
@@ -25,4 +25,4 @@ int inspect_command(const InspectArguments& args);
 /// `frag rewrite`: writes each rewritten file atomically; returns the exit code.
 int rewrite_command(const RewriteArguments& args);
 
-}  // namespace frag::tools
+}  // namespace frag::cli

@@ -1,5 +1,5 @@
-//===- tools/launcher.cpp - Start N local ranks as processes -------------===//
-#include "tools/launcher.h"
+//===- cli/launcher.cpp - Start N local ranks as processes -------------===//
+#include "cli/launcher.h"
 
 #include "ir/error.h"
 
@@ -22,7 +22,7 @@
 #include <string>
 #include <thread>
 
-namespace frag::tools {
+namespace frag::cli {
 namespace {
 
 /// The running ranks, for the signal handler (plain memory only).
@@ -256,4 +256,4 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
   return first_failure;
 }
 
-}  // namespace frag::tools
+}  // namespace frag::cli

@@ -1,4 +1,4 @@
-//===- tools/launcher.h - Start N local ranks as processes -------*- C++ -*-===//
+//===- cli/launcher.h - Start N local ranks as processes -------*- C++ -*-===//
 //
 // `frag run --world N` starts N copies of itself with torchrun's variables
 // (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) and waits
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace frag::tools {
+namespace frag::cli {
 
 /// Runs `arguments` (argv without argv[0]) as `world` ranks of this executable.
 /// Returns 0 when every rank exits 0, else the first failing rank's status (≥1).
@@ -24,4 +24,4 @@ int launch_local_ranks(int world, const std::vector<std::string>& arguments,
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 int find_free_port();
 
-}  // namespace frag::tools
+}  // namespace frag::cli

@@ -1,5 +1,5 @@
-//===- tools/safe_files.cpp - Files frag reads and writes, safely --------===//
-#include "tools/safe_files.h"
+//===- cli/safe_files.cpp - Files frag reads and writes, safely --------===//
+#include "cli/safe_files.h"
 
 #include "ir/error.h"
 
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <filesystem>
 
-namespace frag::tools {
+namespace frag::cli {
 namespace {
 
 /// Registered outputs. A signal handler may only read plain memory, so each lives in a fixed table of
@@ -199,7 +199,7 @@ void TemporaryFile::write(const std::string& bytes) {
     registered[slot_].inode.store(info.st_ino);
     registered[slot_].written.store(true);
   }
-  // Fault injection for tests that signal a writer mid-write (tests/tools/frag_faults_test.cpp): the
+  // Fault injection for tests that signal a writer mid-write (tests/cli/frag_faults_test.cpp): the
   // process stops with its temporary written and not yet renamed.
   if (std::getenv("FRAG_FAULT_STOP_AFTER_WRITE") != nullptr) raise(SIGSTOP);
 }
@@ -244,4 +244,4 @@ void write_output(const OutputTarget& target, const std::string& bytes) {
   temporary.commit();
 }
 
-}  // namespace frag::tools
+}  // namespace frag::cli

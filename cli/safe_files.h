@@ -1,4 +1,4 @@
-//===- tools/safe_files.h - Files frag reads and writes, safely --*- C++ -*-===//
+//===- cli/safe_files.h - Files frag reads and writes, safely --*- C++ -*-===//
 //
 // What frag reads must be a regular file: a FIFO or a device would block
 // forever on open or read. What frag writes goes to a temporary beside the
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace frag::tools {
+namespace frag::cli {
 
 /// Fails unless `path` names a regular file (symbolic links followed), without
 /// opening it. `what` says what the file is for ("the model file", "the plan").
@@ -81,4 +81,4 @@ void write_file(const std::string& path, const std::string& bytes);
 /// when `target.direct`.
 void write_output(const OutputTarget& target, const std::string& bytes);
 
-}  // namespace frag::tools
+}  // namespace frag::cli

@@ -1,5 +1,5 @@
-//===- tools/text_tokenizer.cpp - Text <-> token ids for frag run --------===//
-#include "tools/text_tokenizer.h"
+//===- cli/text_tokenizer.cpp - Text <-> token ids for frag run --------===//
+#include "cli/text_tokenizer.h"
 
 #include "ir/error.h"
 
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <filesystem>
 
-namespace frag::tools {
+namespace frag::cli {
 namespace {
 
 // Reads one JSON request on stdin, writes one JSON answer on stdout; a failure
@@ -167,4 +167,4 @@ std::vector<std::string> TextTokenizer::decode(const torch::Tensor& ids) const {
       .get<std::vector<std::string>>();
 }
 
-}  // namespace frag::tools
+}  // namespace frag::cli

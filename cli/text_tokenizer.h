@@ -1,4 +1,4 @@
-//===- tools/text_tokenizer.h - Text <-> token ids for frag run --*- C++ -*-===//
+//===- cli/text_tokenizer.h - Text <-> token ids for frag run --*- C++ -*-===//
 //
 // `frag run --prompt` tokenizes with the checkpoint's own tokenizer (the
 // tokenizer/ folder that `python3 -m fragkit.checkpoint` writes beside the rank
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace frag::tools {
+namespace frag::cli {
 
 class TextTokenizer {
  public:
@@ -44,4 +44,4 @@ class TextTokenizer {
 /// ~/.cache/fragments/venv/bin/python where it exists, else python3 on PATH.
 std::string project_python();
 
-}  // namespace frag::tools
+}  // namespace frag::cli

@@ -1,9 +1,9 @@
-//===- tools/token_ids.cpp - Read token ids from text --------------------===//
-#include "tools/token_ids.h"
+//===- cli/token_ids.cpp - Read token ids from text --------------------===//
+#include "cli/token_ids.h"
 
 #include "ir/digest.h"
 #include "ir/error.h"
-#include "tools/safe_files.h"
+#include "cli/safe_files.h"
 
 #include <fmt/format.h>
 
@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-namespace frag::tools {
+namespace frag::cli {
 
 torch::Tensor read_token_ids(const std::string& path) {
   require_regular_file(path, "the token id file");
@@ -107,4 +107,4 @@ std::string check_ids_in_vocab(const torch::Tensor& ids, int64_t vocab, const st
   return "";
 }
 
-}  // namespace frag::tools
+}  // namespace frag::cli

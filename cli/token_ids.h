@@ -1,4 +1,4 @@
-//===- tools/token_ids.h - Read and check token ids --------------*- C++ -*-===//
+//===- cli/token_ids.h - Read and check token ids --------------*- C++ -*-===//
 #pragma once
 
 #include <torch/torch.h>
@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace frag::tools {
+namespace frag::cli {
 
 /// Reads ids.txt: one sequence per line, ids separated by spaces, every line
 /// the same length. Returns int64 [B, T]. Bad input: frag::Error with file and line.
@@ -32,4 +32,4 @@ std::string compare_fingerprints(const std::vector<std::string>& fingerprints);
 std::string check_ids_in_vocab(const torch::Tensor& ids, int64_t vocab, const std::string& source,
                                const std::string& embedding);
 
-}  // namespace frag::tools
+}  // namespace frag::cli

@@ -1,4 +1,4 @@
-//===- tools/examples/api_example.cpp - Using fragments from C++ -----------===//
+//===- examples/api_example.cpp - Using fragments from C++ -----------===//
 //
 // A minimal "server" that loads one rank of a sharded model and, with the C++
 // API alone (no CLI, no Python): steers the residual stream, saves a whole

@@ -1,4 +1,4 @@
-//===- tests/tools/frag_faults_test.cpp - frag under faults and bad input ---===//
+//===- tests/cli/frag_faults_test.cpp - frag under faults and bad input ---===//
 //
 // Each test reproduces one case of issue 16 against the frag binary: garbage
 // in the rendezvous variables, ranks given different token ids, a full disk,
@@ -9,7 +9,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <gtest/gtest.h>
 
@@ -84,7 +84,7 @@ std::set<std::string> listing(const std::string& folder) {
 /// Runs two ranks as separate processes under an external launcher's variables, each with its own arguments.
 std::pair<testing::CommandResult, testing::CommandResult> run_two_ranks(const std::vector<std::string>& rank0,
                                                                         const std::vector<std::string>& rank1) {
-  const std::string port = std::to_string(tools::find_free_port());
+  const std::string port = std::to_string(cli::find_free_port());
   auto start = [&](int rank, const std::vector<std::string>& arguments) {
     std::vector<std::string> argv{frag_binary(), "run"};
     argv.insert(argv.end(), arguments.begin(), arguments.end());
@@ -190,12 +190,12 @@ TEST(Faults, AFileWhoseSizesAskForTooMuchMemoryIsAClearError) {
                   "under the virtual-memory limit this test needs (the plain builds run it)";
 #endif
   // The runfiles root under Bazel; the source folder under CMake (its tests run in the build folder).
-  std::string file = "tests/tools/data/damaged_memo_size.pt";
+  std::string file = "tests/cli/data/damaged_memo_size.pt";
 #ifdef FRAG_SOURCE_DIR
   if (!fs::exists(file)) file = std::string(FRAG_SOURCE_DIR) + "/" + file;
 #endif
   auto result = run_command({"/bin/sh", "-c", "ulimit -v 6000000; exec \"$0\" inspect \"$1\"", frag_binary(), file});
-  expect_one_clear_error(result, "tests/tools/data/damaged_memo_size.pt: not a loadable TorchScript file: ");
+  expect_one_clear_error(result, "tests/cli/data/damaged_memo_size.pt: not a loadable TorchScript file: ");
 }
 
 TEST(Faults, FilesWithDamagedDebugRecordsAreAClearError) {
@@ -203,13 +203,13 @@ TEST(Faults, FilesWithDamagedDebugRecordsAreAClearError) {
   // LibTorch 2.11 read through a null pointer (SIGSEGV in SourceRangeDeserializer::deserialize_source,
   // two sites, one file each). frag loads rank files without their debug records.
   for (const char* name : {"damaged_source_ranges_a.pt", "damaged_source_ranges_b.pt"}) {
-    std::string file = std::string("tests/tools/data/") + name;
+    std::string file = std::string("tests/cli/data/") + name;
 #ifdef FRAG_SOURCE_DIR
     if (!fs::exists(file)) file = std::string(FRAG_SOURCE_DIR) + "/" + file;
 #endif
     auto result = run_command({frag_binary(), "inspect", file});
     SCOPED_TRACE(name);
-    expect_one_clear_error(result, std::string("tests/tools/data/") + name + ": not a loadable TorchScript file: ");
+    expect_one_clear_error(result, std::string("tests/cli/data/") + name + ": not a loadable TorchScript file: ");
   }
 }
 
@@ -295,7 +295,7 @@ TEST(Faults, AnUnreachableRendezvousPrintsOnlyFragsLine) {
   auto folder = temporary_folder();
   const auto files = model_files("llama_tp2");
   const std::map<std::string, std::string> env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                                               {"MASTER_PORT", std::to_string(tools::find_free_port())}};
+                                               {"MASTER_PORT", std::to_string(cli::find_free_port())}};
   const std::vector<std::string> argv{frag_binary(), "run", files[0], files[1], "--input",
                                       ids_file(folder, "ids.txt", "1 2\n"), "--timeout", "2"};
   auto quiet = run_command(argv, env, std::chrono::seconds(40));

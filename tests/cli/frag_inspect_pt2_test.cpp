@@ -1,4 +1,4 @@
-//===- tests/tools/frag_inspect_pt2_test.cpp - `frag inspect` on .pt2 archives ===//
+//===- tests/cli/frag_inspect_pt2_test.cpp - `frag inspect` on .pt2 archives ===//
 //
 // The reference models exported twice from the same weights, as TorchScript
 // (rank{r}.pt) and with torch.export (rank{r}.pt2, tests/models/BUILD's *_pt2):

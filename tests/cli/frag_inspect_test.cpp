@@ -1,4 +1,4 @@
-//===- tests/tools/frag_inspect_test.cpp - `frag inspect` end to end -------===//
+//===- tests/cli/frag_inspect_test.cpp - `frag inspect` end to end -------===//
 //
 // Runs the frag binary on the reference exports made by the Python kit and
 // checks the report against the layouts in fragment-rules.md: the exact set of
@@ -150,7 +150,7 @@ struct Expected {
 };
 using ExpectedTable = std::map<std::string, Expected>;
 
-/// The tiny llama of tools/fragkit: hidden 64, 8 heads of 8, intermediate 128,
+/// The tiny llama of fragkit: hidden 64, 8 heads of 8, intermediate 128,
 /// vocab 1000 (padded to 1024), 2 decoder layers. qkv_layout/qkv_width depend on the kv heads.
 ExpectedTable llama_expected(const std::string& qkv_layout, int64_t qkv_width) {
   ExpectedTable t;

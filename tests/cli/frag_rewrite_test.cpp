@@ -1,4 +1,4 @@
-//===- tests/tools/frag_rewrite_test.cpp - `frag rewrite` end to end -------===//
+//===- tests/cli/frag_rewrite_test.cpp - `frag rewrite` end to end -------===//
 //
 // Rewrites the reference exports with the frag binary and checks what lands on
 // disk: one file to a file, several rank files into a folder, each rewritten

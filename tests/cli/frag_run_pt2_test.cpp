@@ -1,4 +1,4 @@
-//===- tests/tools/frag_run_pt2_test.cpp - `frag run` on .pt2 archives (NativeRT) ===//
+//===- tests/cli/frag_run_pt2_test.cpp - `frag run` on .pt2 archives (NativeRT) ===//
 //
 // The reference models exported twice from the same weights (rank{r}.pt and
 // rank{r}.pt2): `frag run` of the .pt2 rank files, plain exports rewritten in

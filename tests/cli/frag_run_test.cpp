@@ -1,4 +1,4 @@
-//===- tests/tools/frag_run_test.cpp - `frag run` end to end ---------------===//
+//===- tests/cli/frag_run_test.cpp - `frag run` end to end ---------------===//
 //
 // Runs the frag binary on reference exports made by the Python kit and checks
 // that every tp=N run gives the tp=1 run's logits, on CPU over Gloo, and that
@@ -7,7 +7,7 @@
 //===----------------------------------------------------------------------===//
 #include "runtime/safetensors.h"
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <gtest/gtest.h>
 
@@ -369,7 +369,7 @@ TEST(RunBadInput, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
   expect_failure({model_files("llama_tp2")[0], model_files("llama_tp2")[1], "--timeout", "2"},
                  "within 2000 ms",
                  {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                  {"MASTER_PORT", std::to_string(tools::find_free_port())}});
+                  {"MASTER_PORT", std::to_string(cli::find_free_port())}});
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
@@ -377,7 +377,7 @@ TEST(RunBadInput, AnUnreachableRendezvous) {
   expect_failure({model_files("llama_tp2")[0], model_files("llama_tp2")[1], "--timeout", "2"},
                  "rank 1: error: rendezvous at 127.0.0.1:",
                  {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                  {"MASTER_PORT", std::to_string(tools::find_free_port())}});
+                  {"MASTER_PORT", std::to_string(cli::find_free_port())}});
 }
 
 TEST(RunBadInput, ARankWhoseFileIsBadStopsEveryRankBeforeAnyCollective) {

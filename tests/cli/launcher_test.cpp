@@ -1,4 +1,4 @@
-//===- tests/tools/launcher_test.cpp - Ranks' output under the launcher ---===//
+//===- tests/cli/launcher_test.cpp - Ranks' output under the launcher ---===//
 //
 // launch_local_ranks starts copies of this test binary as ranks (the child test below, selected by
 // --gtest_filter and enabled by FRAG_LAUNCHER_TEST_CHILD). Each rank writes long lines in small
@@ -6,7 +6,7 @@
 // only, every line of every rank present once.
 //
 //===----------------------------------------------------------------------===//
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -73,7 +73,7 @@ TEST(Launcher, RanksLinesComeWholeAndAllOfThem) {
   setenv("FRAG_LAUNCHER_TEST_CHILD", "1", 1);
   int status = -1;
   const std::string output = capture_output([&] {
-    status = tools::launch_local_ranks(3, {"--gtest_filter=LauncherChild.WritesLongLinesInPieces"},
+    status = cli::launch_local_ranks(3, {"--gtest_filter=LauncherChild.WritesLongLinesInPieces"},
                                        std::chrono::seconds(30));
   });
   unsetenv("FRAG_LAUNCHER_TEST_CHILD");

@@ -1,4 +1,4 @@
-//===- tests/tools/torch2_fixture_test.cpp - Files saved by PyTorch 2.x ---===//
+//===- tests/cli/torch2_fixture_test.cpp - Files saved by PyTorch 2.x ---===//
 //
 // tests/fixtures/torch2 holds rank files exported by PyTorch 2.11 and the
 // logits torch 2.11 computed with the tp=1 file. frag (this build's LibTorch)

@@ -1,12 +1,12 @@
-//===- tests/tools/api_example_test.cpp - The C++ API example runs -------===//
+//===- tests/examples/api_example_test.cpp - The C++ API example runs -------===//
 //
-// Runs tools/examples/api_example as two rank processes on the tp=2 export
+// Runs examples/api_example as two rank processes on the tp=2 export
 // and as one process on the tp=1 export: both must print the same lens and
 // model tokens (steering and lens agree with the unsharded model).
 //
 //===----------------------------------------------------------------------===//
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <gtest/gtest.h>
 
@@ -20,7 +20,7 @@ using testing::data_path;
 using testing::model_files;
 using testing::run_command;
 
-std::string example() { return std::filesystem::absolute(data_path("tools/examples/api_example")).string(); }
+std::string example() { return std::filesystem::absolute(data_path("examples/api_example")).string(); }
 
 std::string folder_of(const std::string& export_name) {
   return std::filesystem::path(model_files(export_name)[0]).parent_path().string();
@@ -30,7 +30,7 @@ TEST(ApiExample, TwoRanksPrintWhatTheUnshardedModelPrints) {
   FRAG_REQUIRE_GLOO();
   auto whole = run_command({example(), folder_of("llama_tp1")}, {{"WORLD_SIZE", "1"}, {"RANK", "0"}});
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  const std::string port = std::to_string(tools::find_free_port());
+  const std::string port = std::to_string(cli::find_free_port());
   auto launch = [&](int rank) {
     return std::async(std::launch::async, [&, rank] {
       return run_command({example(), folder_of("llama_tp2")},

@@ -38,7 +38,7 @@ class RealModelGenerationTest(unittest.TestCase):
         self.assertNotEqual(plain["tokens"], steered["tokens"], "the steering must change the tokens")
         self.assertTrue(any(len(r) > 1 for r in plain["tokens"]))
         # The CLI on the same prompts as text: one batch, the same tokens, the cache's size printed.
-        rows, cache = self.m.check_cli(self.check, os.path.abspath(os.environ.get("FRAG_BINARY", "tools/frag")),
+        rows, cache = self.m.check_cli(self.check, os.path.abspath(os.environ.get("FRAG_BINARY", "cli/frag")),
                                        TOKENS)
         self.assertEqual(rows, plain["tokens"])
         self.assertEqual(len(cache), 1, "rank 0 prints the KV cache's size once")

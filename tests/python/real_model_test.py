@@ -19,7 +19,7 @@ class RealModelTest(unittest.TestCase):
         import real_model_check
 
         cls.m = real_model_check
-        frag = os.environ.get("FRAG_BINARY", "tools/frag")
+        frag = os.environ.get("FRAG_BINARY", "cli/frag")
         exports = os.environ.get("FRAG_REAL_EXPORTS", "tests/models")
         cls.check = real_model_check.RealModelCheck(os.path.abspath(frag), os.path.abspath(exports), tp=3)
 
