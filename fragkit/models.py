@@ -5,6 +5,7 @@ Module names follow vLLM / Hugging Face (model.embed_tokens, model.layers.N.self
 ``LlamaConfig(mlp="plain")`` swaps Llama's gated MLP for a GPT-NeoX style one (``PlainMLP``: up_proj, GELU,
 down_proj), whose up_proj output is a plain column shard.
 """
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -523,6 +524,70 @@ class LlamaForCausalLM(_CausalLMBase):
 
 
 # --------------------------------------------------------------------------------------------------------
+# The MoE decoder families (Qwen2-MoE, Mixtral): one base; a family subclasses it with what differs.
+
+def _expert_parallelism(tp_rank: int, tp_size: int, enable_expert_parallel: bool) -> dict:
+    """FusedMoE's split: experts whole by block over the ranks (EP), or each expert's width split (TP)."""
+    if enable_expert_parallel:
+        return dict(tp_size=1, tp_rank=0, ep_size=tp_size, ep_rank=tp_rank)
+    return dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=1, ep_rank=0)
+
+
+class MoeDecoderLayer(nn.Module):
+    """Llama's residual stream around attention and a feed-forward that may be sparse (experts).
+
+    A family overrides ``attention`` (its q/k/v biases) and ``feed_forward`` (its sparse block, which layers
+    have one, the dense MLP of the others). The feed-forward is ``self.mlp``, as most checkpoints name it; a
+    family that names it otherwise (Mixtral) sets ``feed_forward_name`` and its own ``forward``."""
+    hidden_size: int
+    feed_forward_name = "mlp"
+
+    def __init__(self, config, tp_rank: int, tp_size: int, prefix: str = "", enable_expert_parallel: bool = False):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = self.attention(config, tp_rank, tp_size, prefix + ".self_attn")
+        name = self.feed_forward_name
+        setattr(self, name, self.feed_forward(config, tp_rank, tp_size, prefix, prefix + "." + name,
+                                              enable_expert_parallel))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def attention(self, config, tp_rank: int, tp_size: int, prefix: str) -> nn.Module:
+        return LlamaAttention(config, tp_rank, tp_size, bias=False, prefix=prefix)
+
+    def feed_forward(self, config, tp_rank: int, tp_size: int, layer_prefix: str, prefix: str,
+                     enable_expert_parallel: bool) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
+                cache_len: int = 0) -> Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, cache_len)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class MoeForCausalLM(_CausalLMBase):
+    """A MoE family's model: Llama's embedding, layers of ``layer_cls`` and head; ``config_cls()`` when no
+    config is given. Experts are split by block over the ranks with ``enable_expert_parallel``."""
+    tp_size: int
+    tp_rank: int
+    enable_expert_parallel: bool
+    config_cls = None
+    layer_cls = MoeDecoderLayer
+
+    def __init__(self, config=None, tp_rank: int = 0, tp_size: int = 1, enable_expert_parallel: bool = False):
+        super().__init__()
+        config = config or self.config_cls()
+        self.enable_expert_parallel = bool(enable_expert_parallel)
+        layer_cls = functools.partial(type(self).layer_cls, enable_expert_parallel=enable_expert_parallel)
+        self.model = LlamaModel(config, tp_rank, tp_size, layer_cls)
+        self._init_head(config, tp_rank, tp_size)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Qwen2-MoE
 
 class Qwen2MoeMLP(LlamaMLP):
@@ -539,14 +604,11 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         if tp_size > config.num_experts:
             raise ValueError("tensor parallel size %d is greater than the number of experts %d"
                              % (tp_size, config.num_experts))
-        if enable_expert_parallel:
-            moe_tp = dict(tp_size=1, tp_rank=0, ep_size=tp_size, ep_rank=tp_rank)
-        else:
-            moe_tp = dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=1, ep_rank=0)
         self.experts = FusedMoE(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                                 hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size,
                                 params_dtype=config.dtype, reduce_results=False,
-                                renormalize=config.norm_topk_prob, prefix=prefix + ".experts", **moe_tp)
+                                renormalize=config.norm_topk_prob, prefix=prefix + ".experts",
+                                **_expert_parallelism(tp_rank, tp_size, enable_expert_parallel))
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, params_dtype=config.dtype,
                                      prefix=prefix + ".gate", tp_rank=tp_rank, tp_size=tp_size)
         self.shared_expert = Qwen2MoeMLP(config.hidden_size, config.shared_expert_intermediate_size, tp_rank,
@@ -574,51 +636,26 @@ class Qwen2MoeAttention(LlamaAttention):
     hidden_size: int
 
 
-class Qwen2MoeDecoderLayer(nn.Module):
-    hidden_size: int
+class Qwen2MoeDecoderLayer(MoeDecoderLayer):
+    """q/k/v biases; a sparse block every decoder_sparse_step layers except mlp_only_layers."""
 
-    def __init__(self, config, tp_rank: int, tp_size: int, prefix: str = "", enable_expert_parallel: bool = False):
-        super().__init__()
-        self.hidden_size = config.hidden_size
-        self.self_attn = Qwen2MoeAttention(config, tp_rank, tp_size, bias=True, prefix=prefix + ".self_attn")
-        layer_idx = int(prefix.split(".")[-1]) if prefix else 0
+    def attention(self, config, tp_rank: int, tp_size: int, prefix: str) -> nn.Module:
+        return Qwen2MoeAttention(config, tp_rank, tp_size, bias=True, prefix=prefix)
+
+    def feed_forward(self, config, tp_rank: int, tp_size: int, layer_prefix: str, prefix: str,
+                     enable_expert_parallel: bool) -> nn.Module:
+        layer_idx = int(layer_prefix.split(".")[-1]) if layer_prefix else 0
         sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
                   and (layer_idx + 1) % config.decoder_sparse_step == 0)
         if sparse:
-            self.mlp = Qwen2MoeSparseMoeBlock(config, tp_rank, tp_size, enable_expert_parallel,
-                                              prefix=prefix + ".mlp")
-        else:
-            self.mlp = Qwen2MoeMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
-                                   params_dtype=config.dtype, prefix=prefix + ".mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-
-    def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
-                cache_len: int = 0) -> Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, cache_len)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+            return Qwen2MoeSparseMoeBlock(config, tp_rank, tp_size, enable_expert_parallel, prefix=prefix)
+        return Qwen2MoeMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size,
+                           params_dtype=config.dtype, prefix=prefix)
 
 
-class Qwen2MoeForCausalLM(_CausalLMBase):
-    tp_size: int
-    tp_rank: int
-    enable_expert_parallel: bool
-
-    def __init__(self, config: Optional[Qwen2MoeConfig] = None, tp_rank: int = 0, tp_size: int = 1,
-                 enable_expert_parallel: bool = False):
-        super().__init__()
-        config = config or Qwen2MoeConfig()
-        self.enable_expert_parallel = bool(enable_expert_parallel)
-
-        def layer_cls(cfg, r, p, prefix=""):
-            return Qwen2MoeDecoderLayer(cfg, r, p, prefix=prefix, enable_expert_parallel=enable_expert_parallel)
-
-        self.model = LlamaModel(config, tp_rank, tp_size, layer_cls)
-        self._init_head(config, tp_rank, tp_size)
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    config_cls = Qwen2MoeConfig
+    layer_cls = Qwen2MoeDecoderLayer
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -640,17 +677,14 @@ class MixtralSparseMoeBlock(nn.Module):
     def __init__(self, config, tp_rank: int, tp_size: int, enable_expert_parallel: bool = False,
                  prefix: str = ""):
         super().__init__()
-        if enable_expert_parallel:
-            moe_tp = dict(tp_size=1, tp_rank=0, ep_size=tp_size, ep_rank=tp_rank)
-        else:
-            moe_tp = dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=1, ep_rank=0)
         self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False,
                                      params_dtype=config.dtype, prefix=prefix + ".gate",
                                      tp_rank=tp_rank, tp_size=tp_size)
         self.experts = FusedMoE(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                                 hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                                 params_dtype=config.dtype, reduce_results=True, renormalize=True,
-                                prefix=prefix + ".experts", **moe_tp)
+                                prefix=prefix + ".experts",
+                                **_expert_parallelism(tp_rank, tp_size, enable_expert_parallel))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         orig_shape = hidden_states.shape
@@ -659,20 +693,17 @@ class MixtralSparseMoeBlock(nn.Module):
         return self.experts(hidden_states, router_logits).reshape(orig_shape)
 
 
-class MixtralDecoderLayer(nn.Module):
-    hidden_size: int
+class MixtralDecoderLayer(MoeDecoderLayer):
+    """Llama attention; every layer sparse, under the checkpoints' name block_sparse_moe."""
+    feed_forward_name = "block_sparse_moe"
 
-    def __init__(self, config, tp_rank: int, tp_size: int, prefix: str = "", enable_expert_parallel: bool = False):
-        super().__init__()
-        self.hidden_size = config.hidden_size
-        self.self_attn = LlamaAttention(config, tp_rank, tp_size, bias=False, prefix=prefix + ".self_attn")
-        self.block_sparse_moe = MixtralSparseMoeBlock(config, tp_rank, tp_size, enable_expert_parallel,
-                                                      prefix=prefix + ".block_sparse_moe")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+    def feed_forward(self, config, tp_rank: int, tp_size: int, layer_prefix: str, prefix: str,
+                     enable_expert_parallel: bool) -> nn.Module:
+        return MixtralSparseMoeBlock(config, tp_rank, tp_size, enable_expert_parallel, prefix=prefix)
 
     def forward(self, positions: Tensor, hidden_states: Tensor, kv_cache: Optional[Tensor] = None,
                 cache_len: int = 0) -> Tensor:
+        # The base's, with the block's own name: TorchScript resolves attributes by name.
         residual = hidden_states
         hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, cache_len)
         hidden_states = residual + hidden_states
@@ -681,22 +712,9 @@ class MixtralDecoderLayer(nn.Module):
         return residual + hidden_states
 
 
-class MixtralForCausalLM(_CausalLMBase):
-    tp_size: int
-    tp_rank: int
-    enable_expert_parallel: bool
-
-    def __init__(self, config: Optional[MixtralConfig] = None, tp_rank: int = 0, tp_size: int = 1,
-                 enable_expert_parallel: bool = False):
-        super().__init__()
-        config = config or MixtralConfig()
-        self.enable_expert_parallel = bool(enable_expert_parallel)
-
-        def layer_cls(cfg, r, p, prefix=""):
-            return MixtralDecoderLayer(cfg, r, p, prefix=prefix, enable_expert_parallel=enable_expert_parallel)
-
-        self.model = LlamaModel(config, tp_rank, tp_size, layer_cls)
-        self._init_head(config, tp_rank, tp_size)
+class MixtralForCausalLM(MoeForCausalLM):
+    config_cls = MixtralConfig
+    layer_cls = MixtralDecoderLayer
 
 
 # --------------------------------------------------------------------------------------------------------
