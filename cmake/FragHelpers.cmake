@@ -5,7 +5,7 @@ include_guard(GLOBAL)
 
 # The Python kit: a change to it remakes the exports.
 file(GLOB_RECURSE FRAG_FRAGKIT_SOURCES CONFIGURE_DEPENDS
-  "${CMAKE_SOURCE_DIR}/tools/fragkit/*.py")
+  "${CMAKE_SOURCE_DIR}/fragkit/*.py")
 
 # frag_export_model(<name> <flags of tools/export_model.py...>)
 #
@@ -137,10 +137,10 @@ endfunction()
 function(frag_check_lists)
   file(GLOB_RECURSE found CONFIGURE_DEPENDS RELATIVE "${CMAKE_SOURCE_DIR}"
     "${CMAKE_SOURCE_DIR}/ir/*.cpp" "${CMAKE_SOURCE_DIR}/passes/*.cpp"
-    "${CMAKE_SOURCE_DIR}/runtime/*.cpp" "${CMAKE_SOURCE_DIR}/program/*.cpp" "${CMAKE_SOURCE_DIR}/tools/*.cpp"
-    "${CMAKE_SOURCE_DIR}/tests/*.cpp")
+    "${CMAKE_SOURCE_DIR}/runtime/*.cpp" "${CMAKE_SOURCE_DIR}/program/*.cpp" "${CMAKE_SOURCE_DIR}/cli/*.cpp"
+    "${CMAKE_SOURCE_DIR}/bench/*.cpp" "${CMAKE_SOURCE_DIR}/examples/*.cpp" "${CMAKE_SOURCE_DIR}/tests/*.cpp")
   set(listed ${FRAG_IR_SOURCES} ${FRAG_PASSES_SOURCES} ${FRAG_RUNTIME_SOURCES} ${FRAG_PROGRAM_SOURCES}
-             ${FRAG_TOOLS_SOURCES} ${FRAG_TEST_SUPPORT_SOURCES} ${FRAG_TEST_SOURCES} ${FRAG_FUZZ_SOURCES})
+             ${FRAG_CLI_SOURCES} ${FRAG_TEST_SUPPORT_SOURCES} ${FRAG_TEST_SOURCES} ${FRAG_FUZZ_SOURCES})
   foreach(entry IN LISTS FRAG_BINARIES)
     separate_arguments(entry UNIX_COMMAND "${entry}")
     list(GET entry 1 source)

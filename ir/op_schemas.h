@@ -6,7 +6,7 @@
 // implements all five. The schemas are registered once, here (op_schemas.cpp,
 // schema only, no kernels), so a process that only rewrites or inspects
 // graphs can save and load them; runtime/ registers the kernels.
-// tools/fragkit/ops.py defines the same model ops for Python.
+// fragkit/ops.py defines the same model ops for Python.
 //
 //===----------------------------------------------------------------------===//
 #pragma once

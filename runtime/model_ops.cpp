@@ -4,7 +4,7 @@
 // tensor-parallel communication (fragkit.distributed and the kit's layers).
 // These kernels route each call to the current RankContext's named group.
 // The schemas live in ir/op_schemas.h, the contract with the pass and with
-// tools/fragkit/ops.py.
+// fragkit/ops.py.
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/rank_context.h"

@@ -69,7 +69,7 @@ bool is_torch_export_archive(const std::string& path);
 /// and any node a plan adds (a save's read, a fragment op) moves that end (max |diff| 0.05 in 8B-shaped bf16
 /// logits). Op by op, as the eager PyTorch model computes, the original and every rewritten graph round alike:
 /// bit-identical logits. Costs the fused elementwise kernels (about 1.25x on an 8B-shaped 128-token forward,
-/// tools/bench/results/issue17_one_gpu.md). fp32 forwards keep LibTorch's setting (fusion there rounds as
+/// bench/results/issue17_one_gpu.md). fp32 forwards keep LibTorch's setting (fusion there rounds as
 /// op by op does in our tests); CPUs: LibTorch fuses nothing there.
 void set_gpu_fusion(bool allowed);
 bool gpu_fusion();

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# clang-tidy over ir/ passes/ runtime/ program/ tools/*.cpp with the checks of .clang-tidy.
+# clang-tidy over ir/ passes/ runtime/ program/ cli/ with the checks of .clang-tidy.
 # Needs a compile_commands.json: CMake exports one at configure time (no build), with the flags of
 # tools/test_all.sh. Usage: bash tools/clang_tidy.sh [FILES...]   (default: every .cpp of those folders)
 # Prints each finding and a count; exits 1 if there are findings, 0 if clean.
@@ -15,14 +15,14 @@ if [ ! -f "$build/compile_commands.json" ]; then
     || { echo "cmake configure failed (log: $build/configure.log)"; tail -20 "$build/configure.log"; exit 2; }
 fi
 if [ $# -gt 0 ]; then files=("$@"); else
-  mapfile -t files < <(ls ir/*.cpp passes/*.cpp runtime/*.cpp program/*.cpp tools/*.cpp 2> /dev/null)
+  mapfile -t files < <(ls ir/*.cpp passes/*.cpp runtime/*.cpp program/*.cpp cli/*.cpp 2> /dev/null)
 fi
 tidy=${CLANG_TIDY:-clang-tidy}
 log=$build/clang_tidy.log
 : > "$log"
 for f in "${files[@]}"; do
   # Headers are named by absolute path: the filter is anchored at this checkout (LibTorch has an ir/ too).
-  "$tidy" -p "$build" --quiet --header-filter="^$PWD/(ir|passes|runtime|program|tools)/" "$f" >> "$log" 2> /dev/null
+  "$tidy" -p "$build" --quiet --header-filter="^$PWD/(ir|passes|runtime|program|cli)/" "$f" >> "$log" 2> /dev/null
 done
 findings=$(grep -cE '^[^ ].*:[0-9]+:[0-9]+: (warning|error):' "$log")
 grep -E '^[^ ].*:[0-9]+:[0-9]+: (warning|error):' "$log" | sed "s|^$PWD/||"

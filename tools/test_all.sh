@@ -32,7 +32,7 @@ labels=$(bazel query 'tests(//...)' 2>/dev/null | sed 's|^//||; s|:|/|')
 bazel test //... --test_output=errors 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)'
 
 # Fuzz targets (clang, ASan+UBSan; not a Bazel toolchain): built, then each run from its seed corpus
-# for FRAG_FUZZ_SECONDS (bounded; the long runs are recorded in tools/bench/README.md). Counted as tests.
+# for FRAG_FUZZ_SECONDS (bounded; the long runs are recorded in bench/README.md). Counted as tests.
 stage "fuzz (tools/fuzz.sh, ${FRAG_FUZZ_SECONDS:=15} s per target)"
 mkdir -p build
 FRAG_FUZZ_SECONDS=$FRAG_FUZZ_SECONDS bash tools/fuzz.sh > build/fuzz.log 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16, "Keep it so": fault injection over `frag run --world 2` and `frag rewrite`, with the time each
 # fault took to surface. Usage: fault_injection_test.sh FRAG LLAMA_TP1_RANK0 (Bazel passes both; by hand:
-#   bash tests/faults/fault_injection_test.sh bazel-bin/tools/frag bazel-bin/tests/models/llama_tp1/rank0.pt)
+#   bash tests/faults/fault_injection_test.sh bazel-bin/cli/frag bazel-bin/tests/models/llama_tp1/rank0.pt)
 # Faults: a rank SIGKILLed mid-run, a rank SIGSTOPped mid-run, a full disk (/dev/full with --force, and a
 # file-size limit), SIGINT/SIGTERM during rewrite, an unreachable rendezvous (closed port) and a silent one
 # (a listener that accepts and never answers). Each: non-zero exit, a `frag: error:` line, within a bound.
@@ -148,7 +148,7 @@ if r1=$(rank_pid "$launcher" 1); then
   s=$(elapsed "$t0" "$error_at")
   exit_s=$(elapsed "$t0" "$t1")
   # The error (rank 0's collective timing out) surfaces after --timeout; the launcher then sees that only a
-  # paused rank is left and ends it at once (tools/launcher.cpp), so it exits soon after the error.
+  # paused rank is left and ends it at once (cli/launcher.cpp), so it exits soon after the error.
   check "stalled rank" "$status" "$s" $((timeout_b + 10)) "$work/b.log" 'rank 0: error: .*forward failed: .*(timed out|timeout)'
   if within "$((timeout_b - 1))" "$s"; then ok "stalled rank: not before the timeout (${s}s >= $((timeout_b - 1))s)"
   else fail "stalled rank: the error came after ${s}s, before --timeout $timeout_b"; fi

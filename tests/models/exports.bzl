@@ -26,7 +26,7 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
         flags += " --vocab-padding %d" % vocab_padding
     native.genrule(
         name = name,
-        srcs = ["//tools:fragkit"],
+        srcs = ["//fragkit"],
         outs = ["%s/rank%d.%s" % (name, r, suffix) for r in range(tp)],
         cmd = ("PYTHONDONTWRITEBYTECODE=1 $(location @torch//:python) $(location //tools:export_model.py) " +
                flags + " --out $(RULEDIR)/" + name + " > /dev/null"),

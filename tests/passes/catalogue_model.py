@@ -11,8 +11,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# In the runfiles and in a checkout alike, the kit sits in tools/ two folders up.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools"))
+# In the runfiles and in a checkout alike, the kit (fragkit/) sits two folders up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from torch import Tensor, nn  # noqa: E402
 

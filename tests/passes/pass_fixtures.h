@@ -1,7 +1,7 @@
 //===- tests/passes/pass_fixtures.h - Small layer modules for pass tests -*- C++ -*-===//
 //
 // Builds TorchScript modules that look like the export kit's layers
-// (tools/fragkit/layers.py): the class name, the config attributes of
+// (fragkit/layers.py): the class name, the config attributes of
 // CONTRACT_ATTRIBUTES with vLLM's values for the given sizes, per-rank weights
 // and a small forward with the layer's collectives (frag::all_reduce /
 // frag::all_gather under the same config conditions as the kit). Forwards

@@ -8,7 +8,7 @@
 #include "program/sharded_model.h"
 #include "runtime/safetensors.h"
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include "runtime/collective_watchdog.h"
 #include "runtime/cuda_graph.h"
@@ -46,7 +46,7 @@ TEST(Cuda, NcclWithOneRankReducesAndGathers) {
   FRAG_REQUIRE_CUDA();
   if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL backend";
   c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(tools::find_free_port());
+  options.port = static_cast<uint16_t>(cli::find_free_port());
   options.isServer = true;
   options.numWorkers = 1;
   auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
@@ -62,7 +62,7 @@ TEST(Cuda, NcclWithOneRankReducesAndGathers) {
 
 std::shared_ptr<Communicator> nccl_world_1(std::chrono::milliseconds timeout, bool sync_each = false) {
   c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(tools::find_free_port());
+  options.port = static_cast<uint16_t>(cli::find_free_port());
   options.isServer = true;
   options.numWorkers = 1;
   auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);

@@ -12,13 +12,13 @@ import unittest
 
 import torch
 
-import fragkit_testutil  # noqa: F401  (puts tools/ on the path)
+import fragkit_testutil  # noqa: F401  (puts the repository root, which holds fragkit, on the path)
 import fragkit  # noqa: F401
 from checkpoint_testutil import hf_model, logits_of, relative, save_hf
 from fragkit.checkpoint import CheckpointError, export_checkpoint
 from fragkit.synthetic import like_config, tensor_shapes, write_synthetic
 
-TOOLS = os.path.dirname(os.path.dirname(fragkit.__file__))
+KIT_ROOT = os.path.dirname(os.path.dirname(fragkit.__file__))
 
 
 class Case(unittest.TestCase):
@@ -143,7 +143,7 @@ class DryRunAndSynthetic(Case):
         out = self.path("out")
         done = subprocess.run([sys.executable, "-m", "fragkit.checkpoint", "--dry-run", "--like", "llama3-405b",
                                "--layers", "4", "--tp", "8", "--out", out], capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=TOOLS))
+                              env=dict(os.environ, PYTHONPATH=KIT_ROOT))
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertFalse(os.path.exists(out))
         self.assertIn("rank7.pt", done.stdout)

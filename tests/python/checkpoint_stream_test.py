@@ -13,7 +13,7 @@ import unittest
 
 import torch
 
-import fragkit_testutil  # noqa: F401  (puts tools/ on the path)
+import fragkit_testutil  # noqa: F401  (puts the repository root, which holds fragkit, on the path)
 import fragkit  # noqa: F401
 from checkpoint_testutil import WorkDirCase, hf_model, save_gguf, save_hf
 from fragkit.checkpoint import CheckpointError, export_checkpoint, smollm2_gguf_path

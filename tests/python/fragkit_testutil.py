@@ -2,9 +2,10 @@
 import os
 import sys
 
-_TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-if _TOOLS not in sys.path:
-    sys.path.insert(0, _TOOLS)
+# The repository root holds the fragkit package (in a checkout and in Bazel's runfiles alike).
+KIT_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+if KIT_ROOT not in sys.path:
+    sys.path.insert(0, KIT_ROOT)
 
 import torch  # noqa: E402
 
@@ -21,11 +22,11 @@ def free_port():
 
 
 def frag_binary():
-    """$FRAG_BIN, else tools/frag under $FRAG_TEST_DATA (CMake's build folder) or the current folder
-    (Bazel's runfiles, where //tools:frag is a data dependency); None when there is none."""
+    """$FRAG_BIN, else cli/frag under $FRAG_TEST_DATA (CMake's build folder) or the current folder
+    (Bazel's runfiles, where //cli:frag is a data dependency); None when there is none."""
     if os.environ.get("FRAG_BIN"):
         return os.environ["FRAG_BIN"]
-    path = os.path.join(os.environ.get("FRAG_TEST_DATA") or ".", "tools", "frag")
+    path = os.path.join(os.environ.get("FRAG_TEST_DATA") or ".", "cli", "frag")
     return os.path.abspath(path) if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 

@@ -4,9 +4,9 @@ import os
 import sys
 
 
-def run_rank(rank, world_size, port, cases, out_dir, tools_dir):
-    if tools_dir not in sys.path:
-        sys.path.insert(0, tools_dir)
+def run_rank(rank, world_size, port, cases, out_dir, kit_root):
+    if kit_root not in sys.path:
+        sys.path.insert(0, kit_root)
     import torch
     import torch.distributed as dist
 

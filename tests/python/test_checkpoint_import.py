@@ -13,7 +13,7 @@ import unittest
 import torch
 import torch.multiprocessing as mp
 
-import fragkit_testutil  # noqa: F401  (puts tools/ on the path)
+import fragkit_testutil  # noqa: F401  (puts the repository root, which holds fragkit, on the path)
 import fragkit  # noqa: F401  (registers frag::all_reduce/all_gather for the tp=1 forward in this process)
 import fragkit_tp_worker
 from checkpoint_testutil import WorkDirCase, hf_model, logits_of, relative, save_gguf, save_hf
@@ -131,7 +131,7 @@ class TorchExportArchives(ImportCase):
         torch.save([IDS], inputs)
         case = {"name": "llama", "dir": self.path("pt2_tp2"), "inputs": inputs, "format": "export"}
         mp.spawn(fragkit_tp_worker.run_rank, nprocs=2, join=True,
-                 args=(2, free_port(), [case], results, fragkit_testutil._TOOLS))
+                 args=(2, free_port(), [case], results, fragkit_testutil.KIT_ROOT))
         for r in range(2):
             ours = torch.load(os.path.join(results, "llama.rank%d.pt" % r))
             self.assertLessEqual(relative(ours, reference), TOL, "tp=2 .pt2, rank %d" % r)
@@ -280,10 +280,10 @@ class Refusals(ImportCase):
         self.assertIn("PyTorch pickles are not read", self.refused(folder))
 
     def test_command_line_error_is_one_line_and_exit_2(self):
-        tools = os.path.dirname(os.path.dirname(fragkit.__file__))
+        kit_root = os.path.dirname(os.path.dirname(fragkit.__file__))
         done = subprocess.run([sys.executable, "-m", "fragkit.checkpoint", "--from", self.path("nothing"), "--tp", "2",
                                "--out", self.path("out")], capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=tools))
+                              env=dict(os.environ, PYTHONPATH=kit_root))
         self.assertEqual(done.returncode, 2)
         self.assertEqual(done.stderr.strip().count("\n"), 0, done.stderr)
         self.assertIn("fragkit.checkpoint: error: %s: no such file or folder" % self.path("nothing"), done.stderr)

@@ -114,7 +114,7 @@ class Pt2Export(unittest.TestCase):
         cases = [{"name": name, "dir": self.dirs[name, 2, "export"], "inputs": inputs, "format": "export"}
                  for name in MODELS]
         mp.spawn(fragkit_tp_worker.run_rank, nprocs=2, join=True,
-                 args=(2, U.free_port(), cases, out_dir, U._TOOLS))
+                 args=(2, U.free_port(), cases, out_dir, U.KIT_ROOT))
         for name in MODELS:
             for r in range(2):
                 logits = torch.load(os.path.join(out_dir, "%s.rank%d.pt" % (name, r)))

@@ -52,7 +52,7 @@ class _World:
         os.makedirs(out_dir)
         cases = self.cases + [{"name": "ops"}]
         mp.spawn(fragkit_tp_worker.run_rank, nprocs=self.world_size, join=True,
-                 args=(self.world_size, _free_port(), cases, out_dir, U._TOOLS))
+                 args=(self.world_size, _free_port(), cases, out_dir, U.KIT_ROOT))
         self.outputs = {c["name"]: [torch.load(os.path.join(out_dir, "%s.rank%d.pt" % (c["name"], r)))
                                     for r in range(self.world_size)] for c in cases}
 

@@ -8,7 +8,7 @@
 #include "ir/error.h"
 #include "runtime/rank_context.h"
 #include "tests/support/test_support.h"
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -157,7 +157,7 @@ TEST(Rendezvous, AnUnreachableStoreFailsWithinTheTimeout) {
   RendezvousOptions options;
   options.rank = 1;
   options.world_size = 2;
-  options.master_port = frag::tools::find_free_port();  // nobody serves it
+  options.master_port = frag::cli::find_free_port();  // nobody serves it
   options.timeout = 1500ms;
   auto start = std::chrono::steady_clock::now();
   try {

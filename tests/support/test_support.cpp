@@ -1,7 +1,7 @@
 //===- tests/support/test_support.cpp - Paths, subprocesses and ranks ---===//
 #include "tests/support/test_support.h"
 
-#include "tools/launcher.h"
+#include "cli/launcher.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -41,7 +41,7 @@ std::string data_path(const std::string& relative) {
 
 std::string frag_binary() {
   if (const char* bin = std::getenv("FRAG_BIN"); bin != nullptr && *bin != '\0') return bin;
-  return std::filesystem::absolute(data_path("tools/frag")).string();
+  return std::filesystem::absolute(data_path("cli/frag")).string();
 }
 
 std::vector<std::string> model_files(const std::string& export_name, const std::string& extension) {
@@ -139,7 +139,7 @@ FragOutput frag(const std::vector<std::string>& args, std::chrono::seconds limit
 std::vector<std::string> run_ranks(
     int world, std::chrono::milliseconds timeout,
     const std::function<void(int rank, const std::shared_ptr<runtime::RankContext>& context)>& body) {
-  const int port = tools::find_free_port();
+  const int port = cli::find_free_port();
   std::vector<std::string> errors(world);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: the decode benchmark of issue 28 (tools/bench/gpu_decode_benchmark.py) in one go.
+# On the GPU machine: the decode benchmark of issue 28 (bench/gpu_decode_benchmark.py) in one go.
 # Builds the Python extension with the CMake build (as peer_run.sh does), exports the 8B-shaped 4-layer bf16
 # Llama at tp 1 with 1,024 positions (kept in FRAG_PEER_MODELS between calls) and runs the benchmark at batch
 # 1 and 32: fragments' CUDA-graph decode step with a static 512-token cache, with nothing registered and with
@@ -17,7 +17,7 @@ shape=(--layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --h
 
 if [ ! -f "$MODELS/rank0.pt" ]; then
   echo "== export ($MODELS)"
-  PYTHONPATH=tools "$PY" tools/export_model.py --model llama --tp 1 "${shape[@]}" --max-positions 1024 \
+  PYTHONPATH=. "$PY" tools/export_model.py --model llama --tp 1 "${shape[@]}" --max-positions 1024 \
     --dtype bfloat16 --out "$MODELS" > /dev/null
 fi
 if [ ! -f "$BUILD/build.ninja" ] || ! grep -q "FRAG_BUILD_PYTHON:BOOL=ON" "$BUILD/CMakeCache.txt"; then
@@ -28,7 +28,7 @@ echo "== build fragments_python"
 cmake --build "$BUILD" -j "$(nproc)" --target fragments_python > "$BUILD/decode_build.log" 2>&1 ||
   { tail -30 "$BUILD/decode_build.log"; exit 1; }
 echo "== decode benchmark"
-FRAGMENTS_BACKEND=nccl PYTHONPATH="$BUILD/python:tools" "$PY" tools/bench/gpu_decode_benchmark.py \
+FRAGMENTS_BACKEND=nccl PYTHONPATH="$BUILD/python:." "$PY" bench/gpu_decode_benchmark.py \
   "$MODELS/rank0.pt" "${shape[@]}" --max-positions 1024 --cache 512 --prompt 64 --batches 1 32 \
   2>&1 | tee "$BUILD/decode_run.log"
 [ -n "${OUT:-}" ] && cp "$BUILD/decode_run.log" "$OUT/" || true

@@ -13,7 +13,7 @@
 set -euo pipefail
 PY=${FRAG_PYTHON:-python3}
 WORK=${WORK:-/tmp/fragkit-load-bench}
-export PYTHONPATH=$PWD/tools${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
 "$PY" -c "import safetensors" 2>/dev/null || { echo "import_load_benchmark: the safetensors package is missing" >&2; exit 2; }
 rm -rf "$WORK"; mkdir -p "$WORK"
 trap 'rm -rf "$WORK"' EXIT

@@ -8,9 +8,9 @@ cd "$(dirname "$0")/../.."
 out=${1:?usage: make_torch2_fixture.sh OUT_FOLDER}
 PY=${FRAG_PYTHON:-python3}
 mkdir -p "$out"
-PYTHONPATH=tools $PY tools/export_model.py --model llama --tp 1 --layers 1 --seed 7 --out "$out/llama_tp1"
-PYTHONPATH=tools $PY tools/export_model.py --model llama --tp 2 --layers 1 --seed 7 --out "$out/llama_tp2"
-PYTHONPATH=tools $PY - "$out" <<'PY'
+PYTHONPATH=. $PY tools/export_model.py --model llama --tp 1 --layers 1 --seed 7 --out "$out/llama_tp1"
+PYTHONPATH=. $PY tools/export_model.py --model llama --tp 2 --layers 1 --seed 7 --out "$out/llama_tp2"
+PYTHONPATH=. $PY - "$out" <<'PY'
 import sys, torch
 import fragkit  # registers frag::all_reduce / all_gather for loading
 from fragkit.safetensors_io import save_file

@@ -21,7 +21,7 @@ Tolerance on max |a - b|: float32 1e-4 (the CPU suites' bound); bfloat16 8 units
 of the reference tensor's largest magnitude: 0.03125 * max(1, max|ref|).
 
 Run on a machine with 2 GPUs after tools/device/build_and_test.sh (or any CMake build):
-    NCCL_NVLS_ENABLE=0 python3 tools/device/multi_gpu_check.py --frag build/device/tools/frag
+    NCCL_NVLS_ENABLE=0 python3 tools/device/multi_gpu_check.py --frag build/device/cli/frag
 Prints one line per check and "N passed, N failed"; exits 1 if any check failed.
 """
 import argparse
@@ -34,7 +34,7 @@ import tempfile
 import time
 
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, TOOLS)
+sys.path.insert(0, os.path.dirname(TOOLS))  # the repository root holds fragkit/
 
 import torch  # noqa: E402
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: the peer benchmark (tools/bench/peer_benchmark.py, issue 17 target (d)) in one go.
+# On the GPU machine: the peer benchmark (bench/peer_benchmark.py, issue 17 target (d)) in one go.
 # Builds the Python extension with the CMake build (FRAG_BUILD_DIR, NCCL on; tools/device/build_and_test.sh
 # must have configured it, or this configures it), exports the 8B-shaped 4-layer bf16 Llama at tp N
 # (tools/export_model.py; kept in FRAG_PEER_MODELS between calls) and runs the benchmark for a decode step
@@ -39,10 +39,10 @@ for tokens in 1 128; do
         --json "$BUILD/peer_t$tokens.json")
   rm -f "$BUILD/peer_t$tokens.json"
   if [ "$N" = 1 ]; then
-    PYTHONPATH="$BUILD/python:tools" "$PY" tools/bench/peer_benchmark.py "${args[@]}"
+    PYTHONPATH="$BUILD/python:." "$PY" bench/peer_benchmark.py "${args[@]}"
   else
-    PYTHONPATH="$BUILD/python:tools" NCCL_NVLS_ENABLE=0 "$PY" -m torch.distributed.run --standalone \
-      --nproc-per-node "$N" tools/bench/peer_benchmark.py "${args[@]}"
+    PYTHONPATH="$BUILD/python:." NCCL_NVLS_ENABLE=0 "$PY" -m torch.distributed.run --standalone \
+      --nproc-per-node "$N" bench/peer_benchmark.py "${args[@]}"
   fi || echo "== FAILED: the peer benchmark exited $? (a failed logits check or an error, above)"
 done 2>&1 | tee "$BUILD/peer_run.log"
 [ -n "${OUT:-}" ] && cp "$BUILD/peer_run.log" "$BUILD"/peer_t*.json "$OUT/" 2>/dev/null || true

@@ -4,7 +4,7 @@
 # every saved tensor must be bit-identical. Usage (device tool, after build_and_test.sh):
 #   FRAG_BUILD_DIR=$HOME/fbuild bash tools/probes/per_class_gpu_check.sh llama_tp1 moe_tp1
 set -euo pipefail
-B="${FRAG_BUILD_DIR:-build/device}"; F="$B/tools/frag"; M="$B/tests/models"; PY="${FRAG_PYTHON:-python3}"
+B="${FRAG_BUILD_DIR:-build/device}"; F="$B/cli/frag"; M="$B/tests/models"; PY="${FRAG_PYTHON:-python3}"
 W="$(mktemp -d)"; trap 'rm -rf "$W"' EXIT
 echo "1 5 9 13 2 7" > "$W/ids.txt"
 for d in "$@"; do

@@ -4,7 +4,7 @@ Exports the reference llama at tp 1 twice (TorchScript and torch.export, same we
 fragments.load(device="cuda"), and prints: a read-only plan's logits vs no plan's (bit-identical?), every
 save of the .pt2 vs the TorchScript export's (max relative difference), and a logit lens's.
 
-    python3 tools/probes/pt2_gpu_check.py --work /tmp/pt2gpu   (PYTHONPATH: the fragments package, tools/)
+    python3 tools/probes/pt2_gpu_check.py --work /tmp/pt2gpu   (PYTHONPATH: the fragments package, the repository root for fragkit)
 """
 import argparse
 import os

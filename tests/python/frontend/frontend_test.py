@@ -5,7 +5,7 @@ equal on all ranks, equal the tp=1 run of the same scenarios (fp32, <= 1e-5 rela
 written by hand must give through `frag run` what the same steps give through the Python API.
 
 Needs (else it fails loudly, never skips silently): the exports tests/models/{llama_tp1, llama_tp2,
-llama_pad192_tp1, llama_pad192_tp3}, tools/frag, and `fragments` importable (python/ with _C built).
+llama_pad192_tp1, llama_pad192_tp3}, cli/frag, and `fragments` importable (python/ with _C built).
 Run from the repository's runfiles (Bazel) or with FRAG_TEST_ROOT pointing at a tree that has them.
 """
 import json
@@ -25,7 +25,7 @@ import frontend_worker as worker  # noqa: E402
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
 MODELS = os.path.join(ROOT, "tests", "models")
-FRAG = os.path.join(ROOT, "tools", "frag")
+FRAG = os.path.join(ROOT, "cli", "frag")
 TOLERANCE = 1e-5
 
 # world -> (tp=1 export, tp=N export): the pad192 pair has sizes divisible by 3
@@ -279,7 +279,7 @@ class FrontEndTest(unittest.TestCase):
         # fragkit defines the frag:: ops from Python when none exist; `import fragments` afterwards drops
         # them before its C++ ops load (LibTorch would abort on the clash). In either order one process
         # exports a kit model and runs it through fragments, and the ops are fragments' C++ ones.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.path.join(ROOT, "tools")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT]))
         script = """
 import os, sys, tempfile, torch
 {imports}

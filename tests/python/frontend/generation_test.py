@@ -82,7 +82,7 @@ class GenerationTest(unittest.TestCase):
         """A rank file whose forward takes token ids only (made before the cache) recomputes, as before."""
         import subprocess
         folder = tempfile.mkdtemp()
-        script = ("import sys, torch\nsys.path.insert(0, 'tools')\nfrom fragkit import models\n"
+        script = ("import sys, torch\nsys.path.insert(0, '.')\nfrom fragkit import models\n"
                   "from fragkit.export import export\n"
                   "class Old(models.LlamaForCausalLM):\n"
                   "    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:\n"
@@ -94,7 +94,7 @@ class GenerationTest(unittest.TestCase):
         with open(os.path.join(folder, "make_old.py"), "w") as f:  # TorchScript reads the class's source
             f.write(script)
         subprocess.run([sys.executable, os.path.join(folder, "make_old.py"), folder], check=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH="tools"))
+                       env=dict(os.environ, PYTHONPATH="."))
         old = fragments.load(os.path.join(folder, "rank0.pt"))
         self.assertFalse(old._c.has_kv_cache)
         new = fragments.load(os.path.join(MODELS, "llama_tp1", "rank0.pt"))

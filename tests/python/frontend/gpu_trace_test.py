@@ -29,7 +29,7 @@ import fragments  # noqa: E402
 import frontend_worker as worker  # noqa: E402
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "tools")
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "tools")  # export_model.py
 WIDTH = 64  # the tiny Llama's hidden size
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 IDS = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))

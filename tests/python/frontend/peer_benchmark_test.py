@@ -1,11 +1,11 @@
-"""tools/bench/peer_benchmark.py on the CPU (issue 31 item 3): a smoke test of its logic, not a measurement.
+"""bench/peer_benchmark.py on the CPU (issue 31 item 3): a smoke test of its logic, not a measurement.
 
 Runs the benchmark with --device cpu on the tiny Llama (tests/models/llama_tp1, float32) and on a bfloat16
 one exported here, and reads its --json: the plain PyTorch model and HF transformers' LlamaForCausalLM, built
 on the rank file's weights, give the kit model's logits within the tolerance (the checks the benchmark prints
 and exits on); the captured columns are skipped with a message; every eager column and the copy probe have
 times. A plain model whose weights differ a little (one layer's o_proj scaled by 1.05) fails its check and
-the exit status. Needs tests/models/llama_tp1 under the working directory, tools/, and `fragments`
+the exit status. Needs tests/models/llama_tp1 under the working directory, tools/export_model.py, bench/, fragkit/, and `fragments`
 importable (python/fragments with its built _C); ~1 min on 2 cores.
 """
 import json
@@ -17,8 +17,9 @@ import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "tools")
-BENCH = os.path.join(TOOLS, "bench", "peer_benchmark.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+TOOLS = os.path.join(ROOT, "tools")
+BENCH = os.path.join(ROOT, "bench", "peer_benchmark.py")
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "8",
         "--kv-heads", "4", "--head-dim", "8", "--vocab", "1000", "--tokens", "12", "--iterations", "2"]
 # The same run with the plain model's weights a little off: its check must fail.
@@ -95,7 +96,7 @@ class PeerBenchmarkCpuTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "peer.json")
             proc = self.run_bench("tests/models/llama_tp1/rank{rank}.pt", "float32", out,
-                                  prefix=("-c", PERTURBED, os.path.join(TOOLS, "bench")))
+                                  prefix=("-c", PERTURBED, os.path.join(ROOT, "bench")))
             self.assertEqual(proc.returncode, 1, proc.stderr[-2000:])
             with open(out) as f:
                 checks = {c["what"]: c["ok"] for c in json.load(f)["checks"]}

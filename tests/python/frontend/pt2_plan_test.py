@@ -17,7 +17,7 @@ fragments.launch (Gloo), the same worker (frontend_worker.every_location) on bot
 - ranks that set up torch.distributed first run fragments' collectives on its default process group, with
   the same values.
 
-Needs tests/models/{llama,moe}_tp{1,2,4}(_pt2), llama_kv2_tp{1,4}(_pt2), tools/frag and `fragments`
+Needs tests/models/{llama,moe}_tp{1,2,4}(_pt2), llama_kv2_tp{1,4}(_pt2), cli/frag and `fragments`
 importable (run_frontend_test.sh sets this up from Bazel's runfiles).
 """
 import json
@@ -38,7 +38,7 @@ import frontend_worker as worker  # noqa: E402
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
 MODELS = os.path.join(ROOT, "tests", "models")
-FRAG = os.path.join(ROOT, "tools", "frag")
+FRAG = os.path.join(ROOT, "cli", "frag")
 TOLERANCE = 1e-5
 # (.pt2 export, TorchScript export of the same weights, its tp=1 export, world)
 CASES = [("llama_tp2_pt2", "llama_tp2", "llama_tp1", 2), ("llama_tp4_pt2", "llama_tp4", "llama_tp1", 4),

@@ -7,7 +7,7 @@ intervention runtime the fragment ops pass their values through, so every rank's
 bit-identical to the original archive's — for Llama and Qwen2-MoE at tp 2 and 4, kv heads replicated
 included — and, for Llama at tp 2, equal to the TorchScript tp=1 export of the same weights (fp32, 1e-5 relative).
 
-Needs tests/models/{llama_tp2_pt2, llama_kv2_tp4_pt2, moe_tp2_pt2, moe_tp4_pt2, llama_tp1}, tools/frag and
+Needs tests/models/{llama_tp2_pt2, llama_kv2_tp4_pt2, moe_tp2_pt2, moe_tp4_pt2, llama_tp1}, cli/frag and
 `fragments` importable (run_frontend_test.sh sets this up from Bazel's runfiles).
 """
 import json
@@ -30,7 +30,7 @@ import frontend_worker as worker  # noqa: E402
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
 MODELS = os.path.join(ROOT, "tests", "models")
-FRAG = os.path.join(ROOT, "tools", "frag")
+FRAG = os.path.join(ROOT, "cli", "frag")
 CASES = [("llama_tp2_pt2", 2), ("llama_kv2_tp4_pt2", 4), ("moe_tp2_pt2", 2), ("moe_tp4_pt2", 4)]
 TOLERANCE = 1e-5
 

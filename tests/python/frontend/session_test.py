@@ -116,7 +116,7 @@ def expected():
 
 def env():
     return dict(os.environ, EXPORT=TP2, PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "python"), os.path.join(ROOT, "tools"), os.environ.get("PYTHONPATH", "")]))
+        [os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]))
 
 
 class SessionTest(unittest.TestCase):

@@ -28,7 +28,7 @@ from process_watch import alive, wait_gone  # noqa: E402
 
 
 def environment():
-    path = [os.path.join(ROOT, "python"), os.path.join(ROOT, "tools"), os.environ.get("PYTHONPATH", "")]
+    path = [os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, SMOLLM2_TP3=EXPORT, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, path)))
 
 
