@@ -1,7 +1,7 @@
 """One plan format, fragments.plan/1, defined once in runtime/plan.schema.json (JSON Schema 2020-12):
 
-- every plan written in the repository (README.md, docs/, examples/, tools/, python/, tests/python,
-  tests/fixtures, the fuzz corpus; JSON code blocks and files, JSON inline in scripts, Python literals) is
+- every plan written in the repository (README.md, docs/, examples/, bench/, cli/, fragkit/, tools/, python/,
+  tests/python, tests/fixtures, the fuzz corpus; JSON code blocks and files, JSON inline in scripts, Python literals) is
   valid against the schema and parsed by the C++ parser (fragments._C.check_plan: runtime::Plan::parse,
   what `frag run` reads), so a plan added to the docs that either refuses fails here;
 - the parser's step fields, actions and version are the schema's, and README's field table lists them;
@@ -44,7 +44,8 @@ with open(os.path.join(ROOT, "runtime", "plan.schema.json")) as f:
 jsonschema.Draft202012Validator.check_schema(SCHEMA)
 
 # Where plans are written; C++ tests are left out (they hold deliberately bad plans, as C++ initializers).
-PLACES = ["README.md", "docs", "examples", "tools", "python", "tests/python", "tests/fixtures", "tests/fuzz"]
+PLACES = ["README.md", "docs", "examples", "bench", "cli", "fragkit", "tools", "python", "tests/python",
+          "tests/fixtures", "tests/fuzz"]
 SKIPPED_DIRS = {"__pycache__", ".git", "node_modules"}
 SUFFIXES = (".md", ".json", ".py", ".sh", ".ipynb")
 # Where a JSON value that looks like a plan may start in text that is not all JSON.
