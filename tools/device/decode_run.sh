@@ -10,23 +10,11 @@
 #              FRAG_PYTHON (default python3), OUT (the log copied there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY="${FRAG_PYTHON:-$(command -v python3)}"
-BUILD="${FRAG_BUILD_DIR:-build/device}"
 MODELS="${FRAG_PEER_MODELS:-$HOME/peer_models}/l8b_pos1024_tp1"
-shape=(--layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000)
+source tools/device/bench_common.sh
 
-if [ ! -f "$MODELS/rank0.pt" ]; then
-  echo "== export ($MODELS)"
-  PYTHONPATH=. "$PY" tools/export_model.py --model llama --tp 1 "${shape[@]}" --max-positions 1024 \
-    --dtype bfloat16 --out "$MODELS" > /dev/null
-fi
-if [ ! -f "$BUILD/build.ninja" ] || ! grep -q "FRAG_BUILD_PYTHON:BOOL=ON" "$BUILD/CMakeCache.txt"; then
-  FRAG_BUILD_DIR="$BUILD" FRAG_BUILD_TARGETS="fragments_python" CTEST_ARGS="-R none" \
-    bash tools/device/build_and_test.sh -DFRAG_WITH_NCCL=ON -DFRAG_BUILD_PYTHON=ON > /dev/null || true
-fi
-echo "== build fragments_python"
-cmake --build "$BUILD" -j "$(nproc)" --target fragments_python > "$BUILD/decode_build.log" 2>&1 ||
-  { tail -30 "$BUILD/decode_build.log"; exit 1; }
+export_bench_model "$MODELS" 1 --max-positions 1024
+build_python_extension decode_build.log
 echo "== decode benchmark"
 FRAGMENTS_BACKEND=nccl PYTHONPATH="$BUILD/python:." "$PY" bench/gpu_decode_benchmark.py \
   "$MODELS/rank0.pt" "${shape[@]}" --max-positions 1024 --cache 512 --prompt 64 --batches 1 32 \

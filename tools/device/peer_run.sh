@@ -15,22 +15,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 N="${1:-1}"
-PY="${FRAG_PYTHON:-$(command -v python3)}"
-BUILD="${FRAG_BUILD_DIR:-build/device}"
 MODELS="${FRAG_PEER_MODELS:-$HOME/peer_models}/l8b_tp$N"
-shape=(--layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000)
+source tools/device/bench_common.sh
 
-if [ ! -f "$MODELS/rank$((N - 1)).pt" ]; then
-  echo "== export ($MODELS)"
-  "$PY" tools/export_model.py --model llama --tp "$N" "${shape[@]}" --dtype bfloat16 --out "$MODELS" > /dev/null
-fi
-if [ ! -f "$BUILD/build.ninja" ] || ! grep -q "FRAG_BUILD_PYTHON:BOOL=ON" "$BUILD/CMakeCache.txt"; then
-  FRAG_BUILD_DIR="$BUILD" FRAG_BUILD_TARGETS="fragments_python" CTEST_ARGS="-R none" \
-    bash tools/device/build_and_test.sh -DFRAG_WITH_NCCL=ON -DFRAG_BUILD_PYTHON=ON > /dev/null || true
-fi
-echo "== build fragments_python (its Python sources are copied beside it)"
-cmake --build "$BUILD" -j "$(nproc)" --target fragments_python > "$BUILD/peer_build.log" 2>&1 ||
-  { tail -30 "$BUILD/peer_build.log"; exit 1; }
+export_bench_model "$MODELS" "$N"
+build_python_extension peer_build.log
 
 for tokens in 1 128; do
   echo "== peer benchmark, tp $N, $tokens token(s)"

@@ -1,0 +1,28 @@
+# Sourced by tools/device/peer_run.sh and decode_run.sh: the 8B-shaped 4-layer Llama they benchmark, its
+# export (kept between calls) and the CMake build of the Python extension they run it with.
+PY="${FRAG_PYTHON:-$(command -v python3)}"
+BUILD="${FRAG_BUILD_DIR:-build/device}"
+shape=(--layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000)
+
+# export_bench_model DIR TP [ARGS…]: the bf16 model at tp TP in DIR, unless its last rank file is there.
+export_bench_model() {
+  local dir=$1 tp=$2
+  shift 2
+  [ -f "$dir/rank$((tp - 1)).pt" ] && return 0
+  echo "== export ($dir)"
+  PYTHONPATH=. "$PY" tools/export_model.py --model llama --tp "$tp" "${shape[@]}" "$@" --dtype bfloat16 \
+    --out "$dir" > /dev/null
+}
+
+# build_python_extension LOG: fragments_python in $BUILD (configured by build_and_test.sh if it is not yet,
+# NCCL on; its Python sources are copied beside it); on failure the log's tail, and exit.
+build_python_extension() {
+  local log=$1
+  if [ ! -f "$BUILD/build.ninja" ] || ! grep -q "FRAG_BUILD_PYTHON:BOOL=ON" "$BUILD/CMakeCache.txt"; then
+    FRAG_BUILD_DIR="$BUILD" FRAG_BUILD_TARGETS="fragments_python" CTEST_ARGS="-R none" \
+      bash tools/device/build_and_test.sh -DFRAG_WITH_NCCL=ON -DFRAG_BUILD_PYTHON=ON > /dev/null || true
+  fi
+  echo "== build fragments_python"
+  cmake --build "$BUILD" -j "$(nproc)" --target fragments_python > "$BUILD/$log" 2>&1 ||
+    { tail -30 "$BUILD/$log"; exit 1; }
+}
