@@ -52,6 +52,8 @@
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/freeze_module.h>
 #include <torch/script.h>
+#include <torch/utils.h>
+#include <torch/version.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
