@@ -14,7 +14,7 @@ const char* unqualified(const char* schema) { return schema + 6; }
 TORCH_LIBRARY(frag, m) {
   for (const char* schema :
        {kAllReduceSchema, kAllGatherSchema, kGatherSchema, kInterveneSchema, kSplitSchema, kGatherAtSchema,
-        kInterveneAtSchema, kSplitAtSchema})
+        kInterveneAtSchema, kSplitAtSchema, kAllReduceGroupSchema, kAllGatherGroupSchema})
     m.def(unqualified(schema));
 }
 

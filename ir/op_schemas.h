@@ -45,6 +45,12 @@ inline constexpr const char* kInterveneAtSchema =
 inline constexpr const char* kSplitAtSchema =
     "frag::split.at(Tensor value, Tensor(a) piece, int location) -> Tensor(a)";
 
+/// The model's collectives bound to a group id (ir/group_id.h): the form a loaded program runs
+/// (passes/bind_group_ids rewrites the file's form into it at load).
+inline constexpr const char* kAllReduceGroupSchema = "frag::all_reduce.group(Tensor x, int group) -> Tensor";
+inline constexpr const char* kAllGatherGroupSchema =
+    "frag::all_gather.group(Tensor x, int dim, int group) -> Tensor";
+
 /// Qualified names, for building and matching nodes.
 inline constexpr const char* kAllReduceOp = "frag::all_reduce";
 inline constexpr const char* kAllGatherOp = "frag::all_gather";
@@ -52,7 +58,9 @@ inline constexpr const char* kGatherOp = "frag::gather";
 inline constexpr const char* kInterveneOp = "frag::intervene";
 inline constexpr const char* kSplitOp = "frag::split";
 
-/// The fragment ops' node kinds, interned once for every pass that builds or matches them.
+/// The node kinds, interned once for every pass that builds or matches them.
+inline const c10::Symbol kAllReduceKind = c10::Symbol::fromQualString(kAllReduceOp);
+inline const c10::Symbol kAllGatherKind = c10::Symbol::fromQualString(kAllGatherOp);
 inline const c10::Symbol kGatherKind = c10::Symbol::fromQualString(kGatherOp);
 inline const c10::Symbol kInterveneKind = c10::Symbol::fromQualString(kInterveneOp);
 inline const c10::Symbol kSplitKind = c10::Symbol::fromQualString(kSplitOp);

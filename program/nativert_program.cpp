@@ -2,6 +2,7 @@
 #include "program/nativert_program.h"
 
 #include "ir/error.h"
+#include "passes/bind_group_ids.h"
 #include "passes/bind_location_ids.h"
 #include "program/exported_rank.h"
 #include "runtime/exported_program.h"
@@ -79,6 +80,7 @@ std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& con
            "with fragments.load in Python",
            path, device.str());
     passes::bind_location_ids_exported(prepared.model, *prepared.locations, path);
+    passes::bind_group_ids_exported(prepared.model, path);
     // NativeRT reads a package from a file: the bound archive goes to a private temporary file, which is
     // removed as soon as it is read (NativeRT keeps the weights in memory).
     const std::string bound =

@@ -2,6 +2,7 @@
 #include "program/prepared_rank.h"
 
 #include "ir/error.h"
+#include "passes/bind_group_ids.h"
 #include "passes/bind_location_ids.h"
 #include "passes/insert_fragment_ops.h"
 #include "passes/remove_fragment_ops.h"
@@ -49,6 +50,7 @@ PreparedRank prepare_rank(runtime::RankContext& context, const std::string& path
     auto graph = forward_graph_of(prepared.rank.module);
     prepared.file_graph = graph->copy();
     passes::bind_location_ids(*graph, *prepared.locations, path);
+    passes::bind_group_ids(*graph, path);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -64,6 +66,7 @@ std::shared_ptr<torch::jit::GraphFunction> forward_keeping(const PreparedRank& p
   auto graph = prepared.file_graph->copy();
   passes::remove_fragment_ops_except(*graph, names);
   passes::bind_location_ids(*graph, *prepared.locations, prepared.rank.path);
+  passes::bind_group_ids(*graph, prepared.rank.path);
   return std::make_shared<torch::jit::GraphFunction>(c10::QualifiedName(name), std::move(graph), nullptr);
 }
 

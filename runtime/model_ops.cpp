@@ -2,7 +2,8 @@
 //
 // Exported models call torch.ops.frag.all_reduce / all_gather for their
 // tensor-parallel communication (fragkit.distributed and the kit's layers).
-// These kernels route each call to the current RankContext's named group.
+// These kernels route each call to the current RankContext's named group; at load
+// passes/bind_group_ids swaps constant names for ids (the ".group" overloads).
 // The schemas live in ir/op_schemas.h, the contract with the pass and with
 // fragkit/ops.py.
 //
@@ -27,11 +28,22 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim,
   return torch::cat(pieces, dim);
 }
 
+/// The bound forms (passes/bind_group_ids): the group by id, an index into the rank's groups.
+at::Tensor all_reduce_group(const at::Tensor& x, int64_t group) {
+  return current_rank_context().group(static_cast<ir::GroupId>(group)).all_reduce(x);
+}
+
+at::Tensor all_gather_group(const at::Tensor& x, int64_t dim, int64_t group) {
+  return torch::cat(current_rank_context().group(static_cast<ir::GroupId>(group)).all_gather(x), dim);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(frag, CompositeExplicitAutograd, m) {
   m.impl("all_reduce", &all_reduce);
   m.impl("all_gather", &all_gather);
+  m.impl("all_reduce.group", &all_reduce_group);
+  m.impl("all_gather.group", &all_gather_group);
 }
 
 }  // namespace frag::runtime

@@ -15,7 +15,9 @@
 #include "ir/fragment_rule.h"
 #include "ir/fragment_table.h"
 #include "ir/location_table.h"
+#include "ir/op_schemas.h"
 #include "passes/analyze_location_flow.h"
+#include "passes/bind_group_ids.h"
 #include "passes/bind_location_ids.h"
 #include "passes/classify_parallel_layers.h"
 #include "passes/insert_fragment_ops.h"
@@ -190,6 +192,21 @@ void torchscript_sections(const std::string& file) {
     passes::bind_location_ids(*copy, ir::LocationTable(other), path);
   });
 
+  section("bind_group_ids after: root.forward");
+  std::cout << "bound " << passes::bind_group_ids(*bound, path) << " collectives\n";
+  print_graph(*bound);
+  section("bind_group_ids refuses");
+  print_refusal([&] {
+    auto copy = graph_of(inlined)->copy();
+    for (auto* node : copy->nodes())
+      if (node->kind() == ir::kAllReduceKind) {
+        torch::jit::WithInsertPoint guard(node);
+        node->replaceInput(1, copy->insertConstant(std::string("pp")));
+        break;
+      }
+    passes::bind_group_ids(*copy, path);
+  });
+
   section("remove_fragment_ops_except {mlp.down_proj.input} after: root.forward");
   auto kept = graph_of(inlined)->copy();
   std::cout << "removed " << passes::remove_fragment_ops_except(*kept, {"mlp.down_proj.input"}) << " op groups\n";
@@ -246,6 +263,10 @@ void exported_sections(const std::string& file) {
   section("bind_location_ids_exported after");
   json bound = model;
   std::cout << "bound " << passes::bind_location_ids_exported(bound, ir::LocationTable(table), path) << " ops\n";
+  print_exported(bound);
+
+  section("bind_group_ids_exported after");
+  std::cout << "bound " << passes::bind_group_ids_exported(bound, path) << " collectives\n";
   print_exported(bound);
 }
 
