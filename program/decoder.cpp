@@ -13,6 +13,19 @@
 namespace frag::program {
 namespace {
 
+/// The model's forwards belong to generation step `step` while this lives; then to none again (a plain
+/// forward), whether the forward returned or threw.
+class GenerationStep {
+ public:
+  GenerationStep(ShardedModel& model, int64_t step) : model_(model) { model_.set_generation_step(step); }
+  ~GenerationStep() { model_.set_generation_step(std::nullopt); }
+  GenerationStep(const GenerationStep&) = delete;
+  GenerationStep& operator=(const GenerationStep&) = delete;
+
+ private:
+  ShardedModel& model_;
+};
+
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
 
 /// MemAvailable of /proc/meminfo in bytes; -1 where unknown.
@@ -80,15 +93,11 @@ torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positi
   // On a GPU a decode step attends over the whole cache (static shapes: ShardedModel replays it from a CUDA
   // graph, as transformers' StaticCache does); elsewhere over the longest row's slots only.
   step.cache_len = cache_.is_cuda() && ids.size(1) == 1 ? max_len_ : positions.max().item<int64_t>() + 1;
-  model_.set_generation_step(step_, step_);
   torch::Tensor logits;
-  try {
+  {
+    GenerationStep scope(model_, step_);
     logits = model_.forward_cached(ids.to(cache_.device()), step);
-  } catch (...) {
-    model_.set_generation_step(0, std::nullopt);
-    throw;
   }
-  model_.set_generation_step(0, std::nullopt);
   ++step_;
   return logits;
 }
@@ -184,18 +193,14 @@ torch::Tensor generate(ShardedModel& model, const torch::Tensor& input_ids, int6
   // are keyed by the step.
   torch::Tensor tokens = input_ids;
   for (int64_t s = 0; s < steps; ++s) {
-    model.set_generation_step(s, s);
     torch::Tensor logits;
-    try {
+    {
+      GenerationStep scope(model, s);
       logits = model.forward(tokens);
-    } catch (...) {
-      model.set_generation_step(0, std::nullopt);
-      throw;
     }
     auto next = logits.select(1, logits.size(1) - 1).argmax(-1, /*keepdim=*/true).to(tokens.dtype());
     tokens = torch::cat({tokens, next}, 1);
   }
-  model.set_generation_step(0, std::nullopt);
   return tokens;
 }
 

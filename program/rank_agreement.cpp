@@ -9,7 +9,7 @@
 namespace frag::program {
 
 void RankAgreement::add(const std::string& descriptor) {
-  if (hooks_++ > 0) plan_text_ += '\n';
+  if (!plan_text_.empty()) plan_text_ += '\n';  // descriptors are never empty
   plan_text_ += descriptor;
   digest_made_ = false;
   agreed_ = false;
@@ -17,7 +17,6 @@ void RankAgreement::add(const std::string& descriptor) {
 
 void RankAgreement::clear() {
   plan_text_.clear();
-  hooks_ = 0;
   digest_made_ = false;
   agreed_ = false;
 }

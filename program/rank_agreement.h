@@ -35,7 +35,6 @@ class RankAgreement {
 
  private:
   std::string plan_text_;  ///< the descriptors, "\n" between them
-  int64_t hooks_ = 0;
   uint64_t plan_digest_ = 0;
   bool digest_made_ = false;
   bool agreed_ = false;

@@ -131,12 +131,12 @@ class ShardedModel {
   /// One forward of cached generation: forward(input_ids, positions, kv_cache, cache_len) with the
   /// interventions, as forward runs them (no CUDA graph). program/decoder.h drives it.
   torch::Tensor forward_cached(const torch::Tensor& input_ids, const CachedStep& step);
-  /// Generation step the next forwards belong to (0: the prefill or a plain forward), which plan steps
-  /// with "steps" act at, and the step their saves are keyed by ("step3.name"; nullopt: "name"): set by
-  /// program/decoder.h.
-  void set_generation_step(int64_t step, std::optional<int64_t> saves_step) {
-    binder_->state().generation_step = step;
-    binder_->state().saved.set_step(saves_step);
+  /// Generation step the next forwards belong to: which plan steps with "steps" act at, and the step
+  /// their saves are keyed by ("step3.name"). nullopt: a plain forward (step 0, saves keyed "name").
+  /// Set by program/decoder.h.
+  void set_generation_step(std::optional<int64_t> step) {
+    binder_->state().generation_step = step.value_or(0);
+    binder_->state().saved.set_step(step);
   }
 
   /// Runs modules ad hoc on a whole tensor (a logit lens: {"model.norm",
