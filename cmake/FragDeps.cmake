@@ -101,6 +101,25 @@ if(FRAG_HAVE_C10_CUDA)
   target_link_libraries(frag_torch INTERFACE ${_frag_c10_cuda})
 endif()
 
+# The fused CUDA kernels of the kit's layer ops (runtime/layer_ops_cuda.cu): a CUDA compiler and a CUDA
+# LibTorch. Without them the reference kernels (runtime/layer_ops.cpp) serve CUDA tensors too.
+frag_feature_option(FRAG_WITH_CUDA_KERNELS "Fused CUDA kernels of frag::rms_norm, rotary_embedding, silu_and_mul")
+set(_frag_cuda_kernels "")
+set(_why "needs FRAG_WITH_C10_CUDA (a LibTorch with CUDA)")
+frag_feature_mode(FRAG_WITH_CUDA_KERNELS _frag_cuda_kernels_mode)
+if(FRAG_HAVE_C10_CUDA AND NOT _frag_cuda_kernels_mode STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    set(_frag_cuda_kernels TRUE)
+    set(_why "${CMAKE_CUDA_COMPILER} ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
+  else()
+    set(_why "no CUDA compiler (nvcc) found")
+  endif()
+endif()
+frag_feature_resolve(FRAG_WITH_CUDA_KERNELS "${_frag_cuda_kernels}" "${_why}" FRAG_HAVE_CUDA_KERNELS)
+
 # ---------------------------------------------------------------------------
 # Header-only and small dependencies: FRAG_DEPS_DIR first, then the system
 # ---------------------------------------------------------------------------

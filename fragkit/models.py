@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .distributed import tensor_model_parallel_all_reduce
@@ -164,11 +163,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(w, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        variance = h.pow(2).mean(dim=-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return h.to(dtype) * self.weight
+        # One op (fragkit/ops.py, runtime/layer_ops.cpp): fused on GPUs, the same kernel in every graph.
+        return torch.ops.frag.rms_norm(x, self.weight, self.variance_epsilon)
 
 
 class SiluAndMul(nn.Module):
@@ -177,8 +173,7 @@ class SiluAndMul(nn.Module):
     _fragkit_stable_annotations: int  # a class-level __annotations__ keeps TorchScript types stable
 
     def forward(self, x: Tensor) -> Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return torch.ops.frag.silu_and_mul(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -203,43 +198,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # x [B, T, n*hs]; cos/sin [T, rot/2] or [B, T, rot/2]
-        shape = x.shape
-        new_shape: List[int] = []
-        for i in range(len(shape) - 1):
-            new_shape.append(shape[i])
-        new_shape.append(-1)
-        new_shape.append(self.head_size)
-        h = x.reshape(new_shape).float()
-        rot = h[..., :self.rotary_dim]
-        rest = h[..., self.rotary_dim:]
-        c = cos.unsqueeze(-2)
-        s = sin.unsqueeze(-2)
-        if self.is_neox_style:
-            half = self.rotary_dim // 2
-            x1 = rot[..., :half]
-            x2 = rot[..., half:]
-            rot = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        else:
-            x1 = rot[..., 0::2]
-            x2 = rot[..., 1::2]
-            rot = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
-        return torch.cat([rot, rest], dim=-1).to(x.dtype).reshape(shape)
-
     def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> Tuple[Tensor, Tensor]:
         # A shape check (no device sync): past the cache, index_select fails deep inside, or asserts on a GPU.
         if positions.size(-1) > self.max_position_embeddings:
             raise ValueError("a sequence of {} tokens is longer than the model's max_position_embeddings ({})"
                              .format(positions.size(-1), self.max_position_embeddings))
-        # positions [T] (one sequence) or [B, T] (each row its own, as a KV cache's decode steps give them)
-        cos_sin = self.cos_sin_cache.index_select(0, positions.reshape(-1))
-        if positions.dim() > 1:
-            cos_sin = cos_sin.reshape(positions.size(0), positions.size(1), -1)
-        half = self.rotary_dim // 2
-        cos = cos_sin[..., :half]
-        sin = cos_sin[..., half:]
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        # positions [T] (one sequence) or [B, T] (each row its own, as a KV cache's decode steps give them);
+        # query/key [B, T, n * head_size], rotated out of place (q and k are views of the qkv value).
+        return torch.ops.frag.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size,
+                                               self.rotary_dim, self.is_neox_style)
 
 
 class Attention(nn.Module):

@@ -1,8 +1,10 @@
-"""Registration of the two collective ops ``frag::all_reduce`` and ``frag::all_gather``.
+"""Registration of the frag:: ops exported models call: the collectives ``frag::all_reduce`` and
+``frag::all_gather``, and the kit's layer math ``frag::rms_norm``, ``frag::rotary_embedding`` and
+``frag::silu_and_mul`` (reference kernels here, the same math as runtime/layer_ops.cpp).
 
-The C++ runtime of *fragments* registers the same two ops (same schemas) in C++.  If that library was
+The C++ runtime of *fragments* registers the same ops (same schemas) in C++.  If that library was
 loaded into this process before ``fragkit`` is imported, the ops already exist and nothing is registered
-here.  Otherwise the ops are defined from Python with kernels that:
+here.  Otherwise the ops are defined from Python; the collectives' kernels:
 
 * return ``x.clone()`` when ``torch.distributed`` is not initialized or the world size is 1;
 * otherwise run ``torch.distributed.all_reduce`` (sum) / ``all_gather`` + ``cat(dim)`` over the default
@@ -23,6 +25,12 @@ NAMESPACE = "frag"
 _DEFS = {
     "all_reduce": "all_reduce(Tensor x, str group) -> Tensor",
     "all_gather": "all_gather(Tensor x, int dim, str group) -> Tensor",
+    # The kit's layer math as ops (ir/op_schemas.h, runtime/layer_ops.cpp): one opaque node in every graph,
+    # so an export and its rewrite run the same (on GPUs, fused) kernels.
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "rotary_embedding": "rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, "
+                        "int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)",
+    "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
 }
 
 # Full schema strings, as ``str(torch.ops.frag.<op>.default._schema)`` prints them and as the C++
@@ -95,7 +103,52 @@ def _all_gather_impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return torch.cat(parts, dim).to(x.dtype)
 
 
-_IMPLS = {"all_reduce": _all_reduce_impl, "all_gather": _all_gather_impl}
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The reference math, op for op as runtime/layer_ops.cpp (and the kit's layers before the ops existed).
+    h = x.float()
+    variance = h.pow(2).mean(dim=-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(x.dtype) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int,
+            is_neox: bool) -> torch.Tensor:
+    h = x.reshape(list(x.shape[:-1]) + [-1, head_size]).float()
+    rot = h[..., :rotary_dim]
+    rest = h[..., rotary_dim:]
+    c = cos.unsqueeze(-2)
+    s = sin.unsqueeze(-2)
+    if is_neox:
+        half = rotary_dim // 2
+        x1 = rot[..., :half]
+        x2 = rot[..., half:]
+        rot = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    else:
+        x1 = rot[..., 0::2]
+        x2 = rot[..., 1::2]
+        rot = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    return torch.cat([rot, rest], dim=-1).to(x.dtype).reshape(x.shape)
+
+
+def _rotary_embedding_impl(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int, is_neox: bool):
+    cos_sin = cos_sin_cache.index_select(0, positions.reshape(-1))
+    if positions.dim() > 1:
+        cos_sin = cos_sin.reshape(positions.size(0), positions.size(1), -1)
+    half = rotary_dim // 2
+    cos = cos_sin[..., :half]
+    sin = cos_sin[..., half:]
+    return (_rotate(query, cos, sin, head_size, rotary_dim, is_neox),
+            _rotate(key, cos, sin, head_size, rotary_dim, is_neox))
+
+
+def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+_IMPLS = {"all_reduce": _all_reduce_impl, "all_gather": _all_gather_impl, "rms_norm": _rms_norm_impl,
+          "rotary_embedding": _rotary_embedding_impl, "silu_and_mul": _silu_and_mul_impl}
 
 # The group size that all_gather's fake kernel assumes when torch.distributed is not initialized: a rank is
 # exported (torch.export) in one process, so the kit sets it to the export's tp_size (``tracing_group_size``).
@@ -139,7 +192,24 @@ def _all_gather_fake(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return x.new_empty(shape)
 
 
-_FAKES = {"all_reduce": _all_reduce_fake, "all_gather": _all_gather_fake}
+def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+
+
+def _rotary_embedding_fake(positions, query, key, cos_sin_cache, head_size: int, rotary_dim: int,
+                           is_neox: bool):
+    return (torch.empty(query.shape, dtype=query.dtype, device=query.device),
+            torch.empty(key.shape, dtype=key.dtype, device=key.device))
+
+
+def _silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[-1] = shape[-1] // 2
+    return x.new_empty(shape)
+
+
+_FAKES = {"all_reduce": _all_reduce_fake, "all_gather": _all_gather_fake, "rms_norm": _rms_norm_fake,
+          "rotary_embedding": _rotary_embedding_fake, "silu_and_mul": _silu_and_mul_fake}
 
 
 def _register() -> None:

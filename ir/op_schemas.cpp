@@ -14,7 +14,8 @@ const char* unqualified(const char* schema) { return schema + 6; }
 TORCH_LIBRARY(frag, m) {
   for (const char* schema :
        {kAllReduceSchema, kAllGatherSchema, kGatherSchema, kInterveneSchema, kSplitSchema, kGatherAtSchema,
-        kInterveneAtSchema, kSplitAtSchema, kAllReduceGroupSchema, kAllGatherGroupSchema})
+        kInterveneAtSchema, kSplitAtSchema, kAllReduceGroupSchema, kAllGatherGroupSchema, kRmsNormSchema,
+        kRotaryEmbeddingSchema, kSiluAndMulSchema})
     m.def(unqualified(schema));
 }
 

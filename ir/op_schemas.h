@@ -51,6 +51,18 @@ inline constexpr const char* kAllReduceGroupSchema = "frag::all_reduce.group(Ten
 inline constexpr const char* kAllGatherGroupSchema =
     "frag::all_gather.group(Tensor x, int dim, int group) -> Tensor";
 
+/// The kit's layer math as ops (runtime/layer_ops.cpp; CUDA kernels in layer_ops_cuda.cu), so that an
+/// exported model and its rewritten graph run the same fused kernels wherever fragment ops sit (issue 31).
+/// RMSNorm: x / sqrt(mean(x^2) + eps), computed in float32, rounded to x's dtype, times weight.
+inline constexpr const char* kRmsNormSchema = "frag::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor";
+/// Rotary position embedding of query and key (neox: rotate halves; else interleaved pairs), out of
+/// place: cos_sin_cache [max positions, rotary_dim] holds cos | sin; positions [T] or [B, T].
+inline constexpr const char* kRotaryEmbeddingSchema =
+    "frag::rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, "
+    "int rotary_dim, bool is_neox) -> (Tensor, Tensor)";
+/// [g | u] -> silu(g) * u over the last dimension.
+inline constexpr const char* kSiluAndMulSchema = "frag::silu_and_mul(Tensor x) -> Tensor";
+
 /// Qualified names, for building and matching nodes.
 inline constexpr const char* kAllReduceOp = "frag::all_reduce";
 inline constexpr const char* kAllGatherOp = "frag::all_gather";

@@ -24,6 +24,10 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(ops.OP_SCHEMAS, [
             "frag::all_reduce(Tensor x, str group) -> Tensor",
             "frag::all_gather(Tensor x, int dim, str group) -> Tensor",
+            "frag::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+            "frag::rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, "
+            "int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)",
+            "frag::silu_and_mul(Tensor x) -> Tensor",
         ])
         self.assertEqual(fragkit.OP_SCHEMAS, ops.OP_SCHEMAS)
         self.assertEqual(ops.registered_schemas(), ops.OP_SCHEMAS)

@@ -4,13 +4,14 @@ PY="${FRAG_PYTHON:-$(command -v python3)}"
 BUILD="${FRAG_BUILD_DIR:-build/device}"
 shape=(--layers 4 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 32000)
 
-# export_bench_model DIR TP [ARGS…]: the bf16 model at tp TP in DIR, unless its last rank file is there.
+# export_bench_model DIR TP [ARGS…]: the bf16 model (ARGS may say --dtype float16) at tp TP in DIR, unless its
+# last rank file is there.
 export_bench_model() {
   local dir=$1 tp=$2
   shift 2
   [ -f "$dir/rank$((tp - 1)).pt" ] && return 0
   echo "== export ($dir)"
-  PYTHONPATH=. "$PY" tools/export_model.py --model llama --tp "$tp" "${shape[@]}" "$@" --dtype bfloat16 \
+  PYTHONPATH=. "$PY" tools/export_model.py --model llama --tp "$tp" "${shape[@]}" --dtype bfloat16 "$@" \
     --out "$dir" > /dev/null
 }
 

@@ -34,5 +34,14 @@ for tokens in 1 128; do
       --nproc-per-node "$N" bench/peer_benchmark.py "${args[@]}"
   fi || echo "== FAILED: the peer benchmark exited $? (a failed logits check or an error, above)"
 done 2>&1 | tee "$BUILD/peer_run.log"
+# float16 too (issue 31: read-only plans bit-identical with the fused kernels in bf16 and fp16): a decode
+# step, without HF's compile. FRAG_PEER_FP16=0 skips it.
+if [ "${FRAG_PEER_FP16:-1}" = 1 ] && [ "$N" = 1 ]; then
+  export_bench_model "${MODELS}_fp16" 1 --dtype float16
+  echo "== peer benchmark, tp 1, 1 token, float16"
+  PYTHONPATH="$BUILD/python:." "$PY" bench/peer_benchmark.py "${MODELS}_fp16/rank{rank}.pt" "${shape[@]}" \
+    --dtype float16 --tokens 1 --iterations 10 --compile-timeout 0 --json "$BUILD/peer_t1_fp16.json" ||
+    echo "== FAILED: the float16 peer benchmark exited $?"
+fi 2>&1 | tee -a "$BUILD/peer_run.log"
 [ -n "${OUT:-}" ] && cp "$BUILD/peer_run.log" "$BUILD"/peer_t*.json "$OUT/" 2>/dev/null || true
 ! grep -q "^== FAILED" "$BUILD/peer_run.log"
