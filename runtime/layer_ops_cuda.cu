@@ -17,8 +17,10 @@
 //===----------------------------------------------------------------------===//
 #include "runtime/layer_ops.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
