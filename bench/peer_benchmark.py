@@ -147,9 +147,21 @@ def hf_columns(args, sd, dtype, device, ids, skips):
     return cols
 
 
+# The side of a parallel layer whose value is a piece at tp > 1 (fragment-rules.md).
+PIECE_SIDE = {"QKVParallelLinear": "output", "MergedColumnParallelLinear": "output", "ColumnParallelLinear": "output",
+              "RowParallelLinear": "input"}
+
+
 def fragmented_locations(model):
-    """The rank file's fragmented locations (`frag inspect`'s list), as names of the trace API."""
-    return [entry["location"] for entry in model.locations()["fragmented"]]
+    """The locations that are fragmented at tp > 1: the rank file's fragmented list (`frag inspect`) plus
+    each parallel linear layer's piece side, which at tp 1 is whole (the issue's 18 for 4 layers)."""
+    info = model.locations()
+    names = [entry["location"] for entry in info["fragmented"]]
+    for layer in info["layers"]:
+        side = PIECE_SIDE.get(layer["kind"])
+        if side and f"{layer['path']}.{side}" not in names:
+            names.append(f"{layer['path']}.{side}")
+    return names
 
 
 def location_of(model, name):
@@ -160,13 +172,18 @@ def location_of(model, name):
     return node
 
 
+EMPTY_SAVES = {}  # (model id, location) -> what came back instead of a tensor: a failed check at the end
+
+
 def saving_forward(model, names):
     def fwd(x):
         with model.trace(x):
             saves = [location_of(model, n).save() for n in names]
             out = model.output.save()
-        if not saves or saves[0].value is None:
-            raise SystemExit("peer_benchmark: a save came back empty")
+        for name, saved in zip(names, saves):
+            if not isinstance(saved.value, torch.Tensor):
+                EMPTY_SAVES.setdefault((id(model), name), f"{type(saved.value).__name__} "
+                                                          f"(cuda_graphs {model.cuda_graphs})")
         return out.value
     return fwd
 
@@ -398,6 +415,9 @@ def main():
             d = d.abs().max().item()
             checks.append({"what": f"{saves_name} {mode} vs nothing registered (bit for bit)", "max_abs_diff": d,
                            "tolerance": 0.0, "ok": bool(d == 0)})
+    for (_, name), what in EMPTY_SAVES.items():
+        checks.append({"what": f"save at {name} came back as {what}", "max_abs_diff": float("nan"),
+                       "tolerance": 0.0, "ok": False})
     print(f"logits max |ref| {ref.abs().max().item():.4g}, std {ref.std().item():.4g}; tolerance {tol:.3g}")
     for c in checks:
         print(f"check {c['what']}: max |diff| {c['max_abs_diff']:.3g} <= {c['tolerance']:.3g}: "

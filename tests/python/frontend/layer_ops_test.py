@@ -8,7 +8,7 @@
 - CUDA (skipped, loudly, where torch sees no GPU or the build has no fused kernels): the fused kernels
   (runtime/layer_ops_cuda.cu) against the reference math on the same GPU: rotary and SiLU·mul bit for bit
   (same float32 operations, same rounding), RMSNorm within 2 roundings of the dtype (its reduction order is
-  its own); the inputs are left untouched (q and k are views into qkv: an in-place rotary would change a
+  its own: two roundings of the dtype plus 16 float32 ones); the inputs are left untouched (q and k are views into qkv: an in-place rotary would change a
   saved qkv); each kernel captured in a CUDA graph and replayed equals its eager result.
 """
 import os
@@ -121,8 +121,12 @@ class CudaKernelTest(unittest.TestCase):
             x, w, _ = inputs(dtype, "cuda")
             got = torch.ops.frag.rms_norm(x, w, 1e-6)
             want = kit_ops._rms_norm_impl(x, w, 1e-6)
-            ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(1e-3)
-            self.assertTrue(((got.float() - want.float()).abs() <= 2 * ulp).all(), f"rms {dtype}")
+            # Two roundings to the dtype (x * r, then * weight) plus the float32 sum's and rsqrt's own error,
+            # which the dtype's rounding hides in bf16/fp16 and shows in fp32.
+            scale = want.float().abs().clamp_min(1e-3)
+            bound = (2 * torch.finfo(dtype).eps + 16 * torch.finfo(torch.float32).eps) * scale
+            diff = (got.float() - want.float()).abs()
+            self.assertTrue((diff <= bound).all(), f"rms {dtype}: max |diff| {diff.max().item()}")
 
     def test_captured_equals_eager(self):
         x, w, gate_up = inputs(torch.bfloat16, "cuda")
