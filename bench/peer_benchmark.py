@@ -149,7 +149,7 @@ def hf_columns(args, sd, dtype, device, ids, skips):
 
 # The side of a parallel layer whose value is a piece at tp > 1 (fragment-rules.md).
 PIECE_SIDE = {"QKVParallelLinear": "output", "MergedColumnParallelLinear": "output", "ColumnParallelLinear": "output",
-              "RowParallelLinear": "input"}
+              "RowParallelLinear": "input", "ParallelLMHead": "output", "LogitsProcessor": "input"}
 
 
 def fragmented_locations(model):
