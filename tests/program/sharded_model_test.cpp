@@ -7,6 +7,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "ir/error.h"
+#include "ir/op_schemas.h"
 #include "runtime/safetensors.h"
 #include "program/sharded_model.h"
 #include "tests/support/model_ranks.h"
@@ -311,10 +312,7 @@ int64_t fragment_ops_in(torch::jit::Block* block) {
   int64_t n = 0;
   for (auto* node : block->nodes()) {
     for (auto* inner : node->blocks()) n += fragment_ops_in(inner);
-    if (std::string(node->kind().toQualString()).rfind("frag::", 0) == 0 &&
-        node->kind() != c10::Symbol::fromQualString("frag::all_reduce") &&
-        node->kind() != c10::Symbol::fromQualString("frag::all_gather"))
-      ++n;
+    if (ir::is_fragment_op(node->kind())) ++n;  // gather/intervene/split (not the model's own frag:: ops)
   }
   return n;
 }
