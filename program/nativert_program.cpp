@@ -117,10 +117,13 @@ torch::Tensor NativeRtProgram::run(const std::string& module, const std::vector<
   return {};
 }
 
-torch::Tensor NativeRtProgram::forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>*, Use) {
+torch::Tensor NativeRtProgram::run_graph(const torch::Tensor& input_ids, const CachedStep* step,
+                                         const std::vector<ir::LocationId>*, Use) {
   // Every location's ops stay in the graph (NativeRT runs it whole); where nothing waits they are a lookup.
   torch::NoGradGuard no_grad;
-  c10::IValue out = runner_->run({input_ids}, {});
+  std::vector<c10::IValue> inputs{input_ids};
+  if (step != nullptr) inputs.insert(inputs.end(), {step->positions, step->kv_cache, int64_t{0}});
+  c10::IValue out = runner_->run(inputs, {});
   if (out.isTensor()) return out.toTensor();
   if (out.isTuple() && !out.toTupleRef().elements().empty()) return out.toTupleRef().elements()[0].toTensor();
   if (out.isList() && out.toListRef().size() > 0) return out.toListRef()[0].toTensor();
