@@ -135,7 +135,8 @@ class Generation:
         return self._scoped(steps="decode")
 
     def rows(self, rows):
-        """Steps recorded inside act on these batch rows only (ascending row numbers)."""
+        """Steps recorded inside act on these rows only: the prompts' indices, which are the rows' stable ids
+        (program/decoder.h: a row keeps its id while others stop or are dropped)."""
         rows = [int(r) for r in ([rows] if isinstance(rows, numbers.Integral) else rows)]
         return self._scoped(rows=rows)
 

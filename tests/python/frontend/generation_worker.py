@@ -87,7 +87,7 @@ def tokens_and_logits(rank, path, prompts=None, steps=STEPS):
     model = fragments.load(path)
     with model.generate(prompts or PROMPTS, max_new_tokens=steps) as gen:
         pass
-    return gen.new_tokens, torch.stack(gen.logits)
+    return gen.new_tokens, torch.stack(gen.logits) if gen.logits is not None else None  # None: recomputed
 
 
 def steered_tokens(rank, path, steps=STEPS):
