@@ -5,7 +5,7 @@ Against the TorchScript exports of the same weights (tests/models/{llama,moe}_tp
 greedy tokens of a ragged batch are equal and the logits within 1e-5 relative (fp32) at tp 1 and 2 (launched
 ranks over Gloo), a steering edit at every decode step gives the same tokens; `frag run --prompt A --prompt B
 --generate K` (a word-level tokenizer made here) writes the same new tokens for both formats; an archive
-exported without the cache (llama_tp2_pt2) still generates, by recomputing. ~2-3 min on 2 cores.
+exported without the cache (llama_tp2_pt2) still generates, by recomputing. ~6 min on 2 busy cores.
 """
 import os
 import subprocess
