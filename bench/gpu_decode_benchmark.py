@@ -9,6 +9,10 @@ One process, one GPU, the same config and weights on every side (random, bf16; d
                        registered, then saves at 4 locations every step
   plain PyTorch        the kit's eager LlamaForCausalLM (the same weights, the same cache layout) with its
                        decode step captured in a torch.cuda.CUDAGraph: the floor for a captured step
+  independent plain    bench/peer_models.PlainLlama (nn.Linear, SDPA with a mask over a static cache of
+                       the same layout and length, nobody's numerics here), the same weights, its decode step
+                       captured in a torch.cuda.CUDAGraph; its logits are checked against the kit model's
+                       (prefill and decode steps) before anything is timed, and a failed check exits 1
   transformers dynamic LlamaForCausalLM.generate, DynamicCache
   transformers static  LlamaForCausalLM.generate(cache_implementation="static"), which compiles its decode step
 
@@ -16,14 +20,16 @@ Per batch size (--batches, default 1 and 32): ms per decode step (median over --
 tokens/s = batch / step time. For transformers the step time is (generate(N) - generate(1)) / (N - 1), the
 prompt of --prompt tokens prefilled in both. Goals (issue 28): fragments >= 2x transformers static at batch 1,
 >= 1.2x at batch 32 with nothing registered, >= 0.9x of that with the 4 saves; the captured step <= 1.3x
-plain PyTorch's captured step.
+the independent plain model's captured step with the same cache (printed as a ratio).
 
     bash tools/device/decode_run.sh     (on the GPU machine: builds the extension, exports, runs this)
     PYTHONPATH=build/device/python:. python3 bench/gpu_decode_benchmark.py FILE.pt [--batches 1 32]
 
---device cpu --layers 1 --hidden 64 ... runs the same code on a CPU (no graphs), as a smoke test.
+--device cpu --layers 1 --hidden 64 ... runs the same code on a CPU (no graphs), as a smoke test
+(tests/python/frontend:decode_benchmark_test); --json FILE writes the rows, ratios and checks.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -36,6 +42,8 @@ from fragments._model import Step  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fragkit.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_models import PlainLlama  # noqa: E402
 
 
 def sync(device):
@@ -90,21 +98,63 @@ def plain_step_ms(kit, batch, args, device):
         step_ids = torch.full((batch, 1), 7, dtype=torch.long, device=device)
         step_pos = torch.full((batch, 1), args.prompt, dtype=torch.long, device=device)
 
-        def eager():
-            return kit(step_ids, step_pos, cache, args.cache)
+        return captured_ms(lambda: kit(step_ids, step_pos, cache, args.cache), device, args.iterations)
 
-        if device.type != "cuda":
-            return timed(eager, device, args.iterations)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                eager()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            eager()
-        return timed(graph.replay, device, args.iterations)
+
+def captured_ms(step, device, iterations):
+    """Median ms of `step` replayed from a torch.cuda.CUDAGraph (eager on a CPU)."""
+    if device.type != "cuda":
+        return timed(step, device, iterations)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return timed(graph.replay, device, iterations)
+
+
+def independent_step_ms(plain, batch, args, device):
+    """bench/peer_models.PlainLlama with its own static cache of --cache tokens, its decode step captured."""
+    cache = plain.new_static_cache(batch, args.cache)
+    ids = torch.full((batch, args.prompt), 5, dtype=torch.long, device=device)
+    positions = torch.arange(args.prompt, device=device).unsqueeze(0).expand(batch, -1).contiguous()
+    with torch.no_grad():
+        plain.decode(ids, positions, cache)
+        step_ids = torch.full((batch, 1), 7, dtype=torch.long, device=device)
+        step_pos = torch.full((batch, 1), args.prompt, dtype=torch.long, device=device)
+        return captured_ms(lambda: plain.decode(step_ids, step_pos, cache), device, args.iterations)
+
+
+def check_independent(kit, plain, args, device, dtype):
+    """The independent model's logits against the kit model's: a ragged prefill (rows of different lengths,
+    each at its own positions) and 4 greedy decode steps from a cache of --cache tokens. Returns the check."""
+    batch, lengths = 3, [args.prompt, max(1, args.prompt // 2), max(1, args.prompt - 3)]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (batch, args.prompt), generator=gen).to(device)
+    positions = torch.arange(args.prompt, device=device).unsqueeze(0).expand(batch, -1).contiguous()
+    kit_cache, plain_cache = kit.new_kv_cache(batch, args.cache), plain.new_static_cache(batch, args.cache)
+    worst, scale = 0.0, 0.0
+    with torch.no_grad():
+        a = kit(ids, positions, kit_cache, args.cache)[..., :args.vocab]
+        b = plain.decode(ids, positions, plain_cache)
+        last = torch.tensor(lengths, device=device) - 1
+        rows = torch.arange(batch, device=device)
+        for step in range(5):
+            if step == 0:  # each row's logits at its last prompt token (a row's pads come after it)
+                a, b = a[rows, last], b[rows, last]
+            worst = max(worst, (a.float() - b.float()).abs().max().item())
+            scale = max(scale, a.float().abs().max().item())
+            tokens = a.argmax(-1, keepdim=True)
+            step_pos = (last + 1 + step).unsqueeze(1)
+            a = kit(tokens, step_pos, kit_cache, args.cache)[:, 0, :args.vocab]
+            b = plain.decode(tokens, step_pos, plain_cache)[:, 0]
+    tolerance = (1e-4 if dtype == torch.float32 else 0.05) * scale
+    return {"what": "independent plain model (static cache) vs kit model, prefill and 4 decode steps",
+            "max_abs_diff": worst, "tolerance": tolerance, "ok": worst <= tolerance}
 
 
 def transformers_step_ms(hf, batch, args, device, static):
@@ -135,6 +185,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--json", help="write the rows, ratios and the independent model's check here")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -150,6 +201,19 @@ def main():
     wanted = kit.state_dict().keys()
     kit.load_state_dict({k: v for k, v in torch.jit.load(args.file).state_dict().items() if k in wanted})
     kit.to(device)
+    plain = PlainLlama(args.vocab, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads,
+                       args.head_dim, eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                       max_positions=args.max_positions).to(device, dtype).eval()
+    plain.load_kit({k: v.to(device) for k, v in kit.state_dict().items()}, args.vocab)
+    check = check_independent(kit, plain, args, device, dtype)
+    print("check %s: max |diff| %.3g, tolerance %.3g: %s" % (check["what"], check["max_abs_diff"],
+                                                            check["tolerance"], "ok" if check["ok"] else "FAILED"))
+    report = {"dtype": args.dtype, "device": str(device), "checks": [check], "batches": {}}
+    if not check["ok"]:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return 1
     hf = None
     if not args.skip_transformers:
         import transformers
@@ -164,7 +228,9 @@ def main():
     for batch in args.batches:
         rows = [("fragments, nothing registered", fragments_step_ms(model, batch, args, device, [])),
                 ("fragments, saves at 4 locations", fragments_step_ms(model, batch, args, device, saves)),
-                ("plain PyTorch (kit model), CUDA graph", plain_step_ms(kit, batch, args, device))]
+                ("plain PyTorch (kit model), CUDA graph", plain_step_ms(kit, batch, args, device)),
+                ("independent plain PyTorch, static cache, CUDA graph",
+                 independent_step_ms(plain, batch, args, device))]
         if hf is not None:
             rows.append(("transformers generate, dynamic cache", transformers_step_ms(hf, batch, args, device, False)))
             rows.append(("transformers generate, static cache", transformers_step_ms(hf, batch, args, device, True)))
@@ -173,8 +239,15 @@ def main():
         for name, ms in rows:
             extra = "   %.2fx transformers static's tokens/s" % (reference / ms) if reference else ""
             print("  %-42s %8.3f ms/step %10.0f tokens/s%s" % (name, ms, batch * 1000 / ms, extra))
+        times = dict(rows)
+        ratio = times["fragments, nothing registered"] / times["independent plain PyTorch, static cache, CUDA graph"]
+        print("  fragments step / independent plain captured step: %.3fx (goal <= 1.3)" % ratio)
+        report["batches"][str(batch)] = {"ms_per_step": times, "fragments_over_independent": ratio}
         if device.type == "cuda":
             print("  graphs: %s" % model.graph_stats())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

@@ -8,6 +8,12 @@ rotary embedding (rotate halves, cos/sin in the model dtype), ``F.scaled_dot_pro
 grouped-query heads through ``enable_gqa``) and SiLU·mul; the embedding and the LM head are included
 (the unpadded vocabulary rows), so its logits have the same scope as the kit model's.
 
+With a static KV cache (``new_static_cache``, the kit's layout [layers, 2, batch, kv heads, max_len, head
+dim]; ``decode``): each step writes its k/v at each row's position (``index_put_``) and attends over the whole
+cache through ``F.scaled_dot_product_attention`` with a boolean mask of the slots at or before the row's
+position: fixed shapes, so a decode step can be captured in a ``torch.cuda.CUDAGraph`` as transformers'
+StaticCache is.
+
 ``hf_llama`` builds transformers' ``LlamaForCausalLM`` from a ``LlamaConfig`` of the same shape and copies
 the same weights in (q/k/v and gate/up split into Hugging Face's separate projections).
 """
@@ -44,7 +50,9 @@ class PlainLayer(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None, positions=None, mask=None):
+        """cache: this layer's [2, batch, kv heads, max_len, head dim] (written at `positions` [B, t]);
+        mask: [B, 1, t, max_len], True where a query may attend."""
         b, t, _ = x.shape
         q, k, v = self.qkv(self.input_layernorm(x)).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
@@ -53,7 +61,14 @@ class PlainLayer(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=self.heads != self.kv_heads)
+        gqa = self.heads != self.kv_heads
+        if cache is None:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
+        else:
+            rows = torch.arange(b, device=x.device).unsqueeze(1).expand(b, t)
+            cache[0].transpose(1, 2).index_put_((rows, positions), k.transpose(1, 2))
+            cache[1].transpose(1, 2).index_put_((rows, positions), v.transpose(1, 2))
+            a = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask, enable_gqa=gqa)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -80,6 +95,23 @@ class PlainLlama(nn.Module):
         cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+    def new_static_cache(self, batch, max_len):
+        """A zeroed cache [layers, 2, batch, kv heads, max_len, head dim] on the model's device and dtype."""
+        layer, weight = self.layers[0], self.head.weight
+        return torch.zeros(len(self.layers), 2, batch, layer.kv_heads, max_len, layer.head_dim, dtype=weight.dtype,
+                           device=weight.device)
+
+    def decode(self, ids, positions, cache):
+        """Logits [B, t, vocab] of `ids` [B, t] at `positions` [B, t] (each row its own), their k/v written into
+        `cache` (new_static_cache) and attended over all of its slots up to each query's position."""
+        x = self.embed(ids)
+        cos, sin = self.cos[positions].to(x.dtype).unsqueeze(1), self.sin[positions].to(x.dtype).unsqueeze(1)
+        slots = torch.arange(cache.size(4), device=ids.device)
+        mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, t, max_len]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache[i], positions, mask)
         return self.head(self.norm(x))
 
     @torch.no_grad()

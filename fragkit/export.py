@@ -15,6 +15,13 @@ archive's ``extra/fragkit.json``) then also records every kit layer's config: ``
 ``named_modules`` order, of ``{"path", "class", "config": {CONTRACT_ATTRIBUTES of the class},
 "parameters": {name: shape}}`` (format ``"fragkit.layers/1"``), which the C++ pass classifies exactly as
 it classifies a TorchScript module's attributes.
+
+``kv_cache=True`` (with ``format="export"``) exports the cached forward instead:
+``forward(input_ids, positions, kv_cache, cache_len)`` (batch, length, cache rows and slots dynamic;
+cache_len the constant 0: the span attended is the cache view's length), the one program for plain forwards, prefill and decode steps; ``fragkit.json`` then records
+``"kv_cache": {"layers", "kv_heads", "head_size", "max_positions"}`` (this rank's cache
+[layers, 2, rows, kv_heads, slots, head_size]), which is how a runner knows the archive takes a cache.
+A plain forward of such an archive runs the cached forward over a scratch cache of the sequence's length.
 """
 import hashlib
 import io
@@ -99,15 +106,17 @@ FORMATS = ("torchscript", "export")
 LAYERS_FORMAT = "fragkit.layers/1"
 
 
-def export(build: Builder, tp_size: int, out_dir: str, seed: int = 0, format: str = "torchscript") -> List[str]:
+def export(build: Builder, tp_size: int, out_dir: str, seed: int = 0, format: str = "torchscript",
+           kv_cache: bool = False) -> List[str]:
     """Save ``out_dir/rank{r}.pt`` (TorchScript) or ``rank{r}.pt2`` (``format="export"``: torch.export) for
-    r in range(tp_size).  Returns the paths."""
+    r in range(tp_size); ``kv_cache``: a .pt2 with the cached forward (see the module's doc).  Returns the
+    paths."""
     if tp_size < 1:
         raise ValueError("tp_size must be >= 1")
     _check_format(format)
     torch.manual_seed(seed)
     full = build(0, 1).eval()
-    return export_ranks(full, build, tp_size, out_dir, format=format)
+    return export_ranks(full, build, tp_size, out_dir, format=format, kv_cache=kv_cache)
 
 
 def _check_format(format: str) -> None:
@@ -140,28 +149,61 @@ def example_input_ids() -> Tensor:
     return torch.zeros(2, 8, dtype=torch.long)
 
 
-def export_program(module: nn.Module, tp_size: int) -> "torch.export.ExportedProgram":
-    """``torch.export`` of one rank's kit model (``forward(input_ids)``), batch and sequence dims dynamic.
+def kv_cache_record(module: nn.Module) -> dict:
+    """What a runner needs to allocate this rank's cache for a cached .pt2 (fragkit.json's ``"kv_cache"``)."""
+    layers, _, _, kv_heads, _, head_size = module.kv_cache_shape(1, 1)
+    return {"layers": int(layers), "kv_heads": int(kv_heads), "head_size": int(head_size),
+            "max_positions": int(module.max_positions())}
+
+
+def example_cached_inputs(module: nn.Module) -> Tuple[Tensor, Tensor, Tensor, int]:
+    """The traced inputs of the cached forward: 2 rows of 8 new tokens into a cache of 16 slots, attended over
+    the whole cache (cache_len 0: the cache's slots, a constant of the program)."""
+    ids = example_input_ids()
+    positions = torch.arange(ids.size(1)).unsqueeze(0).expand(ids.size(0), -1).contiguous()
+    return ids, positions, module.new_kv_cache(ids.size(0), 16), 0
+
+
+def export_program(module: nn.Module, tp_size: int, kv_cache: bool = False) -> "torch.export.ExportedProgram":
+    """``torch.export`` of one rank's kit model (``forward(input_ids)``), batch and sequence dims dynamic;
+    ``kv_cache``: ``forward(input_ids, positions, kv_cache, cache_len)``, every size dynamic and cache_len the
+    constant 0: a step attends over the cache it is given, so a runner passes the cache narrowed to the slots
+    it attends (a view: the new k/v land in the cache itself). A symbolic int cannot cross a preserved module
+    call, so the span travels as the view's length.
 
     Every submodule's call signature is preserved: the graph is flat, and ``module_call_graph`` then names
     each module call's input and output values, which is where fragments' locations (``<path>.input`` /
-    ``<path>.output``) are.  The graph's ops are the same as without it."""
+    ``<path>.output``) are.  The graph's ops are the same as without it.
+
+    The cached program records guards that a length is not 1 (reshapes of strided views); its ops hold for
+    one token too (a decode step), so runners call it without the guards (``module(check_guards=False)``,
+    NativeRT checks none); the tests compare decode steps with the eager module's."""
     dim = torch.export.Dim.DYNAMIC
     calls = tuple(name for name, _ in module.named_modules() if name)
+    if kv_cache:
+        args = example_cached_inputs(module)
+        shapes = ({0: dim, 1: dim}, {0: dim, 1: dim}, {2: dim, 4: dim}, None)
+    else:
+        args, shapes = (example_input_ids(),), ({0: dim, 1: dim},)
     with ops.tracing_group_size(tp_size), torch.no_grad():
-        return torch.export.export(module, (example_input_ids(),), dynamic_shapes=({0: dim, 1: dim},),
-                                   preserve_module_call_signature=calls)
+        return torch.export.export(module, args, dynamic_shapes=shapes, preserve_module_call_signature=calls)
 
 
 def export_ranks(full: nn.Module, build: Builder, tp_size: int, out_dir: str, info: Optional[dict] = None,
-                 progress: Optional[Callable[[int], None]] = None, format: str = "torchscript") -> List[str]:
+                 progress: Optional[Callable[[int], None]] = None, format: str = "torchscript",
+                 kv_cache: bool = False) -> List[str]:
     """Slice ``full`` (the model built at tp_size 1, weights loaded) into ``build(r, tp_size)`` for each rank,
     script and save ``out_dir/rank{r}.pt`` (or export ``rank{r}.pt2``, ``format="export"``); ``info`` joins
-    ``fragkit.json``.  Each file is written under a temporary name and renamed when all are written, so a
-    failure leaves no rank file behind."""
+    ``fragkit.json``; ``kv_cache``: a .pt2's cached forward.  Each file is written under a temporary name and
+    renamed when all are written, so a failure leaves no rank file behind."""
     if tp_size < 1:
         raise ValueError("tp_size must be >= 1")
     _check_format(format)
+    if kv_cache and format != "export":
+        raise ValueError("kv_cache=True is for format=\"export\": a TorchScript file always has the cached forward")
+    if kv_cache and not hasattr(full, "kv_cache_shape"):
+        raise ValueError("kv_cache=True: %s has no kv_cache_shape (not a kit model with a KV cache)"
+                         % type(full).__name__)
     os.makedirs(out_dir, exist_ok=True)
     export_id = _export_id(full, tp_size)
     written = []
@@ -174,7 +216,9 @@ def export_ranks(full: nn.Module, build: Builder, tp_size: int, out_dir: str, in
             if format == "export":
                 path = os.path.join(out_dir, "rank%d.pt2" % r)
                 meta.update(layers_format=LAYERS_FORMAT, layers=layer_configs(m))
-                program = export_program(m, tp_size)
+                if kv_cache:
+                    meta.update(kv_cache=kv_cache_record(m))
+                program = export_program(m, tp_size, kv_cache=kv_cache)
                 written.append(path)
                 buffer = io.BytesIO()  # saved in memory: the archive's folder name comes from a file's name
                 torch.export.save(program, buffer, extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})

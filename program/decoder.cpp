@@ -2,23 +2,29 @@
 #include "program/decoder.h"
 
 #include "ir/error.h"
+#include "runtime/device_memory.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
 
 namespace frag::program {
 namespace {
 
-/// The model's forwards belong to generation step `step` while this lives; then to none again (a plain
-/// forward), whether the forward returned or threw.
+/// The model's forwards belong to generation step `step` (their batch rows have the stable ids `row_ids`;
+/// none: "rows" are batch indices) while this lives; then to none again (a plain forward), whether the
+/// forward returned or threw.
 class GenerationStep {
  public:
-  GenerationStep(ShardedModel& model, int64_t step) : model_(model) { model_.set_generation_step(step); }
-  ~GenerationStep() { model_.set_generation_step(std::nullopt); }
+  GenerationStep(ShardedModel& model, int64_t step, std::vector<int64_t> row_ids = {}) : model_(model) {
+    model_.set_generation_step(step);
+    model_.set_row_ids(std::move(row_ids));
+  }
+  ~GenerationStep() {
+    model_.set_generation_step(std::nullopt);
+    model_.set_row_ids({});
+  }
   GenerationStep(const GenerationStep&) = delete;
   GenerationStep& operator=(const GenerationStep&) = delete;
 
@@ -26,21 +32,19 @@ class GenerationStep {
   ShardedModel& model_;
 };
 
-std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
+/// Saves keep the first `rows` rows while this lives (a decode step padded to a bucket); then every row.
+class RealRows {
+ public:
+  RealRows(ShardedModel& model, std::optional<int64_t> rows) : model_(model) { model_.set_real_rows(rows); }
+  ~RealRows() { model_.set_real_rows(std::nullopt); }
+  RealRows(const RealRows&) = delete;
+  RealRows& operator=(const RealRows&) = delete;
 
-/// MemAvailable of /proc/meminfo in bytes; -1 where unknown.
-int64_t available_host_memory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream fields(line.substr(13));
-    int64_t kib = -1;
-    fields >> kib;
-    return kib < 0 ? -1 : kib * 1024;
-  }
-  return -1;
-}
+ private:
+  ShardedModel& model_;
+};
+
+std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
 
 }  // namespace
 
@@ -49,8 +53,8 @@ Decoder::Decoder(ShardedModel& model, int64_t max_batch, int64_t max_len)
   const auto& program = model.program();
   const auto& path = program.path();
   if (!program.has_kv_cache())
-    fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive); "
-         "export it again with the kit to decode from a cache",
+    fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive "
+         "exported without kv_cache=True); export it again with the kit to decode from a cache",
          path);
   if (max_batch < 1 || max_len < 1)
     fail("{}: a KV cache needs at least one row of one token, got {} rows of {} tokens", path, max_batch, max_len);
@@ -61,23 +65,39 @@ Decoder::Decoder(ShardedModel& model, int64_t max_batch, int64_t max_len)
   const auto shape = program.kv_cache_shape(max_batch, max_len);
   int64_t bytes = c10::elementSize(program.dtype());
   for (auto d : shape) bytes *= d;
-  torch::Device device = torch::kCPU;
-  for (const auto& p : model.module().parameters()) {
-    device = p.device();
-    break;
-  }
-  if (device.is_cpu()) {
-    const int64_t available = available_host_memory();
-    if (available >= 0 && bytes > available)
-      fail("{}: a KV cache of {} rows x {} tokens needs {} on this rank, more than the {} of memory available",
-           path, max_batch, max_len, mib(bytes), mib(available));
-  }
+  const torch::Device device = program.device();
+  // Checked before the allocation (a CUDA allocator's refusal comes after the attempt, in its own words).
+  const int64_t available = runtime::free_memory(device);
+  if (available >= 0 && bytes > available)
+    fail("{}: a KV cache of {} rows x {} tokens needs {} on this rank, more than the {} free on {}", path,
+         max_batch, max_len, mib(bytes), mib(available), device.str());
   try {
     cache_ = torch::zeros(shape, torch::TensorOptions().dtype(program.dtype()).device(device));
   } catch (const c10::Error&) {  // a GPU's allocator refuses in words of its own: one line of ours
     fail("{}: a KV cache of {} rows x {} tokens ({} on this rank) does not fit on {}", path, max_batch, max_len,
          mib(bytes), device.str());
   }
+  if (device.is_cuda()) {  // one decode graph per bucket (the captured step's shapes are the bucket's)
+    std::vector<int64_t> powers;
+    for (int64_t b = 1; b < max_batch; b *= 2) powers.push_back(b);
+    set_batch_buckets(powers);
+  }
+}
+
+void Decoder::set_batch_buckets(std::vector<int64_t> buckets) {
+  for (auto b : buckets)
+    if (b < 1 || b > max_batch_)
+      fail("{}: a batch bucket of {} rows is outside 1..{} (the KV cache's rows)", model_.program().path(), b,
+           max_batch_);
+  if (!buckets.empty()) buckets.push_back(max_batch_);
+  std::sort(buckets.begin(), buckets.end());
+  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  buckets_ = std::move(buckets);
+}
+
+int64_t Decoder::bucket_for(int64_t rows) const {
+  auto found = std::lower_bound(buckets_.begin(), buckets_.end(), rows);
+  return found == buckets_.end() ? rows : *found;
 }
 
 std::string Decoder::describe() const {
@@ -86,7 +106,9 @@ std::string Decoder::describe() const {
                      c10::toString(cache_.scalar_type()), mib(cache_bytes()));
 }
 
-torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positions, int64_t first) {
+torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positions, int64_t first,
+                           std::vector<int64_t> row_ids) {
+  row_ids.resize(ids.size(0), -1);  // padding rows have no id
   CachedStep step;
   step.positions = positions.to(cache_.device());
   step.kv_cache = cache_.narrow(2, first, ids.size(0));
@@ -95,7 +117,7 @@ torch::Tensor Decoder::run(const torch::Tensor& ids, const torch::Tensor& positi
   step.cache_len = cache_.is_cuda() && ids.size(1) == 1 ? max_len_ : positions.max().item<int64_t>() + 1;
   torch::Tensor logits;
   {
-    GenerationStep scope(model_, step_);
+    GenerationStep scope(model_, step_, std::move(row_ids));
     logits = model_.forward_cached(ids.to(cache_.device()), step);
   }
   ++step_;
@@ -125,8 +147,11 @@ torch::Tensor Decoder::prefill(const std::vector<std::vector<int64_t>>& prompts)
   }
   auto positions = torch::arange(longest, torch::kLong).unsqueeze(0).expand({n, longest}).contiguous();
   const int64_t first = rows();
-  auto logits = run(ids, positions, first);
+  std::vector<int64_t> new_ids(n);
+  for (auto& id : new_ids) id = next_id_++;
+  auto logits = run(ids, positions, first, new_ids);
   for (const auto& p : prompts) lengths_.push_back(static_cast<int64_t>(p.size()));
+  ids_.insert(ids_.end(), new_ids.begin(), new_ids.end());
   auto last = (lengths - 1).to(logits.device());
   return logits.index({torch::arange(n, torch::TensorOptions().dtype(torch::kLong).device(logits.device())), last});
 }
@@ -139,10 +164,20 @@ torch::Tensor Decoder::decode(const torch::Tensor& tokens) {
   for (int64_t r = 0; r < rows(); ++r)
     if (lengths_[r] >= max_len_)
       fail("{}: row {} holds {} tokens, the KV cache's whole row: it cannot take another", path, r, lengths_[r]);
-  auto positions = torch::tensor(lengths_, torch::kLong).unsqueeze(1);
-  auto logits = run(tokens.to(torch::kLong).unsqueeze(1), positions, 0);
+  // Padded to the bucket: the padding rows take token 0 at position 0 in cache rows past the batch (no real
+  // row reads another's rows; a row that joins later overwrites its slots in its prefill).
+  const int64_t padded = bucket_for(rows());
+  auto positions = torch::zeros({padded, 1}, torch::kLong);
+  positions.narrow(0, 0, rows()).copy_(torch::tensor(lengths_, torch::kLong).unsqueeze(1));
+  auto ids = tokens.to(torch::kLong).unsqueeze(1);
+  if (padded > rows()) ids = torch::cat({ids, torch::zeros({padded - rows(), 1}, ids.options())});
+  torch::Tensor logits;
+  {
+    RealRows real(model_, padded > rows() ? std::optional<int64_t>(rows()) : std::nullopt);
+    logits = run(ids, positions, 0, ids_);
+  }
   for (auto& length : lengths_) ++length;
-  return logits.select(1, 0);
+  return logits.select(1, 0).narrow(0, 0, rows());
 }
 
 void Decoder::drop(int64_t row) {
@@ -150,6 +185,7 @@ void Decoder::drop(int64_t row) {
   const int64_t after = rows() - row - 1;
   if (after > 0) cache_.narrow(2, row, after).copy_(cache_.narrow(2, row + 1, after).clone());
   lengths_.erase(lengths_.begin() + row);
+  ids_.erase(ids_.begin() + row);
 }
 
 torch::Tensor Decoder::generate(const std::vector<std::vector<int64_t>>& prompts, int64_t steps) {

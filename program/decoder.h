@@ -23,6 +23,19 @@
 // A server keeps the step: each forward (a prefill or a decode step) is one
 // generation step, numbered from 0; plan steps with "steps" act by it.
 //
+// Row ids: each row gets an id when its prefill adds it (0, 1, 2, ... in the
+// order rows join, never reused), kept while other rows are dropped; a plan
+// step's "rows" name these ids (in a plain forward, batch indices). A fixed
+// batch's ids are its row indices.
+//
+// Batch buckets: a decode step of b rows runs as the smallest bucket >= b
+// (padding rows: token 0 at position 0, in the cache's rows past the batch,
+// which no real row reads), so on a GPU rows joining and leaving replay one
+// CUDA graph per bucket instead of capturing one per batch size. The logits
+// and saves are the real rows' only. Default buckets: on a GPU 1, 2, 4, 8, ...
+// below max_batch, and max_batch; on a CPU none (each step its own size).
+// set_batch_buckets picks others ({} : none).
+//
 //===----------------------------------------------------------------------===//
 #pragma once
 
@@ -45,6 +58,8 @@ class Decoder {
   /// Rows in the batch now; lengths()[r] is row r's tokens in the cache.
   int64_t rows() const { return static_cast<int64_t>(lengths_.size()); }
   const std::vector<int64_t>& lengths() const { return lengths_; }
+  /// row_ids()[r] is row r's stable id (what a plan step's "rows" name).
+  const std::vector<int64_t>& row_ids() const { return ids_; }
   int64_t cache_bytes() const { return cache_.numel() * cache_.element_size(); }
   /// "KV cache: 4 rows x 160 tokens, 30 layers, 1 kv head of 64 on this rank, float32: 9.4 MiB".
   std::string describe() const;
@@ -59,6 +74,13 @@ class Decoder {
   /// Removes a row; the rows after it move up by one, their cache with them.
   void drop(int64_t row);
 
+  /// The batch sizes decode steps are padded to (ascending, each in [1, max_batch]; max_batch is added);
+  /// {} for none. One-line frag::Error for a bucket outside [1, max_batch].
+  void set_batch_buckets(std::vector<int64_t> buckets);
+  const std::vector<int64_t>& batch_buckets() const { return buckets_; }
+  /// The rows a decode step of `rows` rows runs as: the smallest bucket >= rows, else rows.
+  int64_t bucket_for(int64_t rows) const;
+
   /// Greedy generation of `steps` tokens for each prompt: a prefill, then steps - 1 decode steps; saves
   /// are keyed "step{k}.". Returns each row's new tokens [rows, steps].
   torch::Tensor generate(const std::vector<std::vector<int64_t>>& prompts, int64_t steps);
@@ -66,14 +88,19 @@ class Decoder {
   torch::Tensor generate(const torch::Tensor& input_ids, int64_t steps);
 
  private:
-  /// Runs one forward of the cached model on rows [first, first + ids.size(0)) at `positions`.
-  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, int64_t first);
+  /// Runs one forward of the cached model on rows [first, first + ids.size(0)) at `positions`; `row_ids`:
+  /// the rows' stable ids (padding rows past them).
+  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, int64_t first,
+                    std::vector<int64_t> row_ids);
 
   ShardedModel& model_;
   int64_t max_batch_;
   int64_t max_len_;
   torch::Tensor cache_;
+  std::vector<int64_t> buckets_;
   std::vector<int64_t> lengths_;
+  std::vector<int64_t> ids_;
+  int64_t next_id_ = 0;
   int64_t step_ = 0;
 };
 

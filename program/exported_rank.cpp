@@ -71,6 +71,7 @@ PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::s
     prepared.locations = std::make_shared<const ir::LocationTable>(std::move(table));
     prepared.dtype = parameters_dtype(program.model);
     prepared.model = std::move(program.model);
+    prepared.kv_cache = program.kv_cache;
   } catch (const Error& e) {
     error = e.what();
   } catch (const nlohmann::json::exception& e) {
@@ -96,7 +97,35 @@ ExportedRankProgram::ExportedRankProgram(const std::string& path, PreparedExport
     : RankProgram(path, prepared.locations),
       modules_(std::move(prepared.modules)),
       attributes_(std::move(prepared.attributes)),
-      dtype_(prepared.dtype) {}
+      dtype_(prepared.dtype),
+      kv_cache_(prepared.kv_cache) {}
+
+std::vector<int64_t> ExportedRankProgram::kv_cache_shape(int64_t max_batch, int64_t max_len) const {
+  if (!kv_cache_) return {};
+  return {kv_cache_->layers, 2, max_batch, kv_cache_->kv_heads, max_len, kv_cache_->head_size};
+}
+
+torch::Tensor ExportedRankProgram::forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+                                           Use use) {
+  if (!kv_cache_) return run_graph(input_ids, nullptr, kept, use);
+  // A cached program's plain forward: the sequence's own positions into a scratch cache of its length.
+  const int64_t rows = input_ids.size(0), tokens = input_ids.size(1);
+  CachedStep scratch;
+  auto options = torch::TensorOptions().device(device());
+  scratch.positions = torch::arange(tokens, options.dtype(torch::kLong)).unsqueeze(0).expand({rows, tokens});
+  scratch.kv_cache = torch::zeros(kv_cache_shape(rows, tokens), options.dtype(dtype_));
+  scratch.cache_len = tokens;
+  return run_graph(input_ids, &scratch, kept, use);
+}
+
+torch::Tensor ExportedRankProgram::forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
+                                                  const std::vector<ir::LocationId>* kept) {
+  // The program attends over the cache it is given (its cache_len is the constant 0): the span travels as
+  // a view of the cache's first cache_len slots, and the new k/v land in the cache through it.
+  CachedStep narrowed = step;
+  narrowed.kv_cache = step.kv_cache.narrow(4, 0, step.cache_len);
+  return run_graph(input_ids, &narrowed, kept, Use::kRepeated);
+}
 
 std::map<std::string, int64_t> ExportedRankProgram::int_attributes(const std::string& path) const {
   auto found = attributes_.find(path);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "ir/location_table.h"
+#include "runtime/exported_program.h"
 #include "program/rank_program.h"
 #include "runtime/rank_context.h"
 
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +44,8 @@ struct PreparedExport {
   std::vector<std::pair<std::string, std::string>> modules;
   /// The integer config the kit recorded per module path (head_size, input_size, …).
   std::map<std::string, std::map<std::string, int64_t>> attributes;
+  /// Where the archive's forward takes a KV cache (exported with kv_cache=True).
+  std::optional<runtime::KvCacheRecord> kv_cache;
 };
 
 /// Prepares this rank's .pt2 file; every rank fails alike if any rank fails.
@@ -49,7 +53,8 @@ PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::s
                                      const std::string& rules_file = "");
 
 /// What every executor of a .pt2 (NativeRtProgram here, PythonProgram in python/fragments/_C.cpp) answers
-/// from its preparation alone: the dtype, the modules and their recorded integer config.
+/// from its preparation alone: the dtype, the modules, their recorded integer config and the KV cache; and
+/// the arguments a cached archive's forward(input_ids, positions, kv_cache, cache_len) takes.
 class ExportedRankProgram : public RankProgram {
  public:
   /// Takes `prepared`'s locations, modules and config (moved out of it).
@@ -59,10 +64,25 @@ class ExportedRankProgram : public RankProgram {
   std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }
   std::map<std::string, int64_t> int_attributes(const std::string& path) const override;
 
+  bool has_kv_cache() const override { return kv_cache_.has_value(); }
+  std::vector<int64_t> kv_cache_shape(int64_t max_batch, int64_t max_len) const override;
+  int64_t max_positions() const override { return kv_cache_ ? kv_cache_->max_positions : 0; }
+  /// A cached archive runs a plain forward as positions 0..T-1 into a scratch cache of T slots.
+  torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept, Use use) final;
+  torch::Tensor forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
+                               const std::vector<ir::LocationId>* kept) final;
+
+ protected:
+  /// Runs the archive's graph: forward(input_ids), or with `step` forward(input_ids, positions, kv_cache, 0)
+  /// (the cache's slots are the span attended). `kept` and `use` as in RankProgram::forward.
+  virtual torch::Tensor run_graph(const torch::Tensor& input_ids, const CachedStep* step,
+                                  const std::vector<ir::LocationId>* kept, Use use) = 0;
+
  private:
   std::vector<std::pair<std::string, std::string>> modules_;
   std::map<std::string, std::map<std::string, int64_t>> attributes_;
   at::ScalarType dtype_;
+  std::optional<runtime::KvCacheRecord> kv_cache_;
 };
 
 }  // namespace frag::program

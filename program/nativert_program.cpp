@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 
 namespace frag::program {
 namespace {
@@ -44,9 +45,10 @@ std::string temporary_archive(const std::string& bytes, const std::string& sourc
 
 /// Sends this process's stdout to /dev/null while it lives: PyTorch 2.11's NativeRT prints the graph
 /// signature to stdout when it loads a package, and frag's stdout is the user's (a generated text, say).
+/// One at a time: ranks on threads (the C++ API) loading at once would save each other's /dev/null.
 class SilencedStdout {
  public:
-  SilencedStdout() {
+  SilencedStdout() : one_at_a_time_(mutex()) {
     std::fflush(stdout);
     saved_ = ::dup(STDOUT_FILENO);
     const int null = ::open("/dev/null", O_WRONLY);
@@ -64,6 +66,11 @@ class SilencedStdout {
   SilencedStdout& operator=(const SilencedStdout&) = delete;
 
  private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  std::lock_guard<std::mutex> one_at_a_time_;
   int saved_ = -1;
 };
 
@@ -117,10 +124,13 @@ torch::Tensor NativeRtProgram::run(const std::string& module, const std::vector<
   return {};
 }
 
-torch::Tensor NativeRtProgram::forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>*, Use) {
+torch::Tensor NativeRtProgram::run_graph(const torch::Tensor& input_ids, const CachedStep* step,
+                                         const std::vector<ir::LocationId>*, Use) {
   // Every location's ops stay in the graph (NativeRT runs it whole); where nothing waits they are a lookup.
   torch::NoGradGuard no_grad;
-  c10::IValue out = runner_->run({input_ids}, {});
+  std::vector<c10::IValue> inputs{input_ids};
+  if (step != nullptr) inputs.insert(inputs.end(), {step->positions, step->kv_cache, int64_t{0}});
+  c10::IValue out = runner_->run(inputs, {});
   if (out.isTensor()) return out.toTensor();
   if (out.isTuple() && !out.toTupleRef().elements().empty()) return out.toTupleRef().elements()[0].toTensor();
   if (out.isList() && out.toListRef().size() > 0) return out.toListRef()[0].toTensor();

@@ -40,7 +40,10 @@ class NativeRtProgram : public ExportedRankProgram {
 
   std::optional<Arity> forward_arity(const std::string& path) const override;
   torch::Tensor run(const std::string& path, const std::vector<torch::Tensor>& inputs) const override;
-  torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept, Use use) override;
+
+ protected:
+  torch::Tensor run_graph(const torch::Tensor& input_ids, const CachedStep* step,
+                          const std::vector<ir::LocationId>* kept, Use use) override;
 
  private:
   NativeRtProgram(const std::string& path, PreparedExport& prepared);

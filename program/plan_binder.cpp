@@ -3,6 +3,7 @@
 
 #include "ir/error.h"
 
+#include <algorithm>
 #include <fmt/ranges.h>
 
 namespace frag::program {
@@ -163,8 +164,16 @@ void check_against_width(const PlanStep& step, int64_t width, const runtime::AdH
     fail("{}: value {} has last dim {}, but the selected whole has width {}", where, step.value, last, selected);
 }
 
-/// The rows a plan step names, as an index into dim 0 of `whole`; frag::Error past the batch.
-torch::Tensor row_index(const PlanStep& step, const torch::Tensor& whole, const std::string& location) {
+/// The rows a plan step names, as an index into dim 0 of `whole`: in generation the batch rows whose stable
+/// ids it names (none: an empty index), else batch indices (frag::Error past the batch).
+torch::Tensor row_index(const PlanStep& step, const torch::Tensor& whole, const std::string& location,
+                        const std::vector<int64_t>& row_ids) {
+  if (!row_ids.empty()) {
+    std::vector<int64_t> at;
+    for (size_t i = 0; i < row_ids.size(); ++i)
+      if (std::binary_search(step.rows.begin(), step.rows.end(), row_ids[i])) at.push_back(static_cast<int64_t>(i));
+    return torch::tensor(at, torch::kLong).to(whole.device());
+  }
   if (whole.dim() == 0 || step.rows.back() >= whole.size(0))
     fail("{}: \"rows\" [{}] of a plan step at {}: the batch has {} rows", location, fmt::join(step.rows, ", "),
          step.at, whole.dim() == 0 ? 0 : whole.size(0));
@@ -179,7 +188,10 @@ std::optional<torch::Tensor> visit(BoundStep& bound, const ActionRule& rule, tor
     return std::nullopt;
   }
   if (!bound.step.acts_at(bound.state->generation_step)) return std::nullopt;
-  const torch::Tensor rows = bound.step.rows.empty() ? torch::Tensor() : row_index(bound.step, whole, info.location);
+  const torch::Tensor rows = bound.step.rows.empty()
+                                ? torch::Tensor()
+                                : row_index(bound.step, whole, info.location, bound.state->row_ids);
+  if (rows.defined() && rows.numel() == 0) return std::nullopt;  // none of its rows is in this batch
   torch::Tensor part = rows.defined() ? whole.index_select(0, rows) : whole;  // a copy where rows
   rule.run(bound, part, info);
   if (rule.edits && rows.defined()) whole.index_copy_(0, rows, part);

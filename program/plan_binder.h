@@ -35,6 +35,10 @@ namespace frag::program {
 struct VisitState {
   SavedValues saved;
   int64_t generation_step = 0;  ///< which plan steps with "steps" act (0: a prefill or a plain forward)
+  /// The stable id of each row of the batch a forward runs (program/decoder.h: ids do not shift when a
+  /// row is dropped; -1 for a padding row), which a plan step's "rows" name; empty: "rows" are indices
+  /// into the batch (a plain forward).
+  std::vector<int64_t> row_ids;
 };
 
 struct BoundStep;

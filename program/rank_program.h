@@ -47,6 +47,8 @@ class RankProgram : public runtime::ModuleTree {
 
   /// The dtype the model computes in (its first floating-point parameter's).
   virtual at::ScalarType dtype() const = 0;
+  /// Where the model's weights are (a KV cache is allocated there).
+  virtual torch::Device device() const { return torch::kCPU; }
   /// Where forwards may be captured in CUDA graphs (program/captured_forwards.h): the storage of the first
   /// weight, which a graph reads where it was (a change of it drops the graphs); nullptr where they may not
   /// (CPUs, builds without CUDA graphs, torch.export programs).
@@ -59,8 +61,8 @@ class RankProgram : public runtime::ModuleTree {
   virtual torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
                                 Use use) = 0;
 
-  /// Whether forward takes a KV cache (a kit export made since cached generation): its module has
-  /// kv_cache_shape(max_batch, max_len). Files made before, and .pt2 archives, do not.
+  /// Whether forward takes a KV cache (a kit export made since cached generation): a TorchScript module
+  /// with kv_cache_shape(max_batch, max_len), a .pt2 exported with kv_cache=True. Files made before do not.
   virtual bool has_kv_cache() const { return false; }
   /// This rank's cache shape [layers, 2, max_batch, kv heads, max_len, head size]; empty without a cache.
   virtual std::vector<int64_t> kv_cache_shape(int64_t /*max_batch*/, int64_t /*max_len*/) const { return {}; }

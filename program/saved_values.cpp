@@ -12,6 +12,7 @@ SavedValues::Slot SavedValues::slot(const std::string& name) {
 }
 
 void SavedValues::keep(Slot slot, torch::Tensor value) {
+  if (rows_ && value.dim() > 0 && value.size(0) > *rows_) value = value.narrow(0, 0, *rows_);
   if (redirect_ != nullptr) redirect_->emplace_back(slot, std::move(value));
   else pending_.push_back({slot, step_, std::move(value)});
 }

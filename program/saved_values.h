@@ -31,6 +31,9 @@ class SavedValues {
   Slot slot(const std::string& name);
   /// The generation step whose saves follow, keyed "step{k}.name"; nullopt: keyed by the name alone.
   void set_step(std::optional<int64_t> step) { step_ = step; }
+  /// Saves keep only the first `rows` rows (dim 0) of what they see: a decode step padded to a batch
+  /// bucket (program/decoder.h) saves its real rows. nullopt: every row.
+  void set_rows(std::optional<int64_t> rows) { rows_ = rows; }
   /// Keeps a value a visit saved. While redirected (a CUDA graph's capture) it goes to those buffers.
   void keep(Slot slot, torch::Tensor value);
   /// Sends keep() to `buffers` (nullptr: back to the store).
@@ -52,6 +55,7 @@ class SavedValues {
   std::vector<std::string> names_;  ///< by slot
   std::unordered_map<std::string, Slot> slots_;
   std::optional<int64_t> step_;
+  std::optional<int64_t> rows_;
   std::vector<std::pair<Slot, torch::Tensor>>* redirect_ = nullptr;
   mutable std::vector<Kept> pending_;  ///< kept since the view was last built
   mutable SavedTensors view_;

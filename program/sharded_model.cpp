@@ -82,8 +82,8 @@ torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
 
 torch::Tensor ShardedModel::forward_cached(const torch::Tensor& input_ids, const CachedStep& step) {
   if (!program_->has_kv_cache())
-    fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive); "
-         "export it again with the kit to decode from a cache",
+    fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive "
+         "exported without kv_cache=True); export it again with the kit to decode from a cache",
          program_->path());
   prepare_forward(input_ids.narrow(0, 0, 1));
   runtime::ScopedRankContext rank_scope(context_);

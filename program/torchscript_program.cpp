@@ -56,6 +56,11 @@ torch::Tensor TorchScriptProgram::forward(const torch::Tensor& input_ids, const 
   return runtime::run_forward(prepared_.rank, input_ids, &forwards_.keeping(prepared_, *kept));
 }
 
+torch::Device TorchScriptProgram::device() const {
+  auto weight = first_weight();
+  return weight ? weight->device() : torch::Device(torch::kCPU);
+}
+
 bool TorchScriptProgram::has_kv_cache() const {
   return prepared_.rank.module.find_method("kv_cache_shape").has_value();
 }

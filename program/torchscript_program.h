@@ -29,6 +29,7 @@ class TorchScriptProgram : public RankProgram {
   std::shared_ptr<torch::jit::Graph> forward_graph(const std::vector<ir::LocationId>* kept);
 
   at::ScalarType dtype() const override;
+  torch::Device device() const override;
   const void* capturable_weights() const override;
   std::vector<std::pair<std::string, std::string>> named_modules() const override;
   torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,

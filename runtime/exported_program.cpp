@@ -89,6 +89,22 @@ c10::IValue config_value(const nlohmann::json& value) {
   return value.dump();
 }
 
+/// fragkit.json's "kv_cache": four positive integers.
+KvCacheRecord kv_cache_record(const nlohmann::json& record, const std::string& path) {
+  KvCacheRecord out;
+  const std::pair<const char*, int64_t*> fields[] = {{"layers", &out.layers},
+                                                     {"kv_heads", &out.kv_heads},
+                                                     {"head_size", &out.head_size},
+                                                     {"max_positions", &out.max_positions}};
+  for (const auto& [name, field] : fields) {
+    if (!record.contains(name) || !record.at(name).is_number_integer() || record.at(name).get<int64_t>() < 1)
+      fail("{}: {} \"kv_cache\": expected a positive integer \"{}\", found {}", path, kExtraInfoRecord, name,
+           record.contains(name) ? record.at(name).dump() : "none");
+    *field = record.at(name).get<int64_t>();
+  }
+  return out;
+}
+
 }  // namespace
 
 ExportedProgram read_exported_program(const std::string& path) {
@@ -116,6 +132,7 @@ ExportedProgram read_exported_program(const std::string& path) {
     program.info.tp_size = info.at("tp_size").get<int64_t>();
     program.info.tp_rank = info.at("tp_rank").get<int64_t>();
     program.info.model = info.value("model", "");
+    if (info.contains("kv_cache")) program.kv_cache = kv_cache_record(info.at("kv_cache"), path);
 
     // Typed once the version is known to be one this build's schema (PyTorch's generated types) reads.
     torch::_export::ExportedProgram typed;

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,13 @@ namespace frag::runtime {
 inline constexpr int64_t kSchemaMajor = 8;
 /// The kit's record of layer configs in extra/fragkit.json.
 inline constexpr const char* kLayersFormat = "fragkit.layers/1";
+
+/// This rank's KV cache as a cached export records it (extra/fragkit.json "kv_cache", written by
+/// fragkit.export with kv_cache=True): the forward is forward(input_ids, positions, kv_cache, cache_len)
+/// over a cache [layers, 2, rows, kv_heads, slots, head_size].
+struct KvCacheRecord {
+  int64_t layers = 0, kv_heads = 0, head_size = 0, max_positions = 0;
+};
 
 /// One rank's archive, read.
 struct ExportedProgram {
@@ -40,6 +48,8 @@ struct ExportedProgram {
   nlohmann::json model;
   /// The rule table frag rewrite embedded (extra/ + kRuleTableFile), "" in an original export.
   std::string rule_table;
+  /// Where the forward takes a KV cache; archives exported without one (and before) have none.
+  std::optional<KvCacheRecord> kv_cache;
 };
 
 /// Reads `path`. Not an archive, another schema major, a malformed graph or

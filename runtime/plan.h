@@ -18,8 +18,10 @@
 // In generation (program/decoder.h: step 0 is the prefill, step k >= 1 the
 // k-th decode step) "steps" names the steps a plan step acts at: "prefill",
 // "decode" (every decode step), "k", or a range "a:b" (a to b-1; "a:" open);
-// absent, every step. A plain forward is step 0. "rows" lists the batch rows
-// (dim 0 of the whole) it acts on: [0, 2]; absent, all.
+// absent, every step. A plain forward is step 0. "rows" lists the rows it acts
+// on: [0, 2]; absent, all. In generation they are the rows' stable ids
+// (program/decoder.h: given as rows join, kept when others are dropped), in a
+// plain forward batch indices (dim 0 of the whole).
 //
 // Where the value is laid out in attention heads (ir/head_layout.h), an edit
 // or save may name a part of the last dim instead of an index:
@@ -100,7 +102,7 @@ struct PlanStep {
   std::string steps;                 ///< "steps" as written; empty: every step
   int64_t steps_from = 0;            ///< the generation steps it acts at: [steps_from, steps_to)
   int64_t steps_to = INT64_MAX;
-  std::vector<int64_t> rows;         ///< batch rows it acts on (ascending); empty: all
+  std::vector<int64_t> rows;         ///< rows it acts on (ascending; ids in generation); empty: all
   /// Whether it acts at generation step `step` (0: the prefill or a plain forward).
   bool acts_at(int64_t step) const { return step >= steps_from && step < steps_to; }
   torch::Tensor value_tensor;        ///< loaded from `value`

@@ -5,7 +5,7 @@
                                            [--ep] [--seed S] [--dtype float32|bfloat16|float16]
                                            [--hidden H] [--intermediate I] [--heads N] [--head-dim D]
                                            [--vocab V] [--vocab-padding P] [--mlp gated|plain]
-                                           [--format torchscript|export]
+                                           [--format torchscript|export [--kv-cache]]
 
 The size flags override the model config's defaults (tiny: hidden 64, 8 heads of
 8, intermediate 128, vocab 1000); without them the export is the tiny model. When
@@ -18,7 +18,8 @@ is a plain shard on the last dim, GELU, a RowParallelLinear down_proj). The defa
 exports exactly what an export without the flag does.
 
 Writes DIR/rank{r}.pt for r in 0..tp-1 (tp 1 gives the whole model); --format export writes
-DIR/rank{r}.pt2 (torch.export archives) instead.
+DIR/rank{r}.pt2 (torch.export archives) instead; with --kv-cache their forward takes a KV cache
+(forward(input_ids, positions, kv_cache, cache_len): cached generation, fragkit/export.py).
 """
 import argparse
 import os
@@ -66,7 +67,11 @@ def main(argv=None) -> int:
                         "'plain' (up_proj ColumnParallelLinear with gather_output=False, GELU, down_proj)")
     p.add_argument("--format", choices=["torchscript", "export"], default="torchscript",
                    help="torchscript (rank{r}.pt, the default) or export (torch.export, rank{r}.pt2)")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="with --format export: the cached forward (input_ids, positions, kv_cache, cache_len)")
     args = p.parse_args(argv)
+    if args.kv_cache and args.format != "export":
+        p.error("--kv-cache applies to --format export (a TorchScript file always takes a cache)")
 
     if args.tp < 1:
         p.error("--tp must be >= 1")
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
             if args.vocab_padding is not None:
                 p.error("--vocab-padding applies to --model llama only")
             build = qwen2_moe_builder(Qwen2MoeConfig(**overrides), enable_expert_parallel=args.ep)
-        paths = export(build, args.tp, args.out, seed=args.seed, format=args.format)
+        paths = export(build, args.tp, args.out, seed=args.seed, format=args.format, kv_cache=args.kv_cache)
     except (ValueError, NotImplementedError) as e:
         print("export_model: error: %s" % e, file=sys.stderr)
         return 2

@@ -137,11 +137,19 @@ class PythonProgram : public program::ExportedRankProgram {
   torch::Tensor run(const std::string& module, const std::vector<torch::Tensor>& inputs) const override {
     return call([&] { return runner_.attr("run")(module, inputs).cast<torch::Tensor>(); });
   }
-  torch::Tensor forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
-                        Use use) override {
+  torch::Device device() const override {
+    return call([&] { return torch::Device(runner_.attr("device").cast<std::string>()); });
+  }
+
+ protected:
+  torch::Tensor run_graph(const torch::Tensor& input_ids, const program::CachedStep* step,
+                          const std::vector<ir::LocationId>* kept, Use use) override {
     return call([&] {
       py::object locations = kept ? py::cast(*kept) : py::none();
-      return runner_.attr("forward")(input_ids, locations, use == Use::kOnce).cast<torch::Tensor>();
+      py::object positions = step ? py::cast(step->positions) : py::none();
+      py::object cache = step ? py::cast(step->kv_cache) : py::none();
+      return runner_.attr("forward")(input_ids, locations, use == Use::kOnce, positions, cache)
+          .cast<torch::Tensor>();
     });
   }
 
@@ -514,7 +522,12 @@ void bind_decoder(py::module& m) {
             return d.decoder->decode(tokens);
           },
           py::arg("tokens"))
-      .def("drop", [](PyDecoder& d, int64_t row) { d.decoder->drop(row); }, py::arg("row"));
+      .def("drop", [](PyDecoder& d, int64_t row) { d.decoder->drop(row); }, py::arg("row"))
+      .def("set_batch_buckets", [](PyDecoder& d, const std::vector<int64_t>& b) { d.decoder->set_batch_buckets(b); },
+           py::arg("buckets"))
+      .def_property_readonly("batch_buckets", [](const PyDecoder& d) { return d.decoder->batch_buckets(); })
+      .def("bucket_for", [](const PyDecoder& d, int64_t rows) { return d.decoder->bucket_for(rows); },
+           py::arg("rows"));
 }
 
 }  // namespace

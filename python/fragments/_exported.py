@@ -90,7 +90,10 @@ class ExportedRunner:
             self._program = torch.export.passes.move_to_device_pass(self._program, self._device)
         self._ids = {name: i for i, name in enumerate(locations)}
         self._names = list(locations)
-        self._file_module = self._program.module()  # the file's form: specializations start here
+        # The file's form: specializations start here. Without the export's guards: a cached archive's
+        # guard that a length is not 1 is one its ops do not need (fragkit/export.py), and a decode step
+        # is one token; the input shapes' ranges are still checked.
+        self._file_module = self._program.module(check_guards=False)
         self._full = self._specialized(None)
         self._forwards = collections.OrderedDict()  # tuple(kept ids) -> GraphModule, least recent first
         self._tree = None
@@ -109,9 +112,14 @@ class ExportedRunner:
                 setattr(module, name, getattr(self._file_module, name))
         return module
 
-    def forward(self, ids, kept, once):
+    @property
+    def device(self):
+        return str(self._device)
+
+    def forward(self, ids, kept, once, positions=None, kv_cache=None):
         """The logits of `ids` under the current rank context and intervention runtime (C++ sets both on
-        this thread); `kept`: ascending location ids whose ops must act (None: every location's)."""
+        this thread); `kept`: ascending location ids whose ops must act (None: every location's). A cached
+        archive takes `positions` and `kv_cache` (written in place; its slots are the span attended)."""
         if kept is None:
             module = self._full
         else:
@@ -126,7 +134,10 @@ class ExportedRunner:
             elif not once:
                 self._forwards.move_to_end(key)
         with torch.no_grad():
-            out = module(ids.to(self._device))
+            if kv_cache is None:
+                out = module(ids.to(self._device))
+            else:
+                out = module(ids.to(self._device), positions.to(self._device), kv_cache, 0)
         if isinstance(out, (tuple, list)):
             out = out[0]
         return out

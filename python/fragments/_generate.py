@@ -78,7 +78,7 @@ class Generation:
     """The trace of one `with model.generate(...)` block (see the module's docstring)."""
 
     def __init__(self, model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, eos_token_id=None,
-                 stop=None, tokenizer=None, on_token=None, max_len=None):
+                 stop=None, tokenizer=None, on_token=None, max_len=None, batch_size=None, batch_buckets=None):
         m = _errors()
         if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise m.FragmentsError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -96,6 +96,9 @@ class Generation:
         self._stop = [stop] if isinstance(stop, str) else list(stop or [])
         self._tokenizer, self._on_token = tokenizer, on_token
         self._max_len = max_len
+        # The cache's rows (default: the prompts) and the batch sizes decode steps are padded to
+        # (program/decoder.h; None: the Decoder's default, [] none).
+        self._batch_size, self._buckets = batch_size, batch_buckets
         self._scope = _StepScope()
         self._steps = _ScopedSteps(self._scope)
         self._callables = []
@@ -132,7 +135,8 @@ class Generation:
         return self._scoped(steps="decode")
 
     def rows(self, rows):
-        """Steps recorded inside act on these batch rows only (ascending row numbers)."""
+        """Steps recorded inside act on these rows only: the prompts' indices, which are the rows' stable ids
+        (program/decoder.h: a row keeps its id while others stop or are dropped)."""
         rows = [int(r) for r in ([rows] if isinstance(rows, numbers.Integral) else rows)]
         return self._scoped(rows=rows)
 
@@ -202,7 +206,9 @@ class Generation:
         done = [False] * batch
         logits_per_step = []
         try:
-            decoder = _C.Decoder(c, batch, max_len)
+            decoder = _C.Decoder(c, max(batch, self._batch_size or 0), max_len)
+            if self._buckets is not None:
+                decoder.set_batch_buckets([int(b) for b in self._buckets])
             self.cache = decoder.describe()
             logits = decoder.prefill(self._prompts)
             for step in range(self._n):

@@ -622,7 +622,9 @@ class Model:
         them with `gen.iter[a:b]`, `gen.prefill()`, `gen.decode()`, `gen.rows(...)`), saves are per-step
         lists, `model.output.save()` is the tokens. Prompts may differ in length (a KV cache batches them).
         Options: temperature, top_p, seed, eos_token_id, stop, tokenizer, on_token, max_len (the cache's
-        tokens per row; default: the longest prompt plus max_new_tokens)."""
+        tokens per row; default: the longest prompt plus max_new_tokens), batch_size (the cache's rows;
+        default: the prompts'), batch_buckets (the batch sizes decode steps are padded to, program/decoder.h;
+        default: powers of two on a GPU, none on a CPU)."""
         from ._generate import Generation
         return Generation(self, prompts, max_new_tokens, **options)
 

@@ -1,7 +1,7 @@
 """Exports reference models with the Python kit at build time (genrules)."""
 
 def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dtype = None, seed = None,
-                 mlp = None, vocab_padding = None, format = None, tags = None):
+                 mlp = None, vocab_padding = None, format = None, tags = None, kv_cache = False):
     """Writes <name>/rank{r}.pt (format "export": rank{r}.pt2) for r < tp by running tools/export_model.py.
     tags = ["manual"]: built only when named (not by //...)."""
     flags = "--model %s --tp %d" % (model, tp)
@@ -10,6 +10,8 @@ def export_model(name, model, tp, kv_heads = None, ep = False, layers = None, dt
         flags += " --format %s" % format
         if format == "export":
             suffix = "pt2"
+    if kv_cache:
+        flags += " --kv-cache"
     if kv_heads:
         flags += " --kv-heads %d" % kv_heads
     if ep:

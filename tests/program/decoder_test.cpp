@@ -148,6 +148,176 @@ TEST(Decoder, EditFromStepKChangesTokensFromKOnly) {
   EXPECT_EQ(saved.at("step4.h")[0].sizes(), (std::vector<int64_t>{3, 1, 64}));
 }
 
+/// Rank 0's tokens and per-step logits [steps, rows, vocab] of greedy cached generation of kPrompts.
+std::pair<std::vector<std::vector<int64_t>>, torch::Tensor> cached_with_logits(
+    const std::string& export_name, const std::string& extension, const std::vector<int64_t>& buckets = {}) {
+  std::vector<std::vector<int64_t>> rows(kPrompts.size());
+  torch::Tensor logits;
+  expect_no_errors(on_ranks(
+      export_name,
+      [&](int rank, ShardedModel& model) {
+        Decoder decoder(model, 4, 32);
+        decoder.set_batch_buckets(buckets);
+        std::vector<torch::Tensor> steps{decoder.prefill(kPrompts)};
+        for (int64_t s = 1; s < kSteps; ++s) steps.push_back(decoder.decode(steps.back().argmax(-1)));
+        if (rank != 0) return;
+        logits = torch::stack(steps);
+        auto tokens = logits.argmax(-1);
+        for (size_t b = 0; b < rows.size(); ++b)
+          for (int64_t s = 0; s < kSteps; ++s) rows[b].push_back(tokens[s][b].item<int64_t>());
+      },
+      std::chrono::seconds(60), extension));
+  return {rows, logits};
+}
+
+double relative(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max() / b.to(torch::kDouble).abs().max()).item<double>();
+}
+
+TEST(Decoder, CachedPt2ArchiveGeneratesAsTorchScript) {
+  FRAG_REQUIRE_GLOO();
+  // The same weights exported with the cached forward as .pt2 (NativeRT runs prefill and decode steps of the
+  // one archive): the same tokens as the TorchScript file, logits within 1e-5 (fp32), at tp 1 and 2.
+  for (const std::string family : {"llama", "moe"}) {
+    for (const std::string tp : {"_tp1", "_tp2"}) {
+      auto [script_rows, script_logits] = cached_with_logits(family + tp, "pt");
+      auto [rows, logits] = cached_with_logits(family + tp + "_pt2_kv", "pt2");
+      EXPECT_EQ(rows, script_rows) << family << tp;
+      ASSERT_TRUE(logits.defined() && script_logits.defined());
+      EXPECT_LE(relative(logits, script_logits), 1e-5) << family << tp;
+    }
+  }
+}
+
+TEST(Decoder, CachedPt2ArchiveRunsPlainForwardsToo) {
+  FRAG_REQUIRE_GLOO();
+  // Without a cache (frag run, a trace), the cached archive runs positions 0..T-1 into a scratch cache.
+  auto ids = torch::tensor(kPrompts[2], torch::kLong).unsqueeze(0).repeat({2, 1});
+  torch::Tensor script, exported;
+  expect_no_errors(on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
+    auto out = model.forward(ids);
+    if (rank == 0) script = out;
+  }));
+  expect_no_errors(on_ranks(
+      "llama_tp2_pt2_kv",
+      [&](int rank, ShardedModel& model) {
+        EXPECT_TRUE(model.program().has_kv_cache());
+        auto out = model.forward(ids);
+        if (rank == 0) exported = out;
+      },
+      std::chrono::seconds(30), "pt2"));
+  ASSERT_TRUE(script.defined() && exported.defined());
+  EXPECT_LE(relative(exported, script), 1e-5);
+}
+
+TEST(Decoder, Pt2ArchiveWithoutCacheStillGeneratesByRecomputing) {
+  FRAG_REQUIRE_GLOO();
+  auto ids = torch::tensor(kPrompts[0], torch::kLong).unsqueeze(0);
+  torch::Tensor script, exported;
+  expect_no_errors(on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {
+    auto out = model.generate(ids, 3);
+    if (rank == 0) script = out;
+  }));
+  expect_no_errors(on_ranks(
+      "llama_tp2_pt2",
+      [&](int rank, ShardedModel& model) {
+        EXPECT_FALSE(model.program().has_kv_cache());
+        auto out = model.generate(ids, 3);
+        if (rank == 0) exported = out;
+      },
+      std::chrono::seconds(30), "pt2"));
+  ASSERT_TRUE(script.defined() && exported.defined());
+  EXPECT_TRUE(torch::equal(exported, script));
+}
+
+TEST(Decoder, BatchBucketsPadDecodeStepsWithoutChangingRealRows) {
+  FRAG_REQUIRE_GLOO();
+  // The bucketing a GPU's decode graphs use, run eagerly: 3 rows padded to a bucket of 4 give the tokens of 3
+  // rows unpadded, logits within 1e-5, and the saves hold the 3 real rows.
+  auto [plain, plain_logits] = cached_with_logits("llama_tp2", "pt");
+  auto [padded, padded_logits] = cached_with_logits("llama_tp2", "pt", {4});
+  EXPECT_EQ(padded, plain);
+  EXPECT_LE(relative(padded_logits, plain_logits), 1e-5);
+  SavedTensors saved;
+  expect_no_errors(on_ranks("llama_tp1", [&](int, ShardedModel& model) {
+    model.apply(runtime::Plan::from_json(
+        nlohmann::json::array({{{"at", "model.layers.0.output"}, {"do", "save"}, {"as", "h"}}}), "plan", ""));
+    Decoder decoder(model, 4, 32);
+    EXPECT_TRUE(decoder.batch_buckets().empty()) << "a CPU pads nothing by default";
+    decoder.set_batch_buckets({2});
+    EXPECT_EQ(decoder.batch_buckets(), (std::vector<int64_t>{2, 4})) << "max_batch is always a bucket";
+    EXPECT_EQ(decoder.bucket_for(1), 2);
+    EXPECT_EQ(decoder.bucket_for(3), 4);
+    EXPECT_THROW_MESSAGE(decoder.set_batch_buckets({8}), "a batch bucket of 8 rows is outside 1..4");
+    decoder.generate(kPrompts, 3);
+    saved = model.saved();
+  }));
+  ASSERT_EQ(saved.count("step2.h"), 1u);
+  EXPECT_EQ(saved.at("step2.h")[0].sizes(), (std::vector<int64_t>{3, 1, 64}));
+  // Rows joining and leaving: the batch goes 1 -> 2 -> 1 rows, each step padded to a bucket of 2.
+  std::vector<std::vector<int64_t>> truth;
+  std::vector<int64_t> first, second;
+  expect_no_errors(on_ranks("llama_tp1", [&](int, ShardedModel& model) {
+    for (const auto& p : {kPrompts[0], kPrompts[2]}) truth.push_back(recomputed(model, p, 4));
+    Decoder decoder(model, 2, 32);
+    decoder.set_batch_buckets({2});
+    auto next = decoder.prefill({kPrompts[0]}).argmax(-1);
+    first.push_back(next.item<int64_t>());
+    next = decoder.decode(next).argmax(-1);  // 1 row padded to 2
+    first.push_back(next.item<int64_t>());
+    auto joined = decoder.prefill({kPrompts[2]}).argmax(-1);
+    second.push_back(joined.item<int64_t>());
+    auto both = decoder.decode(torch::cat({next, joined})).argmax(-1);
+    first.push_back(both[0].item<int64_t>());
+    second.push_back(both[1].item<int64_t>());
+    decoder.drop(0);
+    second.push_back(decoder.decode(both.narrow(0, 1, 1)).argmax(-1).item<int64_t>());  // padded again
+  }));
+  EXPECT_EQ(first, std::vector<int64_t>(truth[0].begin(), truth[0].begin() + 3));
+  EXPECT_EQ(second, std::vector<int64_t>(truth[1].begin(), truth[1].begin() + 3));
+}
+
+TEST(Decoder, PlanRowsNameStableRowIdsThatSurviveDrops) {
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  torch::manual_seed(5);
+  runtime::write_safetensors(folder + "/v.safetensors", {{"v", torch::randn({64}) * 8}});
+  auto plan = [&](bool rows) {
+    nlohmann::json step = {{"at", "model.layers.1.output"}, {"do", "add"}, {"value", "v.safetensors:v"}};
+    if (rows) step["rows"] = {1};
+    return runtime::Plan::from_json(nlohmann::json::array({step}), "plan", folder);
+  };
+  std::vector<int64_t> edited_alone, plain_alone, plain_joined, id1, id2;
+  expect_no_errors(on_ranks("llama_tp1", [&](int, ShardedModel& model) {
+    plain_joined = recomputed(model, kPrompts[1], 2);
+    plain_alone = recomputed(model, kPrompts[2], 4);
+    model.apply(plan(false));  // the edit on every row: kPrompts[2] alone, edited
+    Decoder alone(model, 1, 32);
+    auto t = alone.generate({kPrompts[2]}, 4);
+    edited_alone.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + 4);
+    model.clear();
+    model.apply(plan(true));  // the edit on the row of id 1 only
+    Decoder decoder(model, 2, 32);
+    auto next = decoder.prefill({kPrompts[0], kPrompts[2]}).argmax(-1);  // ids 0 and 1
+    id1.push_back(next[1].item<int64_t>());
+    next = decoder.decode(next).argmax(-1);
+    id1.push_back(next[1].item<int64_t>());
+    decoder.drop(0);  // id 1 is now row 0
+    EXPECT_EQ(decoder.row_ids(), (std::vector<int64_t>{1}));
+    next = decoder.decode(next.narrow(0, 1, 1)).argmax(-1);
+    id1.push_back(next.item<int64_t>());
+    auto joined = decoder.prefill({kPrompts[1]}).argmax(-1);  // id 2, row 1: not edited
+    EXPECT_EQ(decoder.row_ids(), (std::vector<int64_t>{1, 2}));
+    id2.push_back(joined.item<int64_t>());
+    auto both = decoder.decode(torch::cat({next, joined})).argmax(-1);
+    id1.push_back(both[0].item<int64_t>());
+    id2.push_back(both[1].item<int64_t>());
+  }));
+  EXPECT_NE(edited_alone, plain_alone) << "the edit must change the tokens (else this proves nothing)";
+  EXPECT_EQ(id1, edited_alone) << "the row of id 1 keeps its edit after row 0 is dropped";
+  EXPECT_EQ(id2, plain_joined) << "a row that joins later at index 1 is not the row of id 1";
+}
+
 TEST(Decoder, RefusesWhatDoesNotFitBeforeRunning) {
   FRAG_REQUIRE_GLOO();
   auto errors = on_ranks("llama_tp1", [&](int, ShardedModel& model) {

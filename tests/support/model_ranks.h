@@ -19,8 +19,10 @@ namespace frag::testing {
 /// thread per rank file, tp=1 included), each model loaded from its rank file
 /// with a context connected as in run_ranks, `timeout` bounding the rendezvous
 /// and every collective. Returns each rank's error message, "" for none.
+/// `extension`: "pt" (TorchScript) or "pt2" (torch.export archives, run by NativeRT).
 std::vector<std::string> on_ranks(const std::string& export_name,
                                   const std::function<void(int rank, program::ShardedModel& model)>& body,
-                                  std::chrono::milliseconds timeout = std::chrono::seconds(30));
+                                  std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                                  const std::string& extension = "pt");
 
 }  // namespace frag::testing

@@ -80,3 +80,20 @@ def scenarios(model):
 def rank_main(rank, path):
     model = fragments.load(path)
     return scenarios(model)
+
+
+def tokens_and_logits(rank, path, prompts=None, steps=STEPS):
+    """Greedy cached generation of a ragged batch: (new tokens per row, logits [steps, rows, vocab])."""
+    model = fragments.load(path)
+    with model.generate(prompts or PROMPTS, max_new_tokens=steps) as gen:
+        pass
+    return gen.new_tokens, torch.stack(gen.logits) if gen.logits is not None else None  # None: recomputed
+
+
+def steered_tokens(rank, path, steps=STEPS):
+    """Greedy tokens with a vector added at layer 1's output at every decode step (not the prefill)."""
+    model = fragments.load(path)
+    with model.generate(PROMPTS, max_new_tokens=steps) as gen:
+        with gen.decode():
+            model.model.layers[1].output[...] += _vector(64, 4)
+    return gen.new_tokens

@@ -62,6 +62,36 @@ class OneGpuTest(unittest.TestCase, ReplayChecks):
         self.check_rounds(rounds, "tp 1")
         self.check_stats(stats, True, "tp 1")
 
+    def test_decode_graphs_are_bucketed_by_batch_size(self):
+        """Rows join one by one up to 6 (max_batch 8): decode steps replay one graph per bucket (1, 2, 4, 8:
+        at most 4 captures, not 6) and every row's tokens equal the eager decoder's (cuda_graphs off)."""
+        from fragments import _C
+        path = os.path.join(ROOT, "tests", "models", "llama_tp1", "rank0.pt")
+        prompts = [[1 + r, 2 + r, 3 + r] for r in range(6)]
+
+        def run(graphs):
+            model = fragments.load(path, device="cuda:0")
+            model._c.cuda_graphs = graphs
+            c = model._c
+            c.prepare([], [])
+            decoder = _C.Decoder(c, 8, 64)
+            self.assertEqual(decoder.batch_buckets, [1, 2, 4, 8])
+            rows = []
+            for prompt in prompts:  # a row joins, then 4 decode steps of every row
+                rows.append([int(decoder.prefill([prompt]).argmax(-1)[0])])
+                for _ in range(4):
+                    last = torch.tensor([r[-1] for r in rows], device="cuda:0")
+                    for r, t in zip(rows, decoder.decode(last).argmax(-1).tolist()):
+                        r.append(t)
+            c.finish(False)
+            return rows, c.graph_stats()
+
+        eager, _ = run(False)
+        replayed, stats = run(True)
+        self.assertEqual(replayed, eager)
+        self.assertLessEqual(stats["captures"], 4, stats)
+        self.assertGreater(stats["replays"], 0, stats)
+
 
 # One GPU: two ranks would need Gloo CPU ranks, which the device build (CMake on the GPU machine) has not.
 ONE_GPU_SKIP = ("SKIPPED: tp 2 needs 2 GPUs (NCCL, captured) or none (Gloo on CPUs); this machine has exactly "
