@@ -23,6 +23,7 @@ The export id (``fragkit.json``) digests the checkpoint's identity (each file's 
 modification time), the config, tp, dtype and format: equal for every rank of one export, different for
 another checkpoint or another import of it, without a pass over the weights.
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -250,6 +251,52 @@ def _record_storage(t: torch.Tensor):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# reading
+
+AHEAD_BYTES = 512 << 20
+
+
+class TensorReader:
+    """The kit tensors in the writer's order, each read whole once (views.read_into: pread into a reused
+    buffer) and the next one read in a thread while this one is sliced and written, so the disk reads while
+    it writes. Tensors up to ``AHEAD_BYTES`` (a layer's) alternate between two buffers; a larger one (the
+    embedding, the head) is read when asked, into a third: memory stays at the largest tensor plus twice
+    the largest layer tensor. ``next()``'s tensor is valid until the next call."""
+
+    def __init__(self, views: List[View], ahead_bytes: int = AHEAD_BYTES):
+        import concurrent.futures
+
+        self.views, self.ahead_bytes, self.index = views, ahead_bytes, 0
+        self.large, self.small = Arena(), [Arena(), Arena()]
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fragkit-read")
+        self.pending = None
+
+    def _read(self, i: int) -> TensorView:
+        view = self.views[i]
+        arena = self.small[i % 2] if view.nbytes <= self.ahead_bytes else self.large
+        out = arena.tensor(view.shape, view.dtype)
+        try:
+            read_into(view, out)
+        except OSError as e:
+            raise CheckpointError(str(e)) from None
+        return TensorView(out, view.where)
+
+    def next(self) -> TensorView:
+        i, self.index = self.index, self.index + 1
+        got = self.pending.result() if self.pending is not None else self._read(i)
+        self.pending = None
+        if i + 1 < len(self.views) and self.views[i + 1].nbytes <= self.ahead_bytes:
+            self.pending = self.pool.submit(self._read, i + 1)
+        return got
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # writing
 
 def _free_bytes(path: str) -> Tuple[str, int]:
@@ -285,6 +332,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
     temps = [f + ".tmp" for f in finals]
     writers = []
     finished = set()
+    stack = contextlib.ExitStack()
     try:
         for tmp in temps:
             writers.append(torch._C.PyTorchFileWriter(tmp, crc32))
@@ -298,19 +346,14 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
         ahead = {a: b for a, b in zip(weight_steps, weight_steps[1:])}
         if weight_steps:
             views[plans[0].weights[weight_steps[0]][0]].prefetch()
-        arena, slices = Arena(), Arena()
+        reader = stack.enter_context(TensorReader([views[plans[0].weights[n][0]] for n in weight_steps]))
+        slices = Arena()
         for name in (progress(steps) if progress else steps):
-            if name in ahead:  # the next tensor is read from the disk while this one is written
+            if name in ahead:  # the kernel reads the next tensor ahead while this one is written
                 views[plans[0].weights[ahead[name]][0]].prefetch()
             whole = None
-            if name in plans[0].weights:  # read once (pread into a reused buffer), sliced for every rank
-                view = views[plans[0].weights[name][0]]
-                whole = arena.tensor(view.shape, view.dtype)
-                try:
-                    read_into(view, whole)
-                except OSError as e:
-                    raise CheckpointError(str(e)) from None
-                whole = TensorView(whole, view.where)
+            if name in plans[0].weights:  # read once, sliced for every rank
+                whole = reader.next()
             for plan, writer, tmp in zip(plans, writers, temps):
                 if name in plan.weights:
                     path, param = plan.weights[name]
@@ -344,6 +387,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
             os.replace(tmp, final)
         return finals
     finally:
+        stack.close()  # the reading thread stops before the files go
         for writer in writers:
             # A writer destroyed unfinished finishes itself in its destructor, and a failure there (a full
             # disk) aborts the process: finish it here, where a failure can be ignored.
@@ -439,9 +483,13 @@ def write_in_jobs(path: str, tp: int, jobs: int, out_dir: str, dtype: str, enabl
 
 def job_peak_bytes(views: Dict[str, View], dtype: torch.dtype) -> int:
     """Predicted peak memory of one writing process: the process (~1 GB: Python, PyTorch, the kit, the
-    skeletons) plus the largest kit tensor mapped whole and one rank slice of it copied in ``dtype``."""
+    skeletons), TensorReader's buffers (the largest kit tensor, twice the largest read ahead) and one rank
+    slice copied in ``dtype`` (at most a whole tensor)."""
     item = torch.empty(0, dtype=dtype).element_size()
-    return 1_000_000_000 + max(v.nbytes + v.nbytes // v.dtype.itemsize * item for v in views.values())
+    sizes = [v.nbytes for v in views.values()]
+    ahead = [n for n in sizes if n <= AHEAD_BYTES]
+    return (1_000_000_000 + max(sizes) + 2 * max(ahead, default=0)
+            + max(v.nbytes // v.dtype.itemsize * item for v in views.values()))
 
 
 def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype, out_dir: str, info: dict,
