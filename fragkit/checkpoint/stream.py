@@ -10,10 +10,12 @@ except that each empty weight record gets its tensor, sliced from the checkpoint
 where the skeleton said ``meta`` (pickletools finds the storage locations).
 
 Every rank's file is open at once and the tensors are written in the models' order, one kit tensor at a
-time for every rank: the checkpoint is read about once even when it does not fit in the page cache, and
-the memory held is the skeletons plus one tensor's slices (safetensors slices are views of its memory map,
-so a slice that is already contiguous is written straight from the map). Files are written as
-``rank{r}.pt.tmp`` and renamed when all are complete, and removed on any error.
+time for every rank: each kit tensor is read whole once (``TensorReader``: pread into a reused buffer, the
+next tensor read in a thread while this one is written), every rank's slice is cut from it and written (a
+row slice straight from the buffer, a column slice copied once into another reused buffer). The checkpoint
+is read once, and the memory held is the skeletons plus the reader's buffers. A tensor that several
+attributes hold (a tied LM head) is one record, written once. Files are written as ``rank{r}.pt.tmp`` and
+renamed when all are complete, and removed on any error.
 
 Records carry no CRC-32 unless ``crc32=True``: PyTorch's zip writer computes it at ~400 MB/s, slower than
 the disk, and PyTorch's readers (torch.load, torch.jit.load, LibTorch) never check it (as with
