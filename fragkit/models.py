@@ -192,6 +192,10 @@ def cos_sin_table(rotary_dim: int, base: float, max_positions: int, scaling: Opt
     record, not one per layer; an 8B model's 128k-position table is 64 MB)."""
     key = (rotary_dim, float(base), max_positions, json.dumps(scaling, sort_keys=True, default=str),
            str(torch.get_default_device()))
+    if torch.get_default_device().type == "meta":  # shapes only: the frequencies checked on the CPU (meta
+        with torch.device("cpu"):                   # arithmetic would import torch._dynamo, ~1.5 s)
+            inv_freq = rope_inv_freq(rotary_dim, base, scaling)
+        return torch.empty(max_positions, 2 * inv_freq.numel(), device="meta")
     table = _COS_SIN_TABLES.get(key)
     if table is None:
         inv_freq = rope_inv_freq(rotary_dim, base, scaling)
