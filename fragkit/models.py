@@ -192,16 +192,18 @@ def cos_sin_table(rotary_dim: int, base: float, max_positions: int, scaling: Opt
     record, not one per layer; an 8B model's 128k-position table is 64 MB)."""
     key = (rotary_dim, float(base), max_positions, json.dumps(scaling, sort_keys=True, default=str),
            str(torch.get_default_device()))
-    if torch.get_default_device().type == "meta":  # shapes only: the frequencies checked on the CPU (meta
-        with torch.device("cpu"):                   # arithmetic would import torch._dynamo, ~1.5 s)
-            inv_freq = rope_inv_freq(rotary_dim, base, scaling)
-        return torch.empty(max_positions, 2 * inv_freq.numel(), device="meta")
     table = _COS_SIN_TABLES.get(key)
-    if table is None:
+    if table is None and torch.get_default_device().type == "meta":  # shapes only: the frequencies checked on
+        with torch.device("cpu"):                 # the CPU (meta arithmetic would import torch._dynamo, ~1.5 s)
+            inv_freq = rope_inv_freq(rotary_dim, base, scaling)
+        table = torch.empty(max_positions, 2 * inv_freq.numel(), device="meta")
+    elif table is None:
         inv_freq = rope_inv_freq(rotary_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        _COS_SIN_TABLES.clear()  # the last one only: a process builds one model shape at a time
+    if key not in _COS_SIN_TABLES:
+        if len(_COS_SIN_TABLES) >= 4:  # a few: a process builds one model shape at a time (on meta and not)
+            _COS_SIN_TABLES.clear()
         _COS_SIN_TABLES[key] = table
     return table
 
