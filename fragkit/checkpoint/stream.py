@@ -508,8 +508,10 @@ def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype,
             owner_path, _, name = path.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             if id(meta_param) not in filled_params:
-                filled_params[id(meta_param)] = nn.Parameter(rank_tensor(module, path, views[path], dtype),
-                                                             requires_grad=False)
+                tensor = rank_tensor(module, path, views[path], dtype)
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # torch.export.save writes a view's whole storage
+                filled_params[id(meta_param)] = nn.Parameter(tensor, requires_grad=False)
             setattr(owner, name, filled_params[id(meta_param)])
         return module
 

@@ -129,6 +129,11 @@ def data_records(path):
         return {i.filename: i.file_size for i in z.infolist() if "/data/" in i.filename}
 
 
+def data_records_pt2(path):
+    with zipfile.ZipFile(path) as z:
+        return sorted((i.filename.split("/", 1)[1], i.file_size) for i in z.infolist() if "/data/weights/" in i.filename)
+
+
 def rotary_modules(module):
     return [m for name, m in module.named_modules() if name.endswith("rotary_emb")]
 
@@ -161,6 +166,19 @@ class StoredOnce(WorkDirCase):
                         out = self.path("out_%s_%d_%s" % (tied, tp, materialize))
                         for p in export_checkpoint(hf, tp, out, _materialize=materialize):
                             self.check_rank_file(p, tied)
+
+    def test_export_format_tied_head_once_and_no_whole_storage_of_a_view(self):
+        model, _ = hf_model("llama", tie_word_embeddings=True)
+        hf = save_hf(model, self.path("hf"))
+        streamed = export_checkpoint(hf, 2, self.path("s"), format="export")
+        materialized = export_checkpoint(hf, 2, self.path("m"), format="export", _materialize=True)
+        for a, b in zip(streamed, materialized):
+            weights = [data_records_pt2(p) for p in (a, b)]
+            self.assertEqual(weights[0], weights[1], "the same weight records, of the same sizes")
+            state = torch.export.load(a).state_dict
+            self.assertEqual(state["lm_head.weight"].data_ptr(), state["model.embed_tokens.weight"].data_ptr())
+            for name, t in torch.export.load(b).state_dict.items():
+                self.assertTrue(torch.equal(state[name], t), name)
 
     def test_a_rank_file_written_the_earlier_way_loads_and_computes_alike(self):
         model, _ = hf_model("llama", tie_word_embeddings=True, num_hidden_layers=3)
