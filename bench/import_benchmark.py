@@ -9,7 +9,9 @@
    and write of the same bytes); the copy is deleted, the cache dropped again, and
    ``python3 -m fragkit.checkpoint --from DIR --tp N`` runs, then ``sync``. Both are timed the same way (a
    fresh process each, until the data is on disk). The import's peak resident memory is its ru_maxrss
-   (wait4). The rank files are deleted before the next tp, the checkpoint at the end.
+   (wait4). With ``--frag``: ``frag inspect rank0.pt`` (LibTorch's load of the file) and its peak resident
+   memory against the file's size (issue 30 item 5). The rank files are deleted before the next tp, the
+   checkpoint at the end.
 3. With ``--frag``: the same shape with ``--frag-layers`` decoder layers, imported at tp 1 and 4, and
    ``frag run`` of both on the same token ids: the logits must agree within bf16 rounding (the forward runs
    in bf16; the tp 4 sums are reduced in another order).
@@ -149,8 +151,9 @@ def main():
         print("checkpoint: %s, %d layers, %.2f GB in %d shards, largest tensor %.2f GB; written in %.0f s "
               "(peak RSS %.2f GB)" % (args.like, cfg["num_hidden_layers"], total / 1e9, len(shard_files(ckpt)),
                                       big / 1e9, seconds, rss / 1e9), flush=True)
-        print("| tp | copy s | import s | import/copy | peak RSS GB | target GB | rank files GB |", flush=True)
-        print("|---|---|---|---|---|---|---|", flush=True)
+        print("| tp | copy s | import s | import/copy | peak RSS GB | target GB | rank files GB | "
+              "frag inspect rank0: peak RSS / file GB |", flush=True)
+        print("|---|---|---|---|---|---|---|---|", flush=True)
         for tp in [int(t) for t in args.tps.split(",")]:
             copy = os.path.join(work, "copy.bin")
             drop_cache(ckpt)
@@ -166,14 +169,20 @@ def main():
             import_s, rss, _ = timed([sys.executable, "-m", "fragkit.checkpoint", "--from", ckpt, "--tp", str(tp),
                                       "--out", out, "--quiet"], env=env())
             written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".pt"))
+            load = None
+            if args.frag:  # issue 30 item 5: loading a rank file takes about its size (no second copy)
+                rank0 = os.path.join(out, "rank0.pt")
+                _, load_rss, _ = timed([args.frag, "inspect", rank0])
+                load = {"rank0_bytes": os.path.getsize(rank0), "frag_inspect_peak_rss": load_rss}
             shutil.rmtree(out)
             os.sync()
             row = {"tp": tp, "copy_seconds": copy_s, "import_seconds": import_s, "ratio": import_s / copy_s,
-                   "peak_rss": rss, "target_rss": 2e9 + big, "rank_bytes": written}
+                   "peak_rss": rss, "target_rss": 2e9 + big, "rank_bytes": written, "load": load}
             results["rows"].append(row)
-            print("| %d | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f |" % (tp, copy_s, import_s, import_s / copy_s,
-                                                                     rss / 1e9, (2e9 + big) / 1e9, written / 1e9),
-                  flush=True)
+            print("| %d | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f | %s |" % (
+                tp, copy_s, import_s, import_s / copy_s, rss / 1e9, (2e9 + big) / 1e9, written / 1e9,
+                "%.2f / %.2f" % (load["frag_inspect_peak_rss"] / 1e9, load["rank0_bytes"] / 1e9) if load else "-"),
+                flush=True)
         shutil.rmtree(ckpt)
         if args.frag:
             results["frag"] = frag_check(args, work)

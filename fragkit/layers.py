@@ -158,8 +158,15 @@ def _whole(full) -> Tensor:
 
 
 def _cat_rows(full, rows: Sequence[Tuple[int, int]]) -> Tensor:
-    """Rows [a, b) of ``full`` for each (a, b), concatenated in that order (one read when there is one range)."""
-    parts = [full[a:b] for a, b in rows]
+    """Rows [a, b) of ``full`` for each (a, b), concatenated in that order (one read, and no copy, when the
+    ranges are adjacent: at tp 1 q|k|v and gate|up are the whole tensor)."""
+    merged: List[Tuple[int, int]] = []
+    for a, b in rows:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    parts = [full[a:b] for a, b in merged]
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 

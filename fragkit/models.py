@@ -6,6 +6,7 @@ Module names follow vLLM / Hugging Face (model.embed_tokens, model.layers.N.self
 down_proj), whose up_proj output is a plain column shard.
 """
 import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -54,6 +55,8 @@ class LlamaConfig:
     mlp: str = "gated"
     # The embedding's and LM head's padding_size: the vocabulary is padded to a multiple of it (vLLM's default 64).
     vocab_padding_size: int = 64
+    # The LM head is the embedding (one parameter, one record in a rank file).
+    tie_word_embeddings: bool = False
 
 
 LLAMA_MLP_KINDS = ("gated", "plain")
@@ -80,6 +83,7 @@ class Qwen2MoeConfig:
     max_position_embeddings: int = 512
     rope_scaling: Optional[dict] = None
     dtype: torch.dtype = torch.float32
+    tie_word_embeddings: bool = False
 
 
 @dataclass
@@ -99,6 +103,7 @@ class MixtralConfig:
     max_position_embeddings: int = 512
     rope_scaling: Optional[dict] = None
     dtype: torch.dtype = torch.float32
+    tie_word_embeddings: bool = False
 
 
 def _head_dim(config) -> int:
@@ -176,6 +181,31 @@ class SiluAndMul(nn.Module):
         return torch.ops.frag.silu_and_mul(x)
 
 
+def cos_sin_table(rotary_dim: int, base: float, max_positions: int, scaling: Optional[dict] = None) -> Tensor:
+    """[max_positions, rotary_dim] float32: cos | sin of each position's angles. One tensor per distinct
+    argument and default device, shared by every layer that asks (a rank file then stores it once: one
+    record, not one per layer; an 8B model's 128k-position table is 64 MB)."""
+    key = (rotary_dim, float(base), max_positions, json.dumps(scaling, sort_keys=True, default=str),
+           str(torch.get_default_device()))
+    table = _COS_SIN_TABLES.get(key)
+    if table is None and torch.get_default_device().type == "meta":  # shapes only: the frequencies checked on
+        with torch.device("cpu"):                 # the CPU (meta arithmetic would import torch._dynamo, ~1.5 s)
+            inv_freq = rope_inv_freq(rotary_dim, base, scaling)
+        table = torch.empty(max_positions, 2 * inv_freq.numel(), device="meta")
+    elif table is None:
+        inv_freq = rope_inv_freq(rotary_dim, base, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    if key not in _COS_SIN_TABLES:
+        if len(_COS_SIN_TABLES) >= 4:  # a few: a process builds one model shape at a time (on meta and not)
+            _COS_SIN_TABLES.clear()
+        _COS_SIN_TABLES[key] = table
+    return table
+
+
+_COS_SIN_TABLES: dict = {}
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, neox style (rotate halves) or GPT-J style (interleaved pairs)."""
 
@@ -193,10 +223,8 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.base = float(base)
         self.is_neox_style = is_neox_style
-        inv_freq = rope_inv_freq(rotary_dim, self.base, scaling)
-        t = torch.arange(max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_table(rotary_dim, self.base, max_position_embeddings, scaling),
+                             persistent=False)
 
     def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> Tuple[Tensor, Tensor]:
         # A shape check (no device sync): past the cache, index_select fails deep inside, or asserts on a GPU.
@@ -453,6 +481,8 @@ class _CausalLMBase(nn.Module):
                                       tp_rank=tp_rank, tp_size=tp_size)
         self.logits_processor = LogitsProcessor(config.vocab_size, config.vocab_size, tp_rank=tp_rank,
                                                 tp_size=tp_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, kv_cache: Optional[Tensor] = None,
                 cache_len: int = 0) -> Tensor:

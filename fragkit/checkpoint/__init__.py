@@ -138,7 +138,7 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
     else:
         plans = None
         with layers.build_on_meta(), torch.device("meta"):
-            shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters()}
+            shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters(remove_duplicate=False)}
         views = family.kit_views(shapes, source)
         if jobs < 1:
             raise CheckpointError("--jobs must be >= 1 (got %d)" % jobs)

@@ -206,7 +206,7 @@ class Family:
         """Fill ``full`` (the kit model at tp=1) from ``source``, whole tensors in float32 (the materializing
         import); every kit weight filled, every checkpoint tensor used (or known to be redundant), every
         shape checked."""
-        params = dict(full.named_parameters())
+        params = dict(full.named_parameters(remove_duplicate=False))  # a tied head: filled twice, alike
         self._check_sources({k: tuple(p.shape) for k, p in params.items()}, source)
         items = sorted(self.weight_sources().items())
         for kit_name, (names, combine) in (progress(items) if progress else items):
@@ -320,6 +320,7 @@ def family_for(cfg: dict, where: str, dtype: torch.dtype = torch.float32, enable
     refuse_unless("v_head_dim", lambda v: int(v) == common["head_dim"], "value heads of another size than "
                   "query/key heads (%d)" % common["head_dim"])
     tied = bool(take("tie_word_embeddings", False))  # False: the default of all four families' configs
+    common["tie_word_embeddings"] = tied  # the kit model shares one parameter (stored once per rank file)
 
     if name in ("llama", "qwen2"):
         attention_bias = bool(take("attention_bias", False))

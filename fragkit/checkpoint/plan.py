@@ -3,9 +3,9 @@
 The kit model is built on meta (shapes only, no memory) for each rank, so a 405B-shaped config is planned in
 seconds on any machine. Per rank: the bytes of its file (parameters and buffers). The predicted peak memory
 of the streaming import is an upper bound: the process itself (Python, PyTorch, the kit: ``BASE_BYTES``)
-plus, for the kit tensor that needs the most, its whole checkpoint tensor(s) mapped and its largest rank
-slice copied in the target dtype (a slice written straight from the memory map needs no copy, so the
-import often stays below it).
+plus the reader's buffers (stream.TensorReader: the largest kit tensor, and twice the largest one read
+ahead) and the largest rank slice copied in the target dtype (a row slice is written straight from the
+buffer and needs no copy, so the import often stays below it).
 """
 import json
 import os
@@ -46,7 +46,7 @@ def config_of(path: Optional[str], like: Optional[str], layers_: Optional[int]) 
 def dry_run(cfg: dict, where: str, tp: int, dtype: Optional[str] = None, enable_expert_parallel: bool = False,
             ignore_config_fields=()) -> Dict:
     from . import DTYPES
-    from .stream import module_bytes
+    from .stream import AHEAD_BYTES, module_bytes
 
     declared = cfg.get("torch_dtype", cfg.get("dtype"))
     dtype = dtype or (declared if declared in DTYPES else "float32")
@@ -66,7 +66,9 @@ def dry_run(cfg: dict, where: str, tp: int, dtype: Optional[str] = None, enable_
         for name, p in module.named_parameters():
             worst_slice[name] = max(worst_slice.get(name, 0), p.numel() * p.element_size())
         del module
-    step = max(full[n].numel() * src_size + worst_slice[n] for n in full)
+    whole = [full[n].numel() * src_size for n in full]
+    ahead = [b for b in whole if b <= AHEAD_BYTES]
+    step = max(whole) + 2 * max(ahead, default=0) + max(worst_slice.values())
     largest = max(p.numel() * src_size for p in full.values())
     return {"config": where, "family": family.name, "tp_size": tp, "dtype": dtype,
             "layers": cfg.get("num_hidden_layers"), "rank_bytes": ranks, "total_bytes": sum(ranks),

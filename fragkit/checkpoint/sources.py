@@ -170,7 +170,7 @@ class HFFolder(Source):
                     return handle.get_tensor(name)
                 return handle.get_slice(name)[as_slices(bounds)]
 
-        return FnView(shape, dtype, read, "%s: %s" % (file, name), self._extent.get(name))
+        return FnView(shape, dtype, read, "%s: %s" % (file, name), self._extent.get(name), raw=True)
 
     def files(self):
         out = []

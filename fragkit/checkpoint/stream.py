@@ -10,10 +10,12 @@ except that each empty weight record gets its tensor, sliced from the checkpoint
 where the skeleton said ``meta`` (pickletools finds the storage locations).
 
 Every rank's file is open at once and the tensors are written in the models' order, one kit tensor at a
-time for every rank: the checkpoint is read about once even when it does not fit in the page cache, and
-the memory held is the skeletons plus one tensor's slices (safetensors slices are views of its memory map,
-so a slice that is already contiguous is written straight from the map). Files are written as
-``rank{r}.pt.tmp`` and renamed when all are complete, and removed on any error.
+time for every rank: each kit tensor is read whole once (``TensorReader``: pread into a reused buffer, the
+next tensor read in a thread while this one is written), every rank's slice is cut from it and written (a
+row slice straight from the buffer, a column slice copied once into another reused buffer). The checkpoint
+is read once, and the memory held is the skeletons plus the reader's buffers. A tensor that several
+attributes hold (a tied LM head) is one record, written once. Files are written as ``rank{r}.pt.tmp`` and
+renamed when all are complete, and removed on any error.
 
 Records carry no CRC-32 unless ``crc32=True``: PyTorch's zip writer computes it at ~400 MB/s, slower than
 the disk, and PyTorch's readers (torch.load, torch.jit.load, LibTorch) never check it (as with
@@ -23,6 +25,7 @@ The export id (``fragkit.json``) digests the checkpoint's identity (each file's 
 modification time), the config, tp, dtype and format: equal for every rank of one export, different for
 another checkpoint or another import of it, without a pass over the weights.
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -40,7 +43,7 @@ from .. import layers
 from ..export import stabilize_script_types
 from ..layers import KIT_LAYERS
 from .sources import CheckpointError
-from .views import View
+from .views import Arena, TensorView, View, read_into
 
 # Records PyTorchFileWriter writes itself at the end of a file.
 _WRITER_RECORDS = ("version", "byteorder", ".data/serialization_id")
@@ -97,18 +100,27 @@ class _SkeletonUnpickler(pickle.Unpickler):
 
 
 def _tensor_paths(data_pkl: bytes) -> Dict[str, Tuple[str, _TensorRef]]:
-    """storage key -> (attribute path, e.g. "model.layers.0.mlp.down_proj.weight", its reference)."""
+    """storage key -> (attribute path, e.g. "model.layers.0.mlp.down_proj.weight", its reference): the first
+    path of a tensor that several attributes hold (a tied LM head, the layers' one rotary table)."""
+    return {key: (paths[0], ref) for key, (paths, ref) in _tensor_uses(data_pkl).items()}
+
+
+def _tensor_uses(data_pkl: bytes) -> Dict[str, Tuple[List[str], _TensorRef]]:
+    """storage key -> (every attribute path that holds it, its reference). TorchScript pickles a tensor held
+    by several attributes once and refers back to it (so it loads as one tensor); any other sharing of a
+    storage (two views of it) is refused: the writer fills a record from one parameter."""
     root = _SkeletonUnpickler(io.BytesIO(data_pkl)).load()
-    out: Dict[str, Tuple[str, _TensorRef]] = {}
+    out: Dict[str, Tuple[List[str], _TensorRef]] = {}
 
     def walk(obj, prefix):
         if isinstance(obj, _Obj):
             for name, value in obj.state.items():
                 walk(value, prefix + name if not prefix else prefix + "." + name)
         elif isinstance(obj, _TensorRef):
-            if obj.key in out:
-                raise CheckpointError("internal: storage %s is shared by %s and %s" % (obj.key, out[obj.key][0], prefix))
-            out[obj.key] = (prefix, obj)
+            if obj.key in out and out[obj.key][1] is not obj:
+                raise CheckpointError("internal: storage %s is shared by %s and %s" % (obj.key, out[obj.key][0][0],
+                                                                                       prefix))
+            out.setdefault(obj.key, ([], obj))[0].append(prefix)
         elif isinstance(obj, (list, tuple)):
             for i, value in enumerate(obj):
                 walk(value, "%s.%d" % (prefix, i))
@@ -179,19 +191,22 @@ def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int, skelet
     reader = torch._C.PyTorchFileReader(skeleton_path)
     records = list(reader.get_all_records())
     data_pkl = bytes(reader.get_record("data.pkl"))
-    refs = _tensor_paths(data_pkl)
-    params = dict(module.named_parameters())
+    refs = _tensor_uses(data_pkl)
+    params = dict(module.named_parameters(remove_duplicate=False))
     plan = RankPlan(rank, module, records, reader, int(bytes(reader.get_record("version")).strip()))
-    meta_keys = []
-    for key, (path, ref) in refs.items():
+    meta_keys, covered = [], set()
+    for key, (paths, ref) in refs.items():
         if ref.location != "meta":
             continue
+        path = paths[0]  # a tied parameter: one record, filled from the first attribute's checkpoint view
         p = params.get(path)
-        if p is None or ref.offset != 0 or ref.numel != p.numel() or ref.size != tuple(p.shape):
-            raise CheckpointError("internal: meta storage %s (%s) is not a whole parameter" % (key, path))
+        if p is None or ref.offset != 0 or ref.numel != p.numel() or ref.size != tuple(p.shape) or \
+                any(params.get(other) is not p for other in paths):
+            raise CheckpointError("internal: meta storage %s (%s) is not a whole parameter" % (key, paths))
         plan.weights["data/" + key] = (path, p)
         meta_keys.append(key)
-    missing = sorted(set(params) - {path for path, _ in plan.weights.values()})
+        covered.update(paths)
+    missing = sorted(set(params) - covered)
     if missing:
         raise CheckpointError("internal: parameters without a storage record: %s" % missing[:3])
     plan.data_pkl = _meta_to_cpu(data_pkl, meta_keys) if meta_keys else data_pkl
@@ -210,16 +225,22 @@ def module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() + _RECORD_OVERHEAD for t in tensors) + (1 << 20)
 
 
-def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype) -> torch.Tensor:
+def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype,
+                arena: Optional[Arena] = None) -> torch.Tensor:
     """Rank ``module``'s parameter ``path`` from ``view`` (the whole tp=1 tensor): kit layers by their
-    ``rank_slice``, any other module's parameters whole."""
+    ``rank_slice``, any other module's parameters whole. A slice that must be copied (another dtype, or not
+    contiguous: a row-parallel weight's columns) goes to ``arena`` when given (valid until its next use)."""
     owner_path, _, name = path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     if isinstance(owner, KIT_LAYERS):
         t = owner.rank_slice(name, view)
     else:
         t = layers._whole(view)
-    return t.to(dtype).contiguous()
+    if arena is None or (t.dtype == dtype and t.is_contiguous()):
+        return t.to(dtype).contiguous()
+    out = arena.tensor(t.shape, dtype)
+    out.copy_(t)
+    return out
 
 
 def _record_storage(t: torch.Tensor):
@@ -229,6 +250,52 @@ def _record_storage(t: torch.Tensor):
     begin = t.storage_offset() * t.element_size()
     end = begin + t.numel() * t.element_size()
     return storage if (begin, end) == (0, storage.nbytes()) else storage[begin:end]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading
+
+AHEAD_BYTES = 512 << 20
+
+
+class TensorReader:
+    """The kit tensors in the writer's order, each read whole once (views.read_into: pread into a reused
+    buffer) and the next one read in a thread while this one is sliced and written, so the disk reads while
+    it writes. Tensors up to ``AHEAD_BYTES`` (a layer's) alternate between two buffers; a larger one (the
+    embedding, the head) is read when asked, into a third: memory stays at the largest tensor plus twice
+    the largest layer tensor. ``next()``'s tensor is valid until the next call."""
+
+    def __init__(self, views: List[View], ahead_bytes: int = AHEAD_BYTES):
+        import concurrent.futures
+
+        self.views, self.ahead_bytes, self.index = views, ahead_bytes, 0
+        self.large, self.small = Arena(), [Arena(), Arena()]
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fragkit-read")
+        self.pending = None
+
+    def _read(self, i: int) -> TensorView:
+        view = self.views[i]
+        arena = self.small[i % 2] if view.nbytes <= self.ahead_bytes else self.large
+        out = arena.tensor(view.shape, view.dtype)
+        try:
+            read_into(view, out)
+        except OSError as e:
+            raise CheckpointError(str(e)) from None
+        return TensorView(out, view.where)
+
+    def next(self) -> TensorView:
+        i, self.index = self.index, self.index + 1
+        got = self.pending.result() if self.pending is not None else self._read(i)
+        self.pending = None
+        if i + 1 < len(self.views) and self.views[i + 1].nbytes <= self.ahead_bytes:
+            self.pending = self.pool.submit(self._read, i + 1)
+        return got
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -267,6 +334,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
     temps = [f + ".tmp" for f in finals]
     writers = []
     finished = set()
+    stack = contextlib.ExitStack()
     try:
         for tmp in temps:
             writers.append(torch._C.PyTorchFileWriter(tmp, crc32))
@@ -280,13 +348,18 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
         ahead = {a: b for a, b in zip(weight_steps, weight_steps[1:])}
         if weight_steps:
             views[plans[0].weights[weight_steps[0]][0]].prefetch()
+        reader = stack.enter_context(TensorReader([views[plans[0].weights[n][0]] for n in weight_steps]))
+        slices = Arena()
         for name in (progress(steps) if progress else steps):
-            if name in ahead:  # the next tensor is read from the disk while this one is written
+            if name in ahead:  # the kernel reads the next tensor ahead while this one is written
                 views[plans[0].weights[ahead[name]][0]].prefetch()
+            whole = None
+            if name in plans[0].weights:  # read once, sliced for every rank
+                whole = reader.next()
             for plan, writer, tmp in zip(plans, writers, temps):
                 if name in plan.weights:
                     path, param = plan.weights[name]
-                    tensor = rank_tensor(plan.module, path, views[path], dtype)
+                    tensor = rank_tensor(plan.module, path, whole, dtype, slices)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise CheckpointError("internal: %s at rank %d: %s, expected %s"
                                               % (path, plan.rank, tuple(tensor.shape), tuple(param.shape)))
@@ -316,6 +389,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
             os.replace(tmp, final)
         return finals
     finally:
+        stack.close()  # the reading thread stops before the files go
         for writer in writers:
             # A writer destroyed unfinished finishes itself in its destructor, and a failure there (a full
             # disk) aborts the process: finish it here, where a failure can be ignored.
@@ -371,7 +445,7 @@ def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: 
     family = family_for(source.config, where, DTYPES[dtype], enable_expert_parallel, ignore_config_fields)
     build = family.builder()
     with layers.build_on_meta(), torch.device("meta"):
-        shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters()}
+        shapes = {k: tuple(p.shape) for k, p in build(0, 1).named_parameters(remove_duplicate=False)}
     views = family.kit_views(shapes, source)
     skeletons = [os.path.join(out_dir, "rank%d.skeleton.tmp" % r) for r in ranks]
     try:
@@ -411,9 +485,13 @@ def write_in_jobs(path: str, tp: int, jobs: int, out_dir: str, dtype: str, enabl
 
 def job_peak_bytes(views: Dict[str, View], dtype: torch.dtype) -> int:
     """Predicted peak memory of one writing process: the process (~1 GB: Python, PyTorch, the kit, the
-    skeletons) plus the largest kit tensor mapped whole and one rank slice of it copied in ``dtype``."""
+    skeletons), TensorReader's buffers (the largest kit tensor, twice the largest read ahead) and one rank
+    slice copied in ``dtype`` (at most a whole tensor)."""
     item = torch.empty(0, dtype=dtype).element_size()
-    return 1_000_000_000 + max(v.nbytes + v.nbytes // v.dtype.itemsize * item for v in views.values())
+    sizes = [v.nbytes for v in views.values()]
+    ahead = [n for n in sizes if n <= AHEAD_BYTES]
+    return (1_000_000_000 + max(sizes) + 2 * max(ahead, default=0)
+            + max(v.nbytes // v.dtype.itemsize * item for v in views.values()))
 
 
 def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype, out_dir: str, info: dict,
@@ -425,11 +503,16 @@ def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype,
     def filled(rank):
         with layers.build_on_meta():
             module = build(rank, tp).eval()
-        for path, _ in list(module.named_parameters()):
+        filled_params: Dict[int, nn.Parameter] = {}  # a tied parameter is filled once and shared again
+        for path, meta_param in list(module.named_parameters(remove_duplicate=False)):
             owner_path, _, name = path.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
-            tensor = rank_tensor(module, path, views[path], dtype)
-            setattr(owner, name, nn.Parameter(tensor, requires_grad=False))
+            if id(meta_param) not in filled_params:
+                tensor = rank_tensor(module, path, views[path], dtype)
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # torch.export.save writes a view's whole storage
+                filled_params[id(meta_param)] = nn.Parameter(tensor, requires_grad=False)
+            setattr(owner, name, filled_params[id(meta_param)])
         return module
 
     finals = [os.path.join(out_dir, "rank%d.pt2" % r) for r in range(tp)]

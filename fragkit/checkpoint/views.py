@@ -84,9 +84,11 @@ class FnView(View):
     """A leaf whose reader takes bounds (sources.py makes these for safetensors and GGUF tensors)."""
 
     def __init__(self, shape, dtype, reader: Callable[[List[Tuple[int, int]]], Tensor], where: str,
-                 extent: Optional[Tuple[str, int, int]] = None):
+                 extent: Optional[Tuple[str, int, int]] = None, raw: bool = False):
         self.shape, self.dtype, self.reader, self.where = tuple(int(d) for d in shape), dtype, reader, where
         self.extent = extent  # (file, first byte, end byte) of the tensor's data, where known
+        # The extent holds exactly the tensor, row-major in ``dtype`` (safetensors): read_into preads it.
+        self.raw = raw and extent is not None and extent[2] - extent[1] == self.nbytes
 
     def read(self, bounds):
         return self.reader(bounds)
@@ -209,3 +211,64 @@ class Reshape(_Composite):
 
     def read(self, bounds):
         return materialize(self.parts[0]).reshape(self.shape)[as_slices(bounds)]
+
+
+def read_into(view: View, out: Tensor) -> None:
+    """Fill ``out`` (contiguous, ``view``'s shape and dtype) with the whole view. Raw leaves (safetensors)
+    are read with pread straight into their place in ``out`` -- parts of a Cat into its rows, experts into
+    their slot -- so a kit tensor costs one read of its bytes and no copy; other views are materialized and
+    copied."""
+    if isinstance(view, FnView) and view.raw:
+        _pread_into(view.extent[0], view.extent[1], out, view.where)
+    elif isinstance(view, Cat):
+        offset = 0
+        for part in view.parts:
+            read_into(part, out.narrow(0, offset, part.shape[0]))
+            offset += part.shape[0]
+    elif isinstance(view, Stack):
+        for i, part in enumerate(view.parts):
+            read_into(part, out[i])
+    elif isinstance(view, PadRows):
+        have = view.parts[0].shape[0]
+        read_into(view.parts[0], out.narrow(0, 0, have))
+        out.narrow(0, have, out.shape[0] - have).zero_()
+    elif isinstance(view, Unsqueeze0):
+        read_into(view.parts[0], out[0])
+    else:
+        out.copy_(materialize(view))
+
+
+def _pread_into(file: str, begin: int, out: Tensor, where: str) -> None:
+    if out.numel() == 0:
+        return
+    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(fd, [buffer[done:]], begin + done)
+            if n <= 0:
+                raise OSError("%s: the file ends %d bytes into the tensor's %d" % (where, done, len(buffer)))
+            done += n
+        # Read once: the checkpoint's pages need not stay in the page cache (room for the written files).
+        os.posix_fadvise(fd, begin, done, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Arena:
+    """One reused buffer for whole kit tensors (grown to the largest): no allocation, page faults or
+    zeroing per tensor, and the process's memory stays at the largest tensor."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        if nbytes > self.buffer.numel():
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed before the new one is made
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes].view(dtype).view(tuple(shape))

@@ -10,6 +10,7 @@ FRAG_SLOW=1 adds SmolLM2 at tp 3 (about a minute more) and tp 4 for every family
 import json
 import os
 import unittest
+import zipfile
 
 import torch
 
@@ -120,6 +121,79 @@ class StreamedEqualsMaterialized(WorkDirCase):
             self.skipTest("SKIPPED LOUDLY: %s" % e)
         # Q4_1: quantized, so float32 by default
         self.assert_same("smollm2", (1, 3) if SLOW else (1,), expect_dtype="float32")
+
+
+def data_records(path):
+    """name -> bytes of each storage record (data/N) of a TorchScript file."""
+    with zipfile.ZipFile(path) as z:
+        return {i.filename: i.file_size for i in z.infolist() if "/data/" in i.filename}
+
+
+def data_records_pt2(path):
+    with zipfile.ZipFile(path) as z:
+        return sorted((i.filename.split("/", 1)[1], i.file_size) for i in z.infolist() if "/data/weights/" in i.filename)
+
+
+def rotary_modules(module):
+    return [m for name, m in module.named_modules() if name.endswith("rotary_emb")]
+
+
+class StoredOnce(WorkDirCase):
+    """Issue 30 item 4: a rank file holds each tensor once -- a tied head is the embedding's record, and the
+    layers share one rotary table -- from either import; files written the earlier way still load alike."""
+
+    def check_rank_file(self, path, tied):
+        module = torch.jit.load(path)
+        tables = {m.cos_sin_cache.data_ptr() for m in rotary_modules(module)}
+        self.assertEqual(len(rotary_modules(module)), 3)
+        self.assertEqual(len(tables), 1, "one rotary table for all layers")
+        same = module.lm_head.weight.data_ptr() == module.model.embed_tokens.weight.data_ptr()
+        self.assertEqual(same, tied)
+        distinct = {t.data_ptr(): t.numel() * t.element_size() for t in
+                    list(module.parameters()) + list(module.buffers())}
+        records = data_records(path)
+        self.assertEqual(len(records), len(distinct), "one record per distinct tensor")
+        self.assertEqual(sum(records.values()), sum(distinct.values()))
+        return module
+
+    def test_tied_head_and_rotary_table_once_at_tp_1_2(self):
+        for tied in (True, False):
+            model, _ = hf_model("llama", tie_word_embeddings=tied, num_hidden_layers=3)
+            hf = save_hf(model, self.path("hf_%s" % tied))
+            for tp in (1, 2):
+                for materialize in (False, True):
+                    with self.subTest(tied=tied, tp=tp, materialize=materialize):
+                        out = self.path("out_%s_%d_%s" % (tied, tp, materialize))
+                        for p in export_checkpoint(hf, tp, out, _materialize=materialize):
+                            self.check_rank_file(p, tied)
+
+    def test_export_format_tied_head_once_and_no_whole_storage_of_a_view(self):
+        model, _ = hf_model("llama", tie_word_embeddings=True)
+        hf = save_hf(model, self.path("hf"))
+        streamed = export_checkpoint(hf, 2, self.path("s"), format="export")
+        materialized = export_checkpoint(hf, 2, self.path("m"), format="export", _materialize=True)
+        for a, b in zip(streamed, materialized):
+            weights = [data_records_pt2(p) for p in (a, b)]
+            self.assertEqual(weights[0], weights[1], "the same weight records, of the same sizes")
+            state = torch.export.load(a).state_dict
+            self.assertEqual(state["lm_head.weight"].data_ptr(), state["model.embed_tokens.weight"].data_ptr())
+            for name, t in torch.export.load(b).state_dict.items():
+                self.assertTrue(torch.equal(state[name], t), name)
+
+    def test_a_rank_file_written_the_earlier_way_loads_and_computes_alike(self):
+        model, _ = hf_model("llama", tie_word_embeddings=True, num_hidden_layers=3)
+        [path] = export_checkpoint(save_hf(model, self.path("hf")), 1, self.path("new"))
+        new = self.check_rank_file(path, tied=True)
+        old = torch.jit.load(path)  # made as before: the head its own copy, a table per layer
+        old.lm_head.weight = old.model.embed_tokens.weight.clone()
+        for rotary in rotary_modules(old):
+            rotary.cos_sin_cache = rotary.cos_sin_cache.clone()
+        old.save(self.path("old.pt"))
+        old = torch.jit.load(self.path("old.pt"))
+        self.assertEqual(len(data_records(self.path("old.pt"))), len(data_records(path)) + 1 + 2)
+        self.assertGreater(os.path.getsize(self.path("old.pt")), os.path.getsize(path))
+        ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+        self.assertTrue(torch.equal(old(ids), new(ids)))
 
 
 if __name__ == "__main__":

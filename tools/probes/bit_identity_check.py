@@ -1,10 +1,14 @@
 """Two builds of frag, same rank files, same plans: their --out files compared byte for byte.
 
-    python3 tools/probes/bit_identity_check.py OLD_FRAG NEW_FRAG MODELS_DIR    (run in a scratch folder)
+    python3 tools/probes/bit_identity_check.py OLD_FRAG NEW_FRAG MODELS_DIR [NEW_MODELS_DIR] [CASE...]
+                                                                              (run in a scratch folder)
 
 OLD_FRAG: frag built from an earlier commit (e.g. a worktree at it: bazel build //tools:frag, or //cli:frag
 after the tree move); NEW_FRAG: bazel-bin/cli/frag; MODELS_DIR: bazel-bin/tests/models of a checkout that
-built //... . Each case saves up to 30 fragmented and 10 whole locations and scales one MLP output, for a
+built //... ; NEW_MODELS_DIR (default MODELS_DIR): the rank files NEW_FRAG runs, e.g. another checkout's
+tests/models to check that a change to the import (issue 30: the tied head and the rotary table stored once)
+leaves frag's outputs as they were (then OLD_FRAG and NEW_FRAG may be one binary). CASE: only these cases.
+Each case saves up to 30 fragmented and 10 whole locations and scales one MLP output, for a
 forward and for --generate 3. Issue 26's refactor was checked with it (every case IDENTICAL)."""
 import filecmp
 import json
@@ -13,12 +17,16 @@ import subprocess
 import sys
 
 OLD, NEW, M = sys.argv[1:4]
+M_NEW = sys.argv[4] if len(sys.argv) > 4 else M
+ONLY = set(sys.argv[5:])
 with open("ids.txt", "w") as f:
     f.write("1 5 9 3 7 2\n")
 cases = [("llama_tp2", 2, "pt"), ("llama_tp2_pt2", 2, "pt2"), ("moe_tp2", 2, "pt"), ("moe_ep_tp2", 2, "pt"),
          ("moe_tp2_pt2", 2, "pt2"), ("llama_kv2_tp4", 4, "pt"), ("smollm2_tp3", 3, "pt")]
 ok = True
 for name, world, ext in cases:
+    if ONLY and name not in ONLY:
+        continue
     d = f"{M}/{name}"
     files = sorted(f for f in os.listdir(d) if f.endswith("." + ext))
     first = f"{d}/{files[0]}"
@@ -36,10 +44,10 @@ for name, world, ext in cases:
         steps.append({"at": frag_locs[0], "do": "scale", "by": 0.5})
     with open(f"plan_{name}.json", "w") as f:
         json.dump({"interventions": steps}, f)
-    pattern = f"{d}/rank{{rank}}.{ext}"
     for mode, extra in (("fwd", []), ("gen", ["--generate", "3"])):
         outs = []
-        for tag, binary in (("old", OLD), ("new", NEW)):
+        for tag, binary, models in (("old", OLD, M), ("new", NEW, M_NEW)):
+            pattern = f"{models}/{name}/rank{{rank}}.{ext}"
             out = f"{name}_{mode}_{tag}.safetensors"
             if os.path.exists(out): os.remove(out)
             r = subprocess.run([binary, "run", pattern, "--world", str(world), "--input", "ids.txt",
