@@ -555,6 +555,46 @@ def _at_line(error, steps):
     return type(error)(f"{where}: {message}") if where else error
 
 
+PAD_ID = 0  # the token a ragged batch is right-padded with (no real token attends to it: attention is causal)
+
+
+def _token_rows(ids):
+    """Token ids as rows of ints: a LongTensor [B, T] or [T], a list of ints, or lists of ints of any
+    lengths (a ragged batch)."""
+    if isinstance(ids, (list, tuple)) and ids and all(isinstance(r, (list, tuple, torch.Tensor)) for r in ids):
+        rows = []
+        for i, r in enumerate(ids):
+            r = _token_ids(r)
+            if r.shape[0] != 1:
+                raise FragmentsError(f"token ids: prompt {i} must be one row of ids, got shape {list(r.shape)}")
+            rows.append(r[0].tolist())
+    else:
+        rows = _token_ids(ids).tolist()
+    for i, r in enumerate(rows):
+        if not r:
+            raise FragmentsError(f"token ids: prompt {i} has no tokens")
+    return rows
+
+
+def _padded(rows):
+    """Rows of different lengths as one [B, longest] batch, right-padded with PAD_ID: each real token's
+    position is its index, as in its own run, and causal attention keeps it from the pads after it."""
+    longest = max(len(r) for r in rows)
+    return torch.tensor([r + [PAD_ID] * (longest - len(r)) for r in rows], dtype=torch.long)
+
+
+def unpad(value, lengths):
+    """Each row of a ragged batch's value ([B, longest, ...], or a list of them per visit) trimmed to its
+    prompt's tokens: a list of [length, ...] tensors."""
+    if isinstance(value, SavedValue):
+        value = value.value
+    if isinstance(value, list):
+        return [unpad(v, lengths) for v in value]
+    if value.dim() < 2 or value.shape[0] != len(lengths):
+        raise FragmentsError(f"unpad: a value of shape {list(value.shape)} is not [rows={len(lengths)}, tokens, ...]")
+    return [value[b, :n] for b, n in enumerate(lengths)]
+
+
 def _token_ids(ids):
     if isinstance(ids, torch.Tensor):
         t = ids
