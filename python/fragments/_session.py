@@ -79,15 +79,7 @@ class LanguageModel:
             raise FragmentsError(f"LanguageModel: tp must be a positive number of ranks, got {tp!r}")
         if backend not in ("gloo", "nccl"):
             raise FragmentsError(f"LanguageModel: backend must be 'gloo' or 'nccl', got {backend!r}")
-        self.path, self.tp, self._dead, self._closed = _rank_path(path), int(tp), None, False
-        self._folder = os.path.dirname(self.path)
-        self._tokenizer = tokenizer
-        self._weights = {}
-        self._layouts = {}
-        self._trace = None
-        self._interrupted = False
-        self._lock = threading.Lock()
-        self._procs, self._conns = [], []
+        self._setup(_rank_path(path), tp, tokenizer)
         try:
             self._start(backend, float(timeout))
         except BaseException:  # a rank that could not load, or an interrupt: no rank is left behind
@@ -95,6 +87,24 @@ class LanguageModel:
             self._kill()
             raise
         _SESSIONS.add(self)
+
+    def _setup(self, path, tp, tokenizer):
+        self.path, self.tp, self._dead, self._closed = path, int(tp), None, False
+        self._folder = os.path.dirname(self.path)
+        self._tokenizer = tokenizer
+        self._weights, self._layouts, self._shapes = {}, {}, None
+        self._trace = None
+        self._interrupted = False
+        self._lock = threading.Lock()
+        self._procs, self._conns = [], []
+        self._remote = None  # an attached client's connection (fragments._attach)
+
+    def _adopt(self, info):
+        """Rank 0's description of the model (module tree, locations, dtype)."""
+        self._info = info
+        self.dtype = info["dtype"]
+        self._classes, self._children = info["classes"], info["children"]
+        self._location_kinds = info["locations"]
 
     # -- the ranks -----------------------------------------------------------------------------------------
     def _start(self, backend, timeout):
@@ -136,10 +146,7 @@ class LanguageModel:
             kind, rank = pickle.loads(conn.recv_bytes())
             self._conns[rank] = conn
         replies = self._gather(deadline=time.monotonic() + timeout)
-        self._info = replies[0]
-        self.dtype = self._info["dtype"]
-        self._classes, self._children = self._info["classes"], self._info["children"]
-        self._location_kinds = self._info["locations"]
+        self._adopt(replies[0])
         self.pids = [p.pid for p in self._procs]
 
     def _check_alive(self):
@@ -205,37 +212,70 @@ class LanguageModel:
             raise FragmentsError("this LanguageModel was closed: create a new one")
         if self._dead:
             raise FragmentsError(f"{self._dead}; this session has ended: create a new LanguageModel")
+        try:
+            data = _pickler.dumps((kind, payload))
+        except Exception as e:  # noqa: B902 - what cannot travel, in words
+            raise FragmentsError(f"this cannot be sent to the ranks: {type(e).__name__}: {e} (functions travel "
+                                 f"{'by value (cloudpickle)' if _pickler.__name__ == 'cloudpickle' else 'by reference: only importable ones'}; "
+                                 "open files, sockets, locks and generators do not travel)") from None
         with self._lock:
-            self._check_alive()
-            if self._interrupted:  # the replies of a request interrupted in the caller (Ctrl-C, a kernel
-                self._interrupted = False  # interrupt): the ranks finish it; drop them
-                try:
-                    self._gather(ranks=set(self._waiting))
-                except FragmentsError:
-                    pass
+            if self._remote is not None:
+                return self._remote.request(data)
+            return self._broadcast(data)
+
+    def _broadcast(self, data):
+        """Sends one pickled request to every rank; their replies in rank order."""
+        self._check_alive()
+        if self._interrupted:  # the replies of a request interrupted in the caller (Ctrl-C, a kernel
+            self._interrupted = False  # interrupt): the ranks finish it; drop them
             try:
-                data = _pickler.dumps((kind, payload))
-            except Exception as e:  # noqa: B902 - what cannot travel, in words
-                raise FragmentsError(f"this cannot be sent to the ranks: {type(e).__name__}: {e} (functions travel "
-                                     f"{'by value (cloudpickle)' if _pickler.__name__ == 'cloudpickle' else 'by reference: only importable ones'}; "
-                                     "open files, sockets, locks and generators do not travel)") from None
-            for r, conn in enumerate(self._conns):
-                try:
-                    conn.send_bytes(data)
-                except OSError:
-                    self._check_alive()
-                    raise FragmentsError(f"rank {r} cannot be reached") from None
+                self._gather(ranks=set(self._waiting))
+            except FragmentsError:
+                pass
+        for r, conn in enumerate(self._conns):
             try:
-                return self._gather()
-            except KeyboardInterrupt:
-                self._interrupted = True
-                raise
+                conn.send_bytes(data)
+            except OSError:
+                self._check_alive()
+                raise FragmentsError(f"rank {r} cannot be reached") from None
+        try:
+            return self._gather()
+        except KeyboardInterrupt:
+            self._interrupted = True
+            raise
+
+    @classmethod
+    def attach(cls, address, authkey=None, timeout=120.0):
+        """A LanguageModel on ranks already running (`python -m fragments.ranks DIR --tp N`): `address` is
+        their connection file (it holds the address and the authkey) or "127.0.0.1:PORT" with `authkey`
+        (bytes, hex text, or $FRAGMENTS_AUTHKEY). One client at a time; `close()` detaches and leaves the
+        ranks running (`shutdown_ranks()` ends them)."""
+        from ._attach import connect
+        remote, hello = connect(address, authkey, timeout)
+        self = cls.__new__(cls)
+        self._setup(hello["path"], hello["tp"], None)
+        self._remote = remote
+        self._adopt(hello["info"])
+        self.pids = hello["pids"]
+        _SESSIONS.add(self)
+        return self
+
+    def shutdown_ranks(self):
+        """Ends the ranks this attached client talks to (their `python -m fragments.ranks` too)."""
+        if self._remote is None:
+            return self.close()
+        if not self._closed:
+            self._closed = True
+            self._remote.shutdown()
 
     def close(self):
         """Ends the ranks (also at `with`'s end and when this process exits)."""
         if self._closed:
             return
         self._closed = True
+        if self._remote is not None:  # attached: the ranks stay for the next client
+            self._remote.detach()
+            return
         if not self._dead:
             for conn in self._conns:
                 try:
@@ -326,7 +366,7 @@ class LanguageModel:
     def _probe(self):
         """{location: (shape, dtype)} of one forward of [2, 3] pad tokens (asked once): what `.shape` and
         `.dtype` inside a trace scale to the trace's batch."""
-        if getattr(self, "_shapes", None) is None:
+        if self._shapes is None:
             self._shapes = self._request("probe", _PROBE_SHAPE)[0]
         return self._shapes
 
@@ -342,6 +382,7 @@ class LanguageModel:
 
     def __repr__(self):
         state = "closed" if self._closed else (self._dead or f"ranks {self.pids}")
+        state += " (attached)" if self._remote is not None else ""
         return f"<fragments.LanguageModel {self.path} tp={self.tp}: {state}>"
 
 
