@@ -35,7 +35,7 @@ def _digest(value):
         if isinstance(t, torch.Tensor):
             t = t.detach().cpu().contiguous()
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim too
         else:
             h.update(repr(t).encode())
     return h.hexdigest()[:16]
