@@ -6,6 +6,10 @@
         top = model.lm_head(model.model.norm(h))[:, -1].softmax(-1).topk(5).save()
     model.close()                                                      # or `with`, or the process's end
 
+Prompts of different lengths run as one right-padded batch (`tracer.lengths`, `tracer.unpad(v)`); within
+`tracer.invoke(...)` a value is that invoke's rows and tokens. `LanguageModel.attach(...)` drives ranks that
+another process keeps up (`python -m fragments.ranks`, fragments._attach).
+
 The driver (this process) records a trace as steps and expressions (fragments._proxy), sends the recording
 to every rank once, and gets the saved values back once, from rank 0; each rank replays it on its own
 `fragments.Model` (fragments._program) in the same order, so the ranks' collectives meet. The ranks are
