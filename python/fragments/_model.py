@@ -165,6 +165,8 @@ class _InPlaceEdits:
 
     def __isub__(self, value):
         location, index = self._target()
+        if _is_expression(value):
+            return _Pending(location, index, "add", -value)
         return _Pending(location, index, "add", -_as_tensor_or_number(value, location))
 
     def __imul__(self, value):
@@ -172,14 +174,97 @@ class _InPlaceEdits:
         return _Pending(location, index, "scale", value)
 
 
-class _View(_InPlaceEdits):
-    """`loc[idx]`: a selection of the whole tensor at a location, for in-place operators."""
+class _Expression:
+    """A value of a trace that computes: arithmetic, indexing, tensor methods, torch functions, `.shape`
+    and `.dtype` make an expression (fragments._proxy) whose `.save()` is computed after the forward, on
+    this rank's whole tensors; as an edit's value it runs during the forward, as a callable (`.apply`)."""
+
+    def _node(self):
+        raise NotImplementedError
+
+    def _model_here(self):
+        raise NotImplementedError
+
+    def _expression(self):
+        from ._proxy import Proxy
+        return Proxy(self._model_here()._active_trace("an expression"), self._node())
+
+    def _tensor_attribute(self, name):
+        if name in ("shape", "dtype", "ndim") or callable(getattr(torch.Tensor, name, None)):
+            return getattr(self._expression(), name)
+        return None
+
+    def __getitem__(self, index):
+        return self._expression()[index]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from ._proxy import Proxy
+        to = lambda x: x._expression() if isinstance(x, _Expression) else x  # noqa: E731
+        return Proxy.__torch_function__(func, types, [to(a) for a in args],
+                                        {k: to(v) for k, v in (kwargs or {}).items()})
+
+    def __neg__(self):
+        return -self._expression()
+
+    def __abs__(self):
+        return abs(self._expression())
+
+    def size(self, dim=None):
+        return self._expression().size(dim)
+
+    __hash__ = object.__hash__
+
+
+def _forward_operator(name):
+    return lambda self, other: getattr(self._expression(), name)(other)
+
+
+for _name in ("add", "sub", "mul", "truediv", "matmul", "pow"):
+    setattr(_Expression, f"__{_name}__", _forward_operator(f"__{_name}__"))
+    setattr(_Expression, f"__r{_name}__", _forward_operator(f"__r{_name}__"))
+for _name in ("floordiv", "mod", "lt", "le", "gt", "ge", "and", "or"):
+    setattr(_Expression, f"__{_name}__", _forward_operator(f"__{_name}__"))
+
+
+def _loc_node(location):
+    from ._proxy import Loc
+    return Loc(location.name, location._visit)
+
+
+def _is_expression(value):
+    from ._proxy import Proxy
+    return isinstance(value, (Proxy, _Expression))
+
+
+class _View(_InPlaceEdits, _Expression):
+    """`loc[idx]`: a selection of the whole tensor at a location: for in-place operators, and a value."""
 
     def __init__(self, location, index):
-        self._location, self._index = location, index
+        self._location, self._python_index = location, index
+
+    @property
+    def _index(self):
+        return _index_text(self._python_index, self._location.name)
 
     def _target(self):
         return self._location, self._index
+
+    def _node(self):
+        from ._proxy import Op
+        import operator
+        return Op(operator.getitem, (_loc_node(self._location), self._python_index))
+
+    def _model_here(self):
+        return self._location._model
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        found = self._tensor_attribute(name)
+        if found is None:
+            raise AttributeError(f"{self._location.name}[...] has no attribute {name!r}")
+        return found
 
     def __itruediv__(self, value):
         if not isinstance(value, numbers.Real):
@@ -187,8 +272,7 @@ class _View(_InPlaceEdits):
         return _Pending(self._location, self._index, "scale", 1.0 / value)
 
     def save(self):
-        raise FragmentsError(f"{self._location.name}: save the whole location and index the saved tensor "
-                             "after the trace")
+        return self._expression().save()
 
 
 def _as_tensor_or_number(value, location):
@@ -198,7 +282,7 @@ def _as_tensor_or_number(value, location):
     raise FragmentsError(f"{location.name}: an edit takes a tensor or a number, got {type(value).__name__}")
 
 
-class Location(_InPlaceEdits):
+class Location(_InPlaceEdits, _Expression):
     """A location (`<module>.input`, `<module>.output`; the model's output is its logits)."""
 
     def __init__(self, model, name, visit=None):
@@ -222,6 +306,9 @@ class Location(_InPlaceEdits):
         if name == "heads":
             raise AttributeError(f"{self.name} has no heads of its own: take them from a segment "
                                  f"({', '.join('.' + r for r in regions) or 'none here'})")
+        found = self._tensor_attribute(name)
+        if found is not None:
+            return found
         options = list(regions) + ["save", "apply", "visit", "all"]
         raise AttributeError(f"location {self.name} has no attribute {name!r}{_did_you_mean(name, options)}")
 
@@ -258,7 +345,13 @@ class Location(_InPlaceEdits):
         trace._callables.append((self.name, fn, self._visit, f"apply#{len(trace._callables)}"))
 
     def __getitem__(self, index):
-        return _View(self, _index_text(index, self.name))
+        return _View(self, index)
+
+    def _node(self):
+        return _loc_node(self)
+
+    def _model_here(self):
+        return self._model
 
     def __setitem__(self, index, value):
         self._model._active_trace(f"{self.name}[...] = ...")._edit(self, _index_text(index, self.name), value)
@@ -270,7 +363,7 @@ class Location(_InPlaceEdits):
         return f"<location {self._where()}>"
 
 
-class _Region(_InPlaceEdits):
+class _Region(_InPlaceEdits, _Expression):
     """A part of a location's last dim in whole coordinates: a q/k/v segment, all heads, or one head
     (`.heads[i]`). Edits become plan steps with an index; a save is the whole location's, sliced after
     the trace. Across ranks the runtime takes reads from one copy of a replicated kv head and lands edits
@@ -294,6 +387,14 @@ class _Region(_InPlaceEdits):
 
     def _target(self):
         return self._location, self.index
+
+    def _node(self):
+        from ._proxy import Op
+        import operator
+        return Op(operator.getitem, (_loc_node(self._location), (Ellipsis, slice(self._start, self._stop))))
+
+    def _model_here(self):
+        return self._location._model
 
     def __repr__(self):
         return f"<{self._what}: [..., {self._start}:{self._stop}] of {self._location.name}>"
@@ -330,12 +431,31 @@ class _Logits(Location):
     def __setitem__(self, index, value):
         raise FragmentsError("model.output (the logits) cannot be edited: edit lm_head's input or output")
 
+    def _node(self):
+        from ._proxy import Output
+        return Output()
 
-class _CallChain:
+
+class _CallChain(_Expression):
     """An ad-hoc call recorded at a location: `model.lm_head(model.model.norm(loc))`."""
 
     def __init__(self, location, modules):
         self._location, self._modules = location, modules
+
+    def _node(self):
+        from ._proxy import Call
+        return Call(self._modules, _loc_node(self._location))
+
+    def _model_here(self):
+        return self._location._model
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        found = self._tensor_attribute(name)
+        if found is None:
+            raise AttributeError(f"{self._modules[-1]}(...) has no attribute {name!r}")
+        return found
 
     def save(self):
         trace = self._location._model._active_trace(f"{self._modules[-1]}(...).save()")
@@ -407,6 +527,14 @@ class Module:
             if isinstance(x, Location):
                 return _CallChain(x, [self._path])
             return _CallChain(x._location, x._modules + [self._path])
+        from ._proxy import Call, Proxy, as_node, user_line
+        if isinstance(x, Proxy):  # an expression: the call runs after the forward, on its value
+            problem = self._model._c.callable(self._path)
+            if problem:
+                raise FragmentsError(problem)
+            node = Call([self._path], as_node(x))
+            node.where = user_line()
+            return Proxy(x._trace, node)
         x = _unwrap(x)
         if not isinstance(x, torch.Tensor):
             raise FragmentsError(f"{self._path}(...) takes a whole tensor or a location, got {type(x).__name__}")
@@ -421,8 +549,12 @@ class Trace:
 
     def __init__(self, model, ids, generate=0):
         self._model = model
-        self._ids = _token_ids(ids)
+        rows = _token_rows(ids)
+        self.lengths = [len(r) for r in rows]  # a ragged batch runs right-padded: see unpad()
+        self._ids = _padded(rows)
         self._generate = generate
+        self._captured, self._expressions = {}, []  # saved expressions: their leaves' saves, (value, node, line)
+        self._hooks, self._live = {}, {}            # edits by expressions: callables at locations
         self._steps = _StepsWithLines()  # each step remembers the user's file:line (errors name it)
         self._callables = []
         self._saves = []   # (SavedValue, name) ; name None for the output
@@ -463,6 +595,75 @@ class Trace:
         self._saves.append((saved, step.as_))
         return saved
 
+    def unpad(self, value):
+        """Each row of a ragged batch's value trimmed to its prompt's tokens (a list of tensors)."""
+        return unpad(value, self.lengths)
+
+    def _save_node(self, node, where):
+        """`.save()` of an expression: its locations saved by the plan, the value computed after the forward."""
+        from . import _program
+        from ._proxy import Node
+        if getattr(self, "_expressions", None) is None:
+            raise FragmentsError(f"{where}: expressions in fragments.load's model.generate: save the location and "
+                                 "compute after, or use a LanguageModel")
+        if not isinstance(node, Node):
+            raise FragmentsError(f"{where}: save() of {type(node).__name__}: save a value of the trace")
+        for leaf in _leaf_nodes(node, where):
+            key = _program._leaf_key(leaf)
+            if key not in self._captured:
+                self._captured[key] = (self._save_output() if key[0] == "output"
+                                       else self._save(Location(self._model, leaf.name, leaf.visit)))
+        saved = SavedValue(repr(node))
+        self._expressions.append((saved, node, where))
+        return saved
+
+    def _meta(self, node):
+        """`node` on meta tensors (`.shape`, `.dtype`): each location's shape from one probe forward of this
+        rank (once per model; in SPMD every rank asks alike, so the probe's collectives meet)."""
+        from . import _proxy, _program
+        model = self._model
+        if getattr(model, "_shapes", None) is None:
+            open_trace, model._trace = model._trace, None
+            try:
+                model._shapes = _program.probe(model, (2, 3))
+            finally:
+                model._trace = open_trace
+        probe, (batch, tokens) = model._shapes, tuple(self._ids.shape)
+
+        def leaf(x, arg):
+            if isinstance(x, _proxy.Call):
+                shape, dtype = probe[f"{x.modules[-1]}.output"]
+                return torch.empty(tuple(arg.shape[:-1]) + tuple(shape[-1:]), dtype=dtype, device="meta")
+            name = "output" if isinstance(x, _proxy.Output) else getattr(x, "name", None)
+            if name not in probe:
+                raise FragmentsError(f"{x.where}: {x!r} has no shape here")
+            from ._session import _scaled
+            return torch.empty(_scaled(probe[name][0], batch, tokens), dtype=probe[name][1], device="meta")
+        return _proxy.meta(node, leaf)
+
+    def _edit_by_expression(self, location, index, do, node, where):
+        """An edit whose value is an expression: a callable at the location (program._Hook) evaluates it
+        on the whole during the forward, from the live values of the locations it reads (callables too)."""
+        from . import _program
+        from ._proxy import Loc
+        if getattr(self, "_hooks", None) is None:
+            raise FragmentsError(f"{where}: expressions in fragments.load's model.generate: use a LanguageModel")
+        if _program._calls_in(node, []):
+            raise FragmentsError(f"{where}: a module called ad hoc runs after the forward: it can be saved or "
+                                 "computed with, not be an edit's value")
+
+        def hook(name, visit):
+            if (name, visit) not in self._hooks:
+                self._hooks[(name, visit)] = _program._Hook(name, visit, self._live)
+                self._hooks[(name, visit)].weights = {}
+            return self._hooks[(name, visit)]
+        for leaf in _leaf_nodes(node, where):
+            if not isinstance(leaf, Loc):
+                raise FragmentsError(f"{where}: model.output exists only after the forward: it cannot be an edit's value")
+            hook(leaf.name, leaf.visit)
+        python_index = None if index is None else _parse_index_text(index)
+        hook(location.name, location._visit).steps.append(("edit", python_index, do, node, where))
+
     def _edit(self, location, index, value):
         if isinstance(value, _Pending):
             if value.location.name != location.name or value.index != index:
@@ -470,6 +671,10 @@ class Trace:
             do, operand = value.do, value.operand
         else:
             do, operand = "set", value
+        if _is_expression(operand):
+            from ._proxy import as_node, user_line
+            node = operand._node() if isinstance(operand, _Expression) else as_node(operand)
+            return self._edit_by_expression(location, index, do, node, user_line())
         where = location.name + (f"[{index}]" if index else "")
         if isinstance(operand, SavedValue) and not operand._ready:
             raise FragmentsError(f"{where}: {operand._what}.save() has no value yet; a value saved in a trace "
@@ -516,6 +721,8 @@ class Trace:
         return path
 
     def _run(self):
+        for i, ((name, visit), hook) in enumerate(self._hooks.items()):
+            self._callables.append((name, hook, visit, f"expression#{i}"))
         try:
             out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate)
         except _C.FragError as e:  # a step refused during the forward: said at the line that wrote it
@@ -533,6 +740,35 @@ class Trace:
             else:
                 tensors = saved.get(name, [])
                 value._set(tensors[0] if len(tensors) == 1 else tensors)
+        if self._expressions:
+            from . import _program
+            saves = {i: ("expr", node, where) for i, (_, node, where) in enumerate(self._expressions)}
+            values, _ = _program._results(self._model, saves, self._captured, {})
+            for i, (value, _, _) in enumerate(self._expressions):
+                value._set(values[i])
+
+
+def _leaf_nodes(node, where):
+    from ._proxy import Loc, Output, _leaves_of
+    leaves = _leaves_of(node)
+    for leaf in leaves:
+        if not isinstance(leaf, (Loc, Output)):
+            raise FragmentsError(f"{where}: {leaf!r}: module weights are read whole in a LanguageModel session, "
+                                 "not in fragments.load's traces (each rank holds its own piece)")
+    return leaves
+
+
+def _parse_index_text(text):
+    """The plan's index text ("...,0:8", "1,2") back as a Python index."""
+    items = []
+    for part in text.split(","):
+        if part == "...":
+            items.append(Ellipsis)
+        elif ":" in part:
+            items.append(slice(*[int(b) if b else None for b in part.split(":")]))
+        else:
+            items.append(int(part))
+    return tuple(items)
 
 
 _STEP_LINES = True  # a session's rank (fragments._worker) replays steps whose lines the driver keeps
@@ -553,6 +789,46 @@ def _at_line(error, steps):
     message = str(error)
     where = next((getattr(s, "where", None) for s in steps if s.at in message), None)
     return type(error)(f"{where}: {message}") if where else error
+
+
+PAD_ID = 0  # the token a ragged batch is right-padded with (no real token attends to it: attention is causal)
+
+
+def _token_rows(ids):
+    """Token ids as rows of ints: a LongTensor [B, T] or [T], a list of ints, or lists of ints of any
+    lengths (a ragged batch)."""
+    if isinstance(ids, (list, tuple)) and ids and all(isinstance(r, (list, tuple, torch.Tensor)) for r in ids):
+        rows = []
+        for i, r in enumerate(ids):
+            r = _token_ids(r)
+            if r.shape[0] != 1:
+                raise FragmentsError(f"token ids: prompt {i} must be one row of ids, got shape {list(r.shape)}")
+            rows.append(r[0].tolist())
+    else:
+        rows = _token_ids(ids).tolist()
+    for i, r in enumerate(rows):
+        if not r:
+            raise FragmentsError(f"token ids: prompt {i} has no tokens")
+    return rows
+
+
+def _padded(rows):
+    """Rows of different lengths as one [B, longest] batch, right-padded with PAD_ID: each real token's
+    position is its index, as in its own run, and causal attention keeps it from the pads after it."""
+    longest = max(len(r) for r in rows)
+    return torch.tensor([r + [PAD_ID] * (longest - len(r)) for r in rows], dtype=torch.long)
+
+
+def unpad(value, lengths):
+    """Each row of a ragged batch's value ([B, longest, ...], or a list of them per visit) trimmed to its
+    prompt's tokens: a list of [length, ...] tensors."""
+    if isinstance(value, SavedValue):
+        value = value.value
+    if isinstance(value, list):
+        return [unpad(v, lengths) for v in value]
+    if value.dim() < 2 or value.shape[0] != len(lengths):
+        raise FragmentsError(f"unpad: a value of shape {list(value.shape)} is not [rows={len(lengths)}, tokens, ...]")
+    return [value[b, :n] for b, n in enumerate(lengths)]
 
 
 def _token_ids(ids):

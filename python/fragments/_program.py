@@ -35,7 +35,7 @@ def _digest(value):
         if isinstance(t, torch.Tensor):
             t = t.detach().cpu().contiguous()
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim too
         else:
             h.update(repr(t).encode())
     return h.hexdigest()[:16]
@@ -354,3 +354,30 @@ def _detach(value):
         return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
     return value
 
+
+
+def probe(model, shape):
+    """{location: (shape, dtype)} of every location at its first visit, and "output", in one forward of
+    pad tokens of `shape` ([rows, tokens]); every rank runs it alike (the saves gather). Locations that no
+    rank holds whole (rank-local ones, refused by the plan) are left out."""
+    import re
+    import warnings
+    from ._model import PAD_ID, Location
+    ids = torch.full(tuple(shape), PAD_ID, dtype=torch.long)
+    names = list(model._location_kinds)
+    while True:
+        try:
+            with warnings.catch_warnings(), model.trace(ids):  # locations a forward never reaches: no shape
+                warnings.simplefilter("ignore")
+                saves = {name: Location(model, name).visit(0).save() for name in names}
+                out = model.output.save()
+            break
+        except _C.FragError as e:
+            local = re.search(r"at (\S+)\): \1 is rank-local", str(e))
+            if local is None or local.group(1) not in names:
+                raise
+            names.remove(local.group(1))
+    shapes = {name: (tuple(v.value.shape), v.value.dtype) for name, v in saves.items()
+              if isinstance(v.value, torch.Tensor)}
+    shapes["output"] = (tuple(out.value.shape), out.value.dtype)
+    return shapes

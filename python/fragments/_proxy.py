@@ -129,33 +129,33 @@ def _leaves_of(x):
     return []
 
 
-def evaluate(node, env):
-    """The value of `node`; `env(leaf)` gives a leaf's whole tensor."""
+def evaluate(node, env, const=None):
+    """The value of `node`; `env(leaf)` gives a leaf's whole tensor; `const(x)`, if given, maps constants."""
     if isinstance(node, (Loc, Output, Weight)):
         return env(node)
     if isinstance(node, Const):
-        return node.value
+        return node.value if const is None else const(node.value)
     if isinstance(node, Call):
         return env(node)
     if isinstance(node, Op):
-        args = [_evaluate_any(a, env) for a in node.args]
-        kwargs = {k: _evaluate_any(v, env) for k, v in node.kwargs.items()}
+        args = [_evaluate_any(a, env, const) for a in node.args]
+        kwargs = {k: _evaluate_any(v, env, const) for k, v in node.kwargs.items()}
         if isinstance(node.fn, tuple):
             return getattr(args[0], node.fn[1])(*args[1:], **kwargs)
         return node.fn(*args, **kwargs)
-    return node
+    return node if const is None else const(node)
 
 
-def _evaluate_any(x, env):
+def _evaluate_any(x, env, const=None):
     if isinstance(x, Node):
-        return evaluate(x, env)
+        return evaluate(x, env, const)
     if isinstance(x, list):
-        return [_evaluate_any(i, env) for i in x]
+        return [_evaluate_any(i, env, const) for i in x]
     if isinstance(x, tuple):
-        return tuple(_evaluate_any(i, env) for i in x)
+        return tuple(_evaluate_any(i, env, const) for i in x)
     if isinstance(x, dict):
-        return {k: _evaluate_any(v, env) for k, v in x.items()}
-    return x
+        return {k: _evaluate_any(v, env, const) for k, v in x.items()}
+    return x if const is None else const(x)
 
 
 def as_node(x):
@@ -199,9 +199,11 @@ class Proxy:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        if name in ("shape", "dtype", "device", "ndim"):
-            raise AttributeError(f"{self._node!r}.{name} is not known while the trace records (values exist on "
-                                 "the ranks); save the value, or compute with it")
+        if name in ("shape", "dtype", "ndim"):  # from a fake run of the expression (see `meta`)
+            meta = self._trace._meta(self._node)
+            return meta.dim() if name == "ndim" else getattr(meta, name)
+        if name == "device":
+            raise AttributeError(f"{self._node!r}.device: values live on the ranks' devices, not in this process")
         if name in ("T", "mT", "real", "imag"):
             return self._derive(Op(getattr, (as_node(self), name)))
         if not callable(getattr(torch.Tensor, name, None)):
@@ -223,8 +225,12 @@ class Proxy:
         raise TypeError("a value inside a trace has no truth value yet (it exists on the ranks once the forward "
                         "runs): compute with it, or save it and decide after the trace")
 
+    def size(self, dim=None):
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
     def __len__(self):
-        raise TypeError("a value inside a trace has no length yet; save it, or compute with .shape on the ranks")
+        return self.shape[0]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -259,3 +265,40 @@ class Proxy:
 
 def is_number(x):
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def meta(node, leaf):
+    """What `node` would be, computed on meta tensors (shape and dtype, no data): `leaf(l)` gives a leaf's
+    meta tensor. A trace's `.shape` and `.dtype` come from this; nothing runs on the ranks."""
+    def env(x):
+        if isinstance(x, Call):
+            return leaf(x, evaluate(x.arg, env, as_meta))
+        return leaf(x, None)
+    try:
+        out = evaluate(node, env, as_meta)
+    except Exception as e:  # noqa: B902 - what the ranks would say, at the user's line
+        raise TypeError(f"{node.where}: {node!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{node!r} is a {type(out).__name__}, not a tensor: it has no shape")
+    return out
+
+
+def as_meta(x):
+    """A tensor's stand-in for `meta` (a constant of the trace)."""
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+class RowsApply:
+    """`.apply(fn)` inside an invoke: `fn` sees (and may replace) the invoke's rows and tokens only."""
+
+    def __init__(self, fn, rows, length):
+        self.fn, self.rows, self.length = fn, rows, length
+
+    def __call__(self, whole):
+        part = (self.rows, slice(0, self.length)) if whole.dim() > 1 else (self.rows,)
+        out = self.fn(whole[part])
+        if out is None:
+            return None
+        new = whole.clone()
+        new[part] = out
+        return new

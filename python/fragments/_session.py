@@ -6,6 +6,10 @@
         top = model.lm_head(model.model.norm(h))[:, -1].softmax(-1).topk(5).save()
     model.close()                                                      # or `with`, or the process's end
 
+Prompts of different lengths run as one right-padded batch (`tracer.lengths`, `tracer.unpad(v)`); within
+`tracer.invoke(...)` a value is that invoke's rows and tokens. `LanguageModel.attach(...)` drives ranks that
+another process keeps up (`python -m fragments.ranks`, fragments._attach).
+
 The driver (this process) records a trace as steps and expressions (fragments._proxy), sends the recording
 to every rank once, and gets the saved values back once, from rank 0; each rank replays it on its own
 `fragments.Model` (fragments._program) in the same order, so the ranks' collectives meet. The ranks are
@@ -79,15 +83,7 @@ class LanguageModel:
             raise FragmentsError(f"LanguageModel: tp must be a positive number of ranks, got {tp!r}")
         if backend not in ("gloo", "nccl"):
             raise FragmentsError(f"LanguageModel: backend must be 'gloo' or 'nccl', got {backend!r}")
-        self.path, self.tp, self._dead, self._closed = _rank_path(path), int(tp), None, False
-        self._folder = os.path.dirname(self.path)
-        self._tokenizer = tokenizer
-        self._weights = {}
-        self._layouts = {}
-        self._trace = None
-        self._interrupted = False
-        self._lock = threading.Lock()
-        self._procs, self._conns = [], []
+        self._setup(_rank_path(path), tp, tokenizer)
         try:
             self._start(backend, float(timeout))
         except BaseException:  # a rank that could not load, or an interrupt: no rank is left behind
@@ -95,6 +91,24 @@ class LanguageModel:
             self._kill()
             raise
         _SESSIONS.add(self)
+
+    def _setup(self, path, tp, tokenizer):
+        self.path, self.tp, self._dead, self._closed = path, int(tp), None, False
+        self._folder = os.path.dirname(self.path)
+        self._tokenizer = tokenizer
+        self._weights, self._layouts, self._shapes = {}, {}, None
+        self._trace = None
+        self._interrupted = False
+        self._lock = threading.Lock()
+        self._procs, self._conns = [], []
+        self._remote = None  # an attached client's connection (fragments._attach)
+
+    def _adopt(self, info):
+        """Rank 0's description of the model (module tree, locations, dtype)."""
+        self._info = info
+        self.dtype = info["dtype"]
+        self._classes, self._children = info["classes"], info["children"]
+        self._location_kinds = info["locations"]
 
     # -- the ranks -----------------------------------------------------------------------------------------
     def _start(self, backend, timeout):
@@ -136,10 +150,7 @@ class LanguageModel:
             kind, rank = pickle.loads(conn.recv_bytes())
             self._conns[rank] = conn
         replies = self._gather(deadline=time.monotonic() + timeout)
-        self._info = replies[0]
-        self.dtype = self._info["dtype"]
-        self._classes, self._children = self._info["classes"], self._info["children"]
-        self._location_kinds = self._info["locations"]
+        self._adopt(replies[0])
         self.pids = [p.pid for p in self._procs]
 
     def _check_alive(self):
@@ -205,37 +216,70 @@ class LanguageModel:
             raise FragmentsError("this LanguageModel was closed: create a new one")
         if self._dead:
             raise FragmentsError(f"{self._dead}; this session has ended: create a new LanguageModel")
+        try:
+            data = _pickler.dumps((kind, payload))
+        except Exception as e:  # noqa: B902 - what cannot travel, in words
+            raise FragmentsError(f"this cannot be sent to the ranks: {type(e).__name__}: {e} (functions travel "
+                                 f"{'by value (cloudpickle)' if _pickler.__name__ == 'cloudpickle' else 'by reference: only importable ones'}; "
+                                 "open files, sockets, locks and generators do not travel)") from None
         with self._lock:
-            self._check_alive()
-            if self._interrupted:  # the replies of a request interrupted in the caller (Ctrl-C, a kernel
-                self._interrupted = False  # interrupt): the ranks finish it; drop them
-                try:
-                    self._gather(ranks=set(self._waiting))
-                except FragmentsError:
-                    pass
+            if self._remote is not None:
+                return self._remote.request(data)
+            return self._broadcast(data)
+
+    def _broadcast(self, data):
+        """Sends one pickled request to every rank; their replies in rank order."""
+        self._check_alive()
+        if self._interrupted:  # the replies of a request interrupted in the caller (Ctrl-C, a kernel
+            self._interrupted = False  # interrupt): the ranks finish it; drop them
             try:
-                data = _pickler.dumps((kind, payload))
-            except Exception as e:  # noqa: B902 - what cannot travel, in words
-                raise FragmentsError(f"this cannot be sent to the ranks: {type(e).__name__}: {e} (functions travel "
-                                     f"{'by value (cloudpickle)' if _pickler.__name__ == 'cloudpickle' else 'by reference: only importable ones'}; "
-                                     "open files, sockets, locks and generators do not travel)") from None
-            for r, conn in enumerate(self._conns):
-                try:
-                    conn.send_bytes(data)
-                except OSError:
-                    self._check_alive()
-                    raise FragmentsError(f"rank {r} cannot be reached") from None
+                self._gather(ranks=set(self._waiting))
+            except FragmentsError:
+                pass
+        for r, conn in enumerate(self._conns):
             try:
-                return self._gather()
-            except KeyboardInterrupt:
-                self._interrupted = True
-                raise
+                conn.send_bytes(data)
+            except OSError:
+                self._check_alive()
+                raise FragmentsError(f"rank {r} cannot be reached") from None
+        try:
+            return self._gather()
+        except KeyboardInterrupt:
+            self._interrupted = True
+            raise
+
+    @classmethod
+    def attach(cls, address, authkey=None, timeout=120.0):
+        """A LanguageModel on ranks already running (`python -m fragments.ranks DIR --tp N`): `address` is
+        their connection file (it holds the address and the authkey) or "127.0.0.1:PORT" with `authkey`
+        (bytes, hex text, or $FRAGMENTS_AUTHKEY). One client at a time; `close()` detaches and leaves the
+        ranks running (`shutdown_ranks()` ends them)."""
+        from ._attach import connect
+        remote, hello = connect(address, authkey, timeout)
+        self = cls.__new__(cls)
+        self._setup(hello["path"], hello["tp"], None)
+        self._remote = remote
+        self._adopt(hello["info"])
+        self.pids = hello["pids"]
+        _SESSIONS.add(self)
+        return self
+
+    def shutdown_ranks(self):
+        """Ends the ranks this attached client talks to (their `python -m fragments.ranks` too)."""
+        if self._remote is None:
+            return self.close()
+        if not self._closed:
+            self._closed = True
+            self._remote.shutdown()
 
     def close(self):
         """Ends the ranks (also at `with`'s end and when this process exits)."""
         if self._closed:
             return
         self._closed = True
+        if self._remote is not None:  # attached: the ranks stay for the next client
+            self._remote.detach()
+            return
         if not self._dead:
             for conn in self._conns:
                 try:
@@ -287,21 +331,15 @@ class LanguageModel:
             self._tokenizer = AutoTokenizer.from_pretrained(folder)
         return self._tokenizer
 
-    def _ids(self, prompt):
-        """Token ids [batch, tokens] of a prompt: text (the checkpoint's tokenizer), texts, or ids."""
+    def _rows(self, prompt):
+        """A prompt as token-id rows (lists of ints): text (the checkpoint's tokenizer), texts, ids [B, T] or
+        [T], or lists of ids of different lengths (a ragged batch: right-padded when it runs)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
-            rows = [self.tokenizer(p)["input_ids"] for p in prompt]
-            lengths = sorted({len(r) for r in rows})
-            if len(lengths) > 1:
-                raise FragmentsError(
-                    f"prompts of different lengths in one forward ({', '.join(f'{len(r)} tokens: {p!r}' for r, p in zip(rows, prompt))}): "
-                    "padding and attention masks are not in this build; give prompts of as many tokens, or "
-                    "trace them separately")
-            return torch.tensor(rows, dtype=torch.long)
-        from ._model import _token_ids
-        return _token_ids(prompt)
+            return [list(self.tokenizer(p)["input_ids"]) for p in prompt]
+        from ._model import _token_rows
+        return _token_rows(prompt)
 
     def trace(self, prompt=None):
         """`with model.trace(prompt):` records; the block's end runs one forward on the ranks. `prompt`: a
@@ -329,6 +367,13 @@ class LanguageModel:
             self._weights[key] = whole
         return self._weights[key]
 
+    def _probe(self):
+        """{location: (shape, dtype)} of one forward of [2, 3] pad tokens (asked once): what `.shape` and
+        `.dtype` inside a trace scale to the trace's batch."""
+        if self._shapes is None:
+            self._shapes = self._request("probe", _PROBE_SHAPE)[0]
+        return self._shapes
+
     def _head_layout(self, name):
         if name not in self._layouts:
             self._layouts[name] = self._request("head_layout", name)[0]
@@ -341,6 +386,7 @@ class LanguageModel:
 
     def __repr__(self):
         state = "closed" if self._closed else (self._dead or f"ranks {self.pids}")
+        state += " (attached)" if self._remote is not None else ""
         return f"<fragments.LanguageModel {self.path} tp={self.tp}: {state}>"
 
 
@@ -389,8 +435,8 @@ class Envoy:
             return Envoy(s, self._child(name))
         if name in ("input", "output"):
             return self._location(name)
-        if name in ("inputs",):
-            return (self._location("input"),)
+        if name == "inputs":
+            return self._inputs()
         if self._path in s._classes and name in ("weight", "bias") or name.endswith("weight"):
             if s._trace is not None:
                 return s._trace._leaf_proxy(_proxy.Weight(self._path, name))
@@ -401,6 +447,22 @@ class Envoy:
         options = list(s._children.get(self._path, [])) + ["input", "output", "weight"]
         raise AttributeError(f"{self._path or 'the model'} ({s._classes.get(self._path, '?')}) has no attribute "
                              f"{name!r}{_did_you_mean(name, options)}")
+
+    def _inputs(self):
+        """nnsight's `(args, kwargs)` of this module's inputs where the rank file has them: a decoder layer's
+        hidden states (its first input in transformers) and, by name, the kit's `positions`; elsewhere the
+        first input. `.inputs["name"]` reads one by name."""
+        s = self._session
+        raw = self._child("input")
+        if raw not in s._location_kinds:
+            raise AttributeError(f"{self._path or 'the model'} has no inputs in this rank file "
+                                 f"(it has {', '.join(k for k in ('output',) if self._child(k) in s._location_kinds) or 'no location'})")
+        trace = s._active_trace(f"{self._path}.inputs")
+        alias = _hidden_state_alias(s, self._path)
+        if alias is None:
+            return Inputs(self._path, (trace._location(raw, None),), {})
+        return Inputs(self._path, (trace._location(alias, None),), {"positions": trace._location(raw, None)},
+                      names=("hidden_states",))
 
     def _location(self, kind):
         s = self._session
@@ -458,6 +520,29 @@ class Envoy:
         return f"<module {self._path or '(root)'} ({self._session._classes.get(self._path, '?')})>"
 
 
+class Inputs(tuple):
+    """`module.inputs`: `(args, kwargs)` as nnsight gives them; `inputs["name"]` is one input by name."""
+
+    _TRANSFORMERS = ("attention_mask", "position_ids", "position_embeddings", "past_key_value",
+                     "past_key_values", "cache_position", "use_cache", "output_attentions")
+
+    def __new__(cls, path, args, kwargs, names=()):
+        self = super().__new__(cls, (tuple(args), dict(kwargs)))
+        self._path, self._names = path, dict(zip(names, args))
+        self._names.update(kwargs)
+        return self
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        if key in self._names:
+            return self._names[key]
+        there = ", ".join(self._names) or "its first input only (`.input`)"
+        why = (" (a transformers input: the kit's layer takes `positions` and builds its own mask and rotary "
+               "embedding, so it has no such input)" if key in self._TRANSFORMERS else "")
+        raise KeyError(f"{self._path}.inputs has no {key!r}{why}; it has: {there}{_did_you_mean(key, self._names)}")
+
+
 def _hidden_state_alias(session, path):
     """A decoder layer's hidden states where the rank file's first input is something else (a vLLM decoder
     layer's is `positions`): the previous layer's output, or the embedding's for layer 0."""
@@ -500,8 +585,8 @@ class LocationProxy(_proxy.Proxy):
 
     def __init__(self, trace, name, visit, rows):
         node = _proxy.Loc(name, visit)
-        if rows is not None:
-            node = _proxy.Op(operator.getitem, (node, rows))
+        if rows is not None:  # an invoke's rows, and its own tokens where the batch is padded past them
+            node = _proxy.Op(operator.getitem, (node, rows.index()))
         super().__init__(trace, node)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_visit", visit)
@@ -526,9 +611,8 @@ class LocationProxy(_proxy.Proxy):
         """`fn(whole)` on the ranks at every visit; it returns the replacement or None (see Location.apply)."""
         if not callable(fn):
             raise FragmentsError(f"{self._name}.apply takes a callable, got {type(fn).__name__}")
-        if self._rows is not None:
-            raise FragmentsError(f"{self._name}.apply inside an invoke: a callable sees the whole batch; use it "
-                                 "in a trace of one prompt, or compute with the invoke's value instead")
+        if self._rows is not None:  # the callable sees this invoke's rows and tokens only
+            fn = _proxy.RowsApply(fn, self._rows.rows, self._rows.length)
         self._trace._record(("apply", self._name, self._visit, fn, _proxy.user_line()))
 
     def __setitem__(self, index, value):
@@ -614,27 +698,58 @@ def _eq(x, y):
         return x is y
 
 
-def _compose(rows, index):
-    """An index within an invoke's rows as an index of the whole batch."""
-    if rows is None:
+class _Part:
+    """An invoke's part of the batch: its rows, and its tokens (`length`: the longest of its prompts; the
+    batch is right-padded past it when another invoke's prompts are longer). `length` None: every token
+    (generation, where a decode step has one)."""
+
+    def __init__(self, rows, length):
+        self.rows, self.length = rows, length
+
+    def index(self):
+        return (self.rows,) if self.length is None else (self.rows, slice(0, self.length))
+
+
+def _compose(part, index):
+    """An index within an invoke's rows and tokens as an index of the whole batch."""
+    if part is None:
         return index
-    if index is None:
-        return (rows,)
-    items = index if isinstance(index, tuple) else (index,)
+    rows = part.rows
+    items = () if index is None else (index if isinstance(index, tuple) else (index,))
     if not items:
-        return (rows,)
+        return part.index()
     first, rest = items[0], items[1:]
     if first is Ellipsis:
-        return (rows, Ellipsis) + rest
+        return part.index() + (Ellipsis,) + rest
     if isinstance(first, numbers.Integral):
         n = rows.stop - rows.start
         if not -n <= first < n:
             raise FragmentsError(f"row {first} of an invoke of {n} prompt(s)")
-        return (rows.start + first % n,) + rest
-    if isinstance(first, slice) and first.step in (None, 1):
+        row = rows.start + first % n
+    elif isinstance(first, slice) and first.step in (None, 1):
         start, stop, _ = first.indices(rows.stop - rows.start)
-        return (slice(rows.start + start, rows.start + stop),) + rest
-    raise FragmentsError(f"index {index!r} of an invoke's rows: use integers or slices")
+        row = slice(rows.start + start, rows.start + stop)
+    else:
+        raise FragmentsError(f"index {index!r} of an invoke's rows: use integers or slices")
+    if part.length is None:
+        return (row,) + rest
+    return (row,) + _tokens(rest, part.length, index)
+
+
+def _tokens(rest, length, index):
+    """The token part of an invoke's index, counted within its own `length` tokens (`-1`: its last)."""
+    if not rest:
+        return (slice(0, length),)
+    second, after = rest[0], rest[1:]
+    if second is Ellipsis:
+        return (slice(0, length), Ellipsis) + after
+    if isinstance(second, numbers.Integral):
+        if not -length <= second < length:
+            raise FragmentsError(f"token {second} of an invoke's prompts of {length} tokens")
+        return (second % length,) + after
+    if isinstance(second, slice):
+        return (slice(*second.indices(length)),) + after
+    raise FragmentsError(f"index {index!r} of an invoke's tokens: use integers, slices or ...")
 
 
 class SessionTrace:
@@ -644,10 +759,11 @@ class SessionTrace:
         self._session = session
         self._generate = generate
         self._steps, self._saves = [], []
-        self._ids = None if prompt is None else session._ids(prompt)
-        self._invokes = []  # (ids) per invoke
-        self._rows = None
+        self._given = None if prompt is None else session._rows(prompt)
+        self._invokes = []  # token-id rows per invoke
+        self._rows = None   # the open invoke's _Part
         self._opened_at = _proxy.user_line()
+        self.lengths = None if self._given is None else [len(r) for r in self._given]
 
     def __enter__(self):
         if self._session._trace is not None:
@@ -663,10 +779,23 @@ class SessionTrace:
 
     def invoke(self, prompt):
         """`with tracer.invoke(prompt):` one or more prompts as rows of this trace's batch; locations read
-        and edited in the block are those rows'. A value of one invoke can be used in a later one."""
-        if self._ids is not None and not self._invokes:
+        and edited in the block are those rows' (and their own tokens, where another invoke's prompts are
+        longer: `[:, -1]` is this invoke's last token). A value of one invoke can be used in a later one."""
+        if self._given is not None and not self._invokes:
             raise FragmentsError("invoke: this trace was given its prompt already; use model.trace() with invokes")
-        return _Invoke(self, self._session._ids(prompt))
+        return _Invoke(self, self._session._rows(prompt))
+
+    def unpad(self, value):
+        """Each row of a value of this trace's whole batch trimmed to its prompt's tokens (a list)."""
+        from ._model import unpad
+        return unpad(value, self.lengths)
+
+    def _all_rows(self):
+        rows = [r for inv in self._invokes for r in inv] if self._invokes else self._given
+        if rows is None:
+            raise FragmentsError(f"{_proxy.user_line()}: the trace has no prompt yet: give one to model.trace(...) "
+                                 "or use tracer.invoke(...) first")
+        return rows
 
     def _location(self, name, visit):
         if name == "output":
@@ -678,6 +807,28 @@ class SessionTrace:
         if isinstance(node, _proxy.Weight):
             self._session._weight(node.module, node.attr)  # gathered once; the ranks keep it
         return _proxy.Proxy(self, node)
+
+    def _meta(self, node):
+        """`node` on meta tensors: the shapes of the batch so far (rows and longest prompt), the rest of each
+        location's shape from one probe forward of the ranks (once per session)."""
+        rows = self._all_rows()
+        batch, tokens = len(rows), max(len(r) for r in rows)
+        s = self._session
+        probe = s._probe()
+
+        def leaf(x, arg):
+            if isinstance(x, _proxy.Weight):
+                return _proxy.as_meta(s._weight(x.module, x.attr))
+            if isinstance(x, _proxy.Call):
+                shape, dtype = probe[f"{x.modules[-1]}.output"]
+                return torch.empty(tuple(arg.shape[:-1]) + tuple(shape[-1:]), dtype=dtype, device="meta")
+            name = "output" if isinstance(x, _proxy.Output) else x.name
+            if name == "output" and self._generate:
+                return torch.empty((batch, tokens + self._generate), dtype=torch.long, device="meta")
+            if name not in probe:
+                raise FragmentsError(f"{x.where}: {name} was not reached by a forward: it has no shape")
+            return torch.empty(_scaled(probe[name][0], batch, tokens), dtype=probe[name][1], device="meta")
+        return _proxy.meta(node, leaf)
 
     def _record(self, step):
         self._steps.append(step)
@@ -693,21 +844,33 @@ class SessionTrace:
 
     def _run(self):
         s = self._session
-        if self._invokes:
-            widths = {ids.shape[1] for ids in self._invokes}
-            if len(widths) > 1:
-                raise FragmentsError(
-                    f"{self._opened_at}: the invokes' prompts have different numbers of tokens ({sorted(widths)}): "
-                    "padding and attention masks are not in this build; give prompts of as many tokens")
-            self._ids = torch.cat(self._invokes, dim=0)
-        if self._ids is None:
-            raise FragmentsError(f"{self._opened_at}: the trace has no prompt: give one to model.trace(...) or "
-                                 "use tracer.invoke(...) inside it")
-        program = {"ids": self._ids, "generate": self._generate, "steps": self._steps}
+        rows = self._all_rows()
+        self.lengths = [len(r) for r in rows]
+        if self._generate and self._invokes and len({len(r) for r in rows}) > 1:
+            raise FragmentsError(
+                f"{self._opened_at}: generation with invokes of prompts of different numbers of tokens "
+                f"({sorted({len(r) for r in rows})}): give them as one list, `model.generate([...])`")
+        from ._model import _padded
+        ids = rows if self._generate else _padded(rows)  # generation pads (and tracks positions) itself
+        program = {"ids": ids, "generate": self._generate, "steps": self._steps}
         values, digests = _run_program(s, program)
         for key, saved, where in self._saves:
             saved._set(values[key])
         self.output = None
+
+
+_PROBE_SHAPE = (2, 3)  # the probe forward's [rows, tokens]
+
+
+def _scaled(shape, batch, tokens):
+    """A location's shape in the probe forward, for a batch of `batch` rows of `tokens` tokens: [B, T, ...]
+    values, and [T, ...] ones (a decoder layer's positions)."""
+    shape = tuple(shape)
+    if shape[:2] == _PROBE_SHAPE:
+        return (batch, tokens) + shape[2:]
+    if shape[:1] == _PROBE_SHAPE[1:]:
+        return (tokens,) + shape[1:]
+    return shape
 
 
 def _run_program(session, program):
@@ -722,14 +885,15 @@ def _run_program(session, program):
 
 
 class _Invoke:
-    def __init__(self, trace, ids):
-        self._trace, self._ids = trace, ids
+    def __init__(self, trace, rows):
+        self._trace, self._ids = trace, rows
 
     def __enter__(self):
         t = self._trace
-        start = sum(i.shape[0] for i in t._invokes)
+        start = sum(len(i) for i in t._invokes)
         t._invokes.append(self._ids)
-        t._rows = slice(start, start + self._ids.shape[0])
+        length = None if t._generate else max(len(r) for r in self._ids)
+        t._rows = _Part(slice(start, start + len(self._ids)), length)
         return t
 
     def __exit__(self, *exc):

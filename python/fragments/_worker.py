@@ -136,6 +136,9 @@ def _serve(recv, send, model, device, rank):
                 (path, attr), value = payload
                 weights[(path, attr)] = value.to(device)
                 send("ok", None)
+            elif kind == "probe":  # the shapes and dtypes of every location in a small forward
+                shapes = _program.probe(model, payload)
+                send("ok", shapes if rank == 0 else None)
             elif kind == "head_layout":
                 send("ok", model._head_layout(payload))
             elif kind == "call":  # a module ad hoc on a whole tensor (outside a trace)
