@@ -3,7 +3,8 @@
 Data flow of one engine step (docs/vllm.md):
   vLLM's scheduler decides the batch and broadcasts it; every rank runs execute_model on the same
   scheduler output, so every rank sees the same requests, rows and plans, in the same order.
-  execute_model (wrapped) marks the step; the first hook that fires reads the runner's flattened batch
+  execute_model (wrapped) parses the plans of new requests and keeps a hook only at the locations live
+  plans name (none: vLLM's modules run untouched); the first hook that fires reads the runner's flattened batch
   (input_batch.req_ids, query_start_loc, num_computed_tokens) and each request's plan (its
   SamplingParams.extra_args["fragments"]) and works out, per location, which request rows act at this
   step (prefill = step 0, decode step k = step k).
