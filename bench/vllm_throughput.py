@@ -109,17 +109,21 @@ def child_nnsight(args):
     def run(column):
         t0 = time.perf_counter()
         with model.trace(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True) as tracer:
-            bucket = nnsight.save([])  # filled in the workers, returned with the trace
+            # one dict above the invokes: each invoke (its own vLLM request, with its own copy) fills its key,
+            # and nnsight merges the copies by key (nnsight/modeling/vllm/collect.py)
+            bucket = nnsight.save({})
             for i, p in enumerate(ps):
                 with tracer.invoke(p):
                     if column == "nnsight_quarter" and i % 4 == 0:
+                        mine = []
                         for _ in tracer.iter[:args.max_tokens]:  # every forward: prefill, then each decode
                             for loc in LOCATIONS:
                                 e, side = envoy(loc)
                                 v = e.output if side == "output" else e.input
-                                bucket.append((v[0] if isinstance(v, tuple) else v).clone())
+                                mine.append((v[0] if isinstance(v, tuple) else v).clone())
+                        bucket[i] = mine
         dt = time.perf_counter() - t0
-        return tokens / dt, len(bucket)
+        return tokens / dt, sum(len(v) for v in bucket.values())
 
     expected = (args.prompts + 3) // 4 * len(LOCATIONS) * args.max_tokens
     for c in ("nnsight_none", "nnsight_quarter"):
