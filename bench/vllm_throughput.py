@@ -18,8 +18,9 @@ columns differ only by the plugin). Columns, each an engine in its own process (
             invokes of one trace: nothing saved (nnsight_none), and every 4th invoke saving the same 4
             locations at every step (nnsight_quarter)
 Interleaved: --rounds times (plain engine, plugin engine[, nnsight engine]); inside the plugin engine
-none and quarter alternate for --reps repetitions after one warm-up each. The report gives the median
-tokens/s of each column and the ratios to plain.
+none and quarter alternate for --reps repetitions after one warm-up each. The report gives, per column,
+the median tokens/s (wall) and the median tokens per CPU second (user + system of the benchmark and the
+vLLM processes it starts: steadier than wall time on a shared machine), each as a ratio to plain.
 """
 import argparse
 import json
@@ -52,6 +53,28 @@ def write_model(folder):
                                          eos_token="w2").save_pretrained(folder)
 
 
+def cpu_seconds():
+    """User + system CPU seconds of this process and every process it started (vLLM's engine core and
+    workers): a rate per CPU second is far less sensitive to other load on a shared machine than wall time."""
+    import psutil
+    me = psutil.Process()
+    total = 0.0
+    for p in [me] + me.children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def timed(fn):
+    """(wall seconds, CPU seconds) of fn()."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
 def prompts(n, length):
     import random
     rng = random.Random(0)
@@ -66,8 +89,7 @@ def child_vllm(args, mode):
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
 
-    def run(column):
-        t0 = time.perf_counter()
+    def generate(column):
         if column == "quarter":
             from fragments import vllm as fv
             plan = [{"at": loc, "do": "save", "as": loc, "step": "all"} for loc in LOCATIONS]
@@ -76,16 +98,19 @@ def child_vllm(args, mode):
             assert all(len(o.fragments) == 4 for o in outs[::4])
         else:
             outs = llm.generate(ps, SamplingParams(**sampling), use_tqdm=False)
-        dt = time.perf_counter() - t0
         assert sum(len(o.outputs[0].token_ids) for o in outs) == tokens
-        return tokens / dt
+
+    def run(column):
+        wall, cpu = timed(lambda: generate(column))
+        return tokens / wall, tokens / cpu
 
     columns = ["plain"] if mode == "plain" else ["none", "quarter"]
     for c in columns:
         run(c)  # warm-up
     for _ in range(args.reps):
         for c in columns:
-            print(json.dumps({"column": c, "tokens_per_s": run(c)}), flush=True)
+            rate, per_cpu = run(c)
+            print(json.dumps({"column": c, "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu}), flush=True)
 
 
 def child_nnsight(args):
@@ -107,7 +132,11 @@ def child_nnsight(args):
         return e, side
 
     def run(column):
-        t0 = time.perf_counter()
+        out = {}
+        wall, cpu = timed(lambda: out.setdefault("n", trace(column)))
+        return tokens / wall, tokens / cpu, out["n"]
+
+    def trace(column):
         with model.trace(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True) as tracer:
             # one dict above the invokes: each invoke (its own vLLM request, with its own copy) fills its key,
             # and nnsight merges the copies by key (nnsight/modeling/vllm/collect.py)
@@ -122,18 +151,17 @@ def child_nnsight(args):
                                 v = e.output if side == "output" else e.input
                                 mine.append((v[0] if isinstance(v, tuple) else v).clone())
                         bucket[i] = mine
-        dt = time.perf_counter() - t0
-        return tokens / dt, sum(len(v) for v in bucket.values())
+        return sum(len(v) for v in bucket.values())
 
     expected = (args.prompts + 3) // 4 * len(LOCATIONS) * args.max_tokens
     for c in ("nnsight_none", "nnsight_quarter"):
         run(c)
     for _ in range(args.reps):
         for c in ("nnsight_none", "nnsight_quarter"):
-            rate, n = run(c)
+            rate, per_cpu, n = run(c)
             if c == "nnsight_quarter" and n != expected:  # reported, not hidden: then it saved nothing usable
                 c = f"nnsight_quarter (INVALID: {n} of {expected} values came back)"
-            print(json.dumps({"column": c, "tokens_per_s": rate, "saved": n}), flush=True)
+            print(json.dumps({"column": c, "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu, "saved": n}), flush=True)
 
 
 def spawn(args, mode, site):
@@ -180,19 +208,24 @@ def main():
     write_model(args.model)
     site = plugin_dist(os.path.join(work, "site"))
     load_before = os.getloadavg()
-    results = {}
+    results, per_cpu = {}, {}
     for _ in range(args.rounds):
         for mode in ["plain", "plugin"] + (["nnsight"] if args.nnsight else []):
             for row in spawn(args, mode, site):
                 results.setdefault(row["column"], []).append(row["tokens_per_s"])
+                per_cpu.setdefault(row["column"], []).append(row["tokens_per_cpu_s"])
     median = {c: statistics.median(v) for c, v in results.items()}
+    median_cpu = {c: statistics.median(v) for c, v in per_cpu.items()}
     report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds", "reps")},
-              "load_before": load_before, "load_after": os.getloadavg(), "tokens_per_s": results, "median": median,
-              "ratio_to_plain": {c: m / median["plain"] for c, m in median.items()}}
-    print("| column | median tokens/s | × plain | runs |")
-    print("|---|---|---|---|")
+              "load_before": load_before, "load_after": os.getloadavg(), "tokens_per_s": results,
+              "tokens_per_cpu_s": per_cpu, "median": median, "median_per_cpu_s": median_cpu,
+              "ratio_to_plain": {c: m / median["plain"] for c, m in median.items()},
+              "ratio_to_plain_per_cpu_s": {c: m / median_cpu["plain"] for c, m in median_cpu.items()}}
+    print("| column | median tokens/s (wall) | × plain | median tokens per CPU s | × plain | wall runs |")
+    print("|---|---|---|---|---|---|")
     for c, m in median.items():
-        print(f"| {c} | {m:.1f} | {m / median['plain']:.3f} | {', '.join(f'{x:.0f}' for x in results[c])} |")
+        print(f"| {c} | {m:.1f} | {m / median['plain']:.3f} | {median_cpu[c]:.1f} | "
+              f"{median_cpu[c] / median_cpu['plain']:.3f} | {', '.join(f'{x:.0f}' for x in results[c])} |")
     print(f"load average before {load_before[0]:.1f}, after {report['load_after'][0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
