@@ -3,6 +3,7 @@
 Installed as vLLM plugins by the package (pyproject.toml):
   vllm.general_plugins  fragments = fragments.vllm:register            (every process: engine and workers)
   vllm.logits_processors fragments = fragments.vllm:FragmentsPlanValidator  (front end: plan checks at submission)
+In `vllm serve`, plans come in the request body and saves go back in the response (_server.py).
 Workers need eager mode (LLM(..., enforce_eager=True)); see docs/vllm.md for the data flow.
 
     from fragments import vllm as fv
@@ -33,8 +34,9 @@ def register() -> None:
         return
     if "FRAGMENTS_VLLM_DIR" not in os.environ:  # the first process; spawned workers inherit it
         os.environ["FRAGMENTS_VLLM_DIR"] = tempfile.mkdtemp(prefix="fragments-vllm-")
-    from . import _worker
+    from . import _server, _worker
     _worker.install()
+    _server.install_into_api_server()  # only in `vllm serve`'s API server process
 
 
 def _model_record() -> Optional[dict]:

@@ -15,6 +15,10 @@ request and its steps are skipped, on every rank alike).
 
 "step": 0 = the prefill forward (every chunk of it), k = the k-th decode step, a list of those,
 "prefill", "decode" or "all" (the default).
+
+Steering vectors registered by name: FRAGMENTS_VLLM_VECTORS names safetensors files (separated by ","),
+each tensor a vector under its own name; a plan's "value": "@name" refers to one (resolved here, before
+the C++ parser loads it as "file:name"). Every vLLM process inherits the variable from the one started.
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ class RequestPlan:
         """`record` is the worker's model record (WorkerState.model_record). Never raises."""
         key = req_id
         try:
+            if isinstance(spec, str):  # vLLM's OpenAI server carries vllm_xargs values as text
+                spec = json.loads(spec)
             if isinstance(spec, dict):
                 key = str(spec.get("key", req_id))
             steps = _parse(spec, record, modules)
@@ -93,6 +99,9 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         step_sets.append(_steps(item.pop("step", "all"), i))
         stripped.append(item)
     base = spec.get("base") or os.getcwd()
+    for i, item in enumerate(stripped):
+        if isinstance(item.get("value"), str) and item["value"].startswith("@"):
+            item["value"] = vector_value(item["value"][1:], i)
     plan = {"interventions": stripped}
     if "format" in spec:  # the C++ parser refuses a version it does not read
         plan["format"] = spec["format"]
@@ -131,3 +140,39 @@ def _steps(value, i):
         raise ValueError(f'intervention {i}: "step" must be "all", "prefill", "decode", a step number '
                          f"(0 = prefill, k = k-th decode step) or a list of them, found {json.dumps(value)}")
     return frozenset(values)
+
+
+_vectors_cache: Dict[str, Dict[str, str]] = {}
+
+
+def registered_vectors() -> Dict[str, str]:
+    """Vector name -> "abs/file.safetensors:name" from FRAGMENTS_VLLM_VECTORS (read once per value of the
+    variable). Raises ValueError naming the file for a missing file or a name given twice."""
+    spec = os.environ.get("FRAGMENTS_VLLM_VECTORS", "")
+    if spec in _vectors_cache:
+        return _vectors_cache[spec]
+    from safetensors import safe_open
+    vectors: Dict[str, str] = {}
+    for path in filter(None, (p.strip() for p in spec.split(","))):
+        path = os.path.abspath(path)
+        try:
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for a bad file
+            raise ValueError(f"FRAGMENTS_VLLM_VECTORS: {path}: expected a safetensors file, found: {e}") from None
+        for name in names:
+            if name in vectors:
+                raise ValueError(f"FRAGMENTS_VLLM_VECTORS: {path}: vector {name!r} is also in "
+                                 f"{vectors[name].rsplit(':', 1)[0]}; names must be unique")
+            vectors[name] = f"{path}:{name}"
+    _vectors_cache[spec] = vectors
+    return vectors
+
+
+def vector_value(name: str, i: int) -> str:
+    vectors = registered_vectors()
+    if name not in vectors:
+        known = ", ".join(sorted(vectors)) or "none (FRAGMENTS_VLLM_VECTORS is unset)"
+        raise ValueError(f'intervention {i}: "value" "@{name}": no steering vector of that name; registered: '
+                         f"{known}")
+    return vectors[name]

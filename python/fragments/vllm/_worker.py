@@ -3,7 +3,8 @@
 Data flow of one engine step (docs/vllm.md):
   vLLM's scheduler decides the batch and broadcasts it; every rank runs execute_model on the same
   scheduler output, so every rank sees the same requests, rows and plans, in the same order.
-  execute_model (wrapped) marks the step; the first hook that fires reads the runner's flattened batch
+  execute_model (wrapped) parses the plans of new requests and keeps a hook only at the locations live
+  plans name (none: vLLM's modules run untouched); the first hook that fires reads the runner's flattened batch
   (input_batch.req_ids, query_start_loc, num_computed_tokens) and each request's plan (its
   SamplingParams.extra_args["fragments"]) and works out, per location, which request rows act at this
   step (prefill = step 0, decode step k = step k).
@@ -67,13 +68,10 @@ class WorkerState:
         self.saves: Dict[str, dict] = {}  # request key -> {"saves": {name: [tensors]}, "error": str|None}
         self.in_step = False
         self.step_work: Optional[Dict[str, List[_Work]]] = None
-        self.handles = []
+        self.hooks: Dict[str, object] = {}  # location -> its hook's handle: only where a live plan acts
         self.compiled = not runner.model_config.enforce_eager
         self._record = None
-        if not self.compiled:
-            for path, module in self.modules.items():
-                self.handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
-                self.handles.append(module.register_forward_hook(self._post_hook(path), with_kwargs=True))
+        self._failed = False  # a plan failed in a forward: its hooks go at the next step
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
@@ -85,10 +83,31 @@ class WorkerState:
 
     # ---- the step -----------------------------------------------------------------------------------
     def begin_step(self, scheduler_output):
-        self.in_step = True
+        """Plans of requests new in this step are parsed, those of finished ones dropped, and the hooks
+        follow: a location has a hook only while a live plan acts there, so a batch without plans runs
+        vLLM's model untouched. Every rank sees the same scheduler output, so every rank hooks alike."""
         self.step_work = None
+        changed, self._failed = self._failed, False
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            self.plans.pop(req_id, None)
+            changed |= self.plans.pop(req_id, None) is not None
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            if new.req_id not in self.plans:
+                changed |= self._plan_of(new.req_id, new.sampling_params) is not None
+        if changed:
+            self._sync_hooks()
+        self.in_step = bool(self.hooks)
+
+    def _sync_hooks(self):
+        wanted = set() if self.compiled else \
+            {s.at for p in self.plans.values() if p is not None and not p.error for s in p.steps}
+        for location in set(self.hooks) - wanted:
+            self.hooks.pop(location).remove()
+        for location in wanted - set(self.hooks):
+            path, _, side = location.rpartition(".")
+            module = self.modules[path]
+            self.hooks[location] = (module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True)
+                                    if side == "input" else
+                                    module.register_forward_hook(self._post_hook(path), with_kwargs=True))
 
     def end_step(self):
         self.in_step = False
@@ -124,11 +143,12 @@ class WorkerState:
         self.step_work = work
         return work
 
-    def _plan_of(self, req_id: str) -> Optional["_plan.RequestPlan"]:
+    def _plan_of(self, req_id: str, params=None) -> Optional["_plan.RequestPlan"]:
         if req_id in self.plans:
             return self.plans[req_id]
-        state = self.runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None) if state is not None else None
+        if params is None:
+            state = self.runner.requests.get(req_id)
+            params = getattr(state, "sampling_params", None) if state is not None else None
         extra = getattr(params, "extra_args", None) or {}
         spec = extra.get(_plan.EXTRA_KEY)
         plan = None
@@ -245,6 +265,7 @@ class WorkerState:
         for plan in self.plans.values():  # no further steps for that request
             if plan is not None and plan.key == key:
                 plan.error = record["error"]
+                self._failed = True
 
     # ---- RPC ----------------------------------------------------------------------------------------
     def take_saves(self, keys: List[str]) -> Optional[Dict[str, bytes]]:

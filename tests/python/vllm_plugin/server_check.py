@@ -1,0 +1,274 @@
+"""fragments through vLLM's OpenAI server (`vllm serve`), with the official openai client and curl.
+
+    python server_check.py TP
+
+Writes a tiny Llama with transformers' save_pretrained (and a word-level tokenizer: w0 … w299), a
+safetensors file of steering vectors registered by name (FRAGMENTS_VLLM_VECTORS: "steer" fits layer 1's
+down-projection input, "short" fits nothing), starts `vllm serve` on 127.0.0.1 at tensor_parallel_size TP
+with the plugin loaded through its real entry points (a dist-info on PYTHONPATH), fp32, eager, no prefix
+caching, FRAGMENTS_VLLM_MAX_SAVE_BYTES=65536, and checks, one line per check, exiting non-zero on any
+failure:
+  A  16 requests (8 plain, 8 with 8 different plans: saves of fragmented and whole locations at chosen
+     steps, logits, a steering vector "@steer" added at every step, a v head scaled) served one at a
+     time: the plans' saves come back in the response as base64 safetensors of the expected shapes;
+     a plain request's answer has no "fragments" field
+  B  the same 16 at once (16 threads, openai client), together with, over curl, a bad plan (an unknown
+     location: HTTP 400 with the location in the message), a plan naming a file on the server (400) and
+     a request with n = 2 (400); and a "@short" vector that passes the front end's check but does not fit
+     its location (200, its "fragments.error" names the location): each of the 16 equals its answer from A
+     (tokens exactly; logprobs and saves within 1e-5 relative: vLLM's CPU kernels round differently in a
+     batch of 16 than alone, plain requests included)
+  C  "@steer": the saved down-projection input at prefill minus the unsteered one is the registered vector
+  D  a plan whose saves pass the cap: 200, "safetensors" null, "error" names the cap
+  E  stream: true over curl: the key in the x-fragments-key header, saves from GET /v1/fragments/saves/KEY
+     equal to the same request's in A; GET /v1/fragments/model lists the locations; /vectors the shapes
+"""
+import argparse
+import base64
+import concurrent.futures as futures
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from vllm_check import check, FAILED, plugin_dist, rel, TOL  # noqa: E402
+
+MAX_TOKENS = 5
+CAP = 65536
+
+
+def write_model(folder, vocab):
+    import families
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    families.write_checkpoint("llama", folder)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1",
+                                         eos_token="w2").save_pretrained(folder)
+
+
+def start_server(folder, tp, port, env, log):
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
+           "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
+           "--max-model-len", "64", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.time()
+    while time.time() - t0 < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; log: {log.name}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, time.time() - t0
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    raise RuntimeError("vllm serve did not come up in 900 s")
+
+
+def plans(vocab):
+    L = "model.layers"
+    q0, q1 = f"{L}.0.self_attn.qkv_proj.output", f"{L}.1.self_attn.qkv_proj.output"
+    return [
+        [{"at": q0, "do": "save", "as": "qkv0", "step": 0}, {"at": "logits_processor.output", "do": "save",
+                                                              "as": "final_logits"}],
+        [{"at": f"{L}.1.mlp.down_proj.input", "do": "add", "value": "@steer"},
+         {"at": f"{L}.1.mlp.down_proj.input", "do": "save", "as": "down1", "step": "all"}],
+        [{"at": q0, "do": "scale", "by": 0.5, "segment": "v", "heads": [1]},
+         {"at": f"{L}.1.self_attn.o_proj.input", "do": "save", "as": "attn1", "step": "decode"}],
+        [{"at": f"{L}.0.output", "do": "save", "as": "h0", "step": [0, 2]},
+         {"at": "model.norm.output", "do": "save", "as": "final", "step": "all"}],
+        [{"at": f"{L}.0.mlp.gate_up_proj.output", "do": "save", "as": "gate_up0", "step": "prefill"}],
+        [{"at": q1, "do": "scale", "by": 2.0, "step": 1, "index": "...,0:64"},
+         {"at": q1, "do": "save", "as": "qkv1", "step": 1}],
+        [{"at": f"{L}.0.mlp.down_proj.input", "do": "zero", "step": 3, "index": "...,0:8"},
+         {"at": "logits_processor.output", "do": "save", "as": "final_logits", "step": [3, 4]}],
+        [{"at": "model.embed_tokens.output", "do": "save", "as": "emb", "step": 0},
+         {"at": f"{L}.1.mlp.down_proj.output", "do": "save", "as": "mlp1", "step": "decode"}],
+    ]
+
+
+class Client:
+    def __init__(self, port, model):
+        import openai
+        self.port, self.model = port, model
+        self.api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+    def complete(self, prompt, plan=None, **extra):
+        body = {"return_token_ids": True, "ignore_eos": True}
+        if plan is not None:
+            body["vllm_xargs"] = {"fragments": json.dumps(plan)}
+        body.update(extra)
+        r = self.api.completions.create(model=self.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                        logprobs=1, extra_body=body)
+        c = r.choices[0]
+        frag = (r.model_extra or {}).get("fragments")
+        return {"tokens": list(c.token_ids), "logprobs": list(c.logprobs.token_logprobs), "text": c.text,
+                "fragments": frag, "saves": decode(frag)}
+
+    def curl(self, body, *extra):
+        out = subprocess.run(["curl", "-s", "-o", "-", "-w", "\n%{http_code}", *extra,
+                              f"http://127.0.0.1:{self.port}/v1/completions", "-H", "Content-Type: application/json",
+                              "-d", json.dumps(dict(model=self.model, max_tokens=MAX_TOKENS, temperature=0.0, **body))],
+                             capture_output=True, text=True, timeout=300).stdout
+        text, _, code = out.rpartition("\n")
+        return int(code), text
+
+    def get(self, path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=60) as r:
+            return json.loads(r.read())
+
+
+def decode(frag):
+    from safetensors.torch import load
+    if not frag or not frag.get("safetensors"):
+        return None
+    return load(base64.b64decode(frag["safetensors"]))
+
+
+def same(a, b):
+    """Tokens exactly; logprobs and saves within TOL relative: vLLM's CPU kernels round differently for
+    different batch sizes (plain requests move too, see the report), so bits are not asked across batches."""
+    if a["tokens"] != b["tokens"]:
+        return False, f"tokens {a['tokens']} vs {b['tokens']}"
+    import torch
+    worst = rel(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]))
+    if (a["saves"] is None) != (b["saves"] is None):
+        return False, "saves present in one only"
+    for name in (a["saves"] or {}):
+        x, y = a["saves"][name], b["saves"].get(name)
+        worst = max(worst, rel(x, y) if y is not None else float("inf"))
+    return worst <= TOL, f"worst rel {worst:.1e}"
+
+
+def run_checks(client, prompts, vocab, work):
+    import torch
+    from safetensors.torch import load_file
+    P = plans(vocab)
+    jobs = [(prompts[i], P[i // 2] if i % 2 else None) for i in range(16)]
+    alone = [client.complete(p, plan) for p, plan in jobs]
+    for i, (r, (_, plan)) in enumerate(zip(alone, jobs)):
+        if plan is None:
+            check(f"A plain request {i}: no fragments field", r["fragments"] is None, str(r["fragments"])[:80])
+        else:
+            names = {s["as"] for s in plan if s["do"] == "save"}
+            got = set(r["saves"] or {})
+            check(f"A plan {i // 2}: saves {sorted(names)} returned", got == names and r["fragments"]["error"] is None,
+                  f"{sorted(got)} {r['fragments'] and r['fragments']['error']}")
+    tokens = len(prompts[1])
+    s0 = alone[1]["saves"]
+    check("A qkv0 at prefill: [prompt tokens, (4+2+2)*64]", s0 and tuple(s0["qkv0"].shape) == (tokens, 512),
+          str(s0 and tuple(s0["qkv0"].shape)))
+    check("A logits every step: [max_tokens, vocab]", s0 and tuple(s0["final_logits"].shape) == (MAX_TOKENS, vocab),
+          str(s0 and tuple(s0["final_logits"].shape)))
+
+    bad_plan = [{"at": "model.layers.9.mlp.down_proj.input", "do": "save", "as": "x"}]
+    with futures.ThreadPoolExecutor(20) as pool:
+        together = [pool.submit(client.complete, p, plan) for p, plan in jobs]
+        bad = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(bad_plan)}})
+        file_plan = [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "/etc/x.safetensors:v"}]
+        bad_file = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(file_plan)}})
+        bad_n = pool.submit(client.curl, {"prompt": prompts[0], "n": 2, "vllm_xargs": {"fragments": json.dumps(P[0])}})
+        short = pool.submit(client.complete, prompts[2],
+                            [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@short"}])
+        together = [f.result() for f in together]
+    code, text = bad.result()
+    check("B bad plan: HTTP 400 naming the location", code == 400 and "model.layers.9.mlp.down_proj.input" in text,
+          f"{code} {text[:160]}")
+    code, text = bad_file.result()
+    check("B a file on the server refused: 400", code == 400 and "@name" in text, f"{code} {text[:120]}")
+    code, text = bad_n.result()
+    check("B n = 2 with a plan: 400", code == 400 and "n = 1" in text, f"{code} {text[:120]}")
+    sr = short.result()
+    check("B a vector that does not fit fails its request alone (200, error named)",
+          sr["fragments"] and "model.layers.1.mlp.down_proj.input" in (sr["fragments"]["error"] or ""),
+          str(sr["fragments"] and sr["fragments"]["error"])[:160])
+    for i, (a, b) in enumerate(zip(alone, together)):
+        ok, why = same(a, b)
+        check(f"B request {i} ({'plan ' + str(i // 2) if i % 2 else 'plain'}) at once == alone", ok, why)
+
+    plain = client.complete(prompts[3], [{"at": "model.layers.1.mlp.down_proj.input", "do": "save", "as": "down1",
+                                          "step": 0}])
+    steer = load_file(os.path.join(work, "vectors.safetensors"))["steer"]
+    diff = alone[3]["saves"]["down1"][:len(prompts[3])] - plain["saves"]["down1"]
+    check("C @steer adds the registered vector", rel(diff, steer.expand_as(diff)) < 1e-5,
+          f"rel {rel(diff, steer.expand_as(diff)):.2e}")
+
+    big = [{"at": f"model.layers.{l}.{m}.output", "do": "save", "as": f"{l}{m}"} for l in (0, 1)
+           for m in ("self_attn.qkv_proj", "mlp.gate_up_proj")]
+    r = client.complete(prompts[0], big)
+    check("D saves over the cap: null with the reason", r["fragments"]["safetensors"] is None and
+          "FRAGMENTS_VLLM_MAX_SAVE_BYTES" in (r["fragments"]["error"] or "") and r["fragments"]["bytes"] > CAP,
+          str(r["fragments"]["error"])[:160])
+
+    code, text = client.curl({"prompt": jobs[1][0], "stream": True, "logprobs": 1, "ignore_eos": True,
+                              "vllm_xargs": {"fragments": json.dumps(jobs[1][1])}}, "-D", os.path.join(work, "h.txt"))
+    headers = open(os.path.join(work, "h.txt")).read().lower()
+    key = next((l.split(":", 1)[1].strip() for l in headers.splitlines() if l.startswith("x-fragments-key")), None)
+    streamed = client.get(f"/v1/fragments/saves/{key}") if key else {}
+    saves = decode(streamed)
+    check("E stream: key in the header, saves by id equal the unstreamed request's", code == 200 and saves is not None
+          and all(bool((saves[n] == alone[1]["saves"][n]).all()) for n in alone[1]["saves"]), f"{code} key {key}")
+    record = client.get("/v1/fragments/model")
+    check("E GET /v1/fragments/model lists locations", "model.layers.0.mlp.down_proj" in record["modules"])
+    check("E GET /v1/fragments/vectors", client.get("/v1/fragments/vectors") == {"steer": [256], "short": [7]})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tp", type=int)
+    args = ap.parse_args()
+    import torch
+    from safetensors.torch import save_file
+    import families
+
+    work = tempfile.mkdtemp(prefix=f"frag-vllm-serve-tp{args.tp}-")
+    folder = os.path.join(work, "model")
+    vocab = families.config("llama").vocab_size
+    write_model(folder, vocab)
+    g = torch.Generator().manual_seed(3)
+    save_file({"steer": torch.randn(256, generator=g) * 0.5, "short": torch.ones(7)},
+              os.path.join(work, "vectors.safetensors"))
+    # token ids (the completions API takes them): the test does not depend on how the tokenizer splits text
+    prompts = [torch.randint(3, vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
+
+    site = plugin_dist(os.path.join(work, "site"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([site, os.path.join(HERE, "..", "..", "..", "python"),
+                                         env.get("PYTHONPATH", "")])
+    cores = os.cpu_count() or 1
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", FRAGMENTS_VLLM_VECTORS=os.path.join(work, "vectors.safetensors"),
+               FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), HF_HUB_OFFLINE="1",
+               VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(args.tp)) if args.tp > 1
+               else f"0-{cores - 1}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(work, "serve.log"), "w")
+    proc, start_s = start_server(folder, args.tp, port, env, log)
+    print(f"engine start {start_s:.1f} s (log {log.name})", flush=True)
+    try:
+        run_checks(Client(port, folder), prompts, vocab, work)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(json.dumps({"tp": args.tp, "engine_start_s": round(start_s, 1), "failed": FAILED}))
+    if not FAILED:
+        shutil.rmtree(work, ignore_errors=True)  # kept on failure: the server's log is in it
+    sys.exit(1 if FAILED else 0)
+
+
+if __name__ == "__main__":
+    main()

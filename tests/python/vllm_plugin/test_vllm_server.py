@@ -1,0 +1,58 @@
+"""fragments through vLLM's OpenAI server on vLLM's CPU build (server_check.py: one `vllm serve` per case, in
+its own process group; the official openai client and curl, 127.0.0.1 only).
+
+Default tier (CI): a tiny Llama at tp 1 (one engine start, ~2-3 min on 2 shared cores). FRAG_SLOW=1 adds
+tp 2. Skipped, loudly, where vLLM, the openai client, curl or the extension is missing.
+
+    PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_server.py
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = [1] + ([2] if os.environ.get("FRAG_SLOW") == "1" else [])
+
+
+def _missing():
+    for module in ("vllm", "openai"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (tools/requirements-vllm.txt; tools/install_deps.sh installs it)"
+    if shutil.which("curl") is None:
+        return "curl is not on PATH"
+    try:
+        import fragments._C  # noqa: F401
+    except ImportError as e:
+        return f"fragments._C is not built ({e})"
+    return None
+
+
+class VllmServerTest(unittest.TestCase):
+    pass
+
+
+def _make(tp):
+    def test(self):
+        why = _missing()
+        if why:
+            print(f"SKIPPED vLLM server test tp {tp}: {why}", file=sys.stderr)
+            self.skipTest(why)
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "server_check.py"), str(tp)], capture_output=True,
+                              text=True, timeout=1500)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{"))]
+        print("\n".join(lines))
+        if proc.returncode != 0:
+            print(proc.stderr[-6000:], file=sys.stderr)
+        self.assertEqual(proc.returncode, 0, f"tp {tp}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
+    return test
+
+
+for _tp in CASES:
+    setattr(VllmServerTest, f"test_server_tp{_tp}", _make(_tp))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
