@@ -73,6 +73,10 @@ class VLLM:
             raise AttributeError(name)
         return getattr(self._root, name)
 
+    def close(self):
+        """Shuts vLLM's engine processes down (engine core and workers) now rather than at exit."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     @property
     def output(self):
         return _Logits(self, "output")

@@ -105,6 +105,7 @@ def main():
         print("FAIL fragments plan:", frag.fragments_error, flush=True)
         return 1
 
+    model.vllm_entrypoint.llm_engine.engine_core.shutdown()  # the engine's processes end here, not at exit
     hf = families.hf_model(folder)
     modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
     with torch.no_grad():

@@ -150,6 +150,7 @@ def main():
         except FragmentsError as err:
             check(f"refused: {what}", True, str(err)[:120])
 
+    model.close()
     print(f"{{\"tp\": {args.tp}, \"failed\": {FAILED}}}", flush=True)
     return 1 if FAILED else 0
 
