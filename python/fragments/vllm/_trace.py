@@ -30,11 +30,10 @@ import os
 import shutil
 import tempfile
 
-import torch
 
 from .. import _C
 from .._generate import Generation, _Iter, _ScopedSteps, _StepScope
-from .._model import FragmentsError, Module, SavedValue, Step, Trace, _Logits
+from .._model import FragmentsError, Module, Trace, _Logits
 
 
 class VLLM:
@@ -207,4 +206,4 @@ class VllmTrace(Trace):
         self.output = outputs[0] if self._single else outputs
 
 
-__all__ = ["VLLM", "VllmTrace", "SavedValue", "Step"]
+__all__ = ["VLLM", "VllmTrace"]

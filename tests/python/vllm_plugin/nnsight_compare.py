@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 TOL = 1e-5
 
 
-def forward_order(locs, family):
+def forward_order(locs):
     """nnsight reads values in the order the forward produces them: the embedding, then each layer's."""
     emb = [l for l in locs if "embed" in l]
     return emb + [l for l in locs if l not in emb]
@@ -86,7 +86,7 @@ def main():
     families.write_tokenizer(folder, cfg.vocab_size)  # nnsight's VLLM loads a tokenizer
     reader = families.Reader(args.family, cfg)
     locs = reader.locations()
-    order = forward_order(list(locs), args.family)
+    order = forward_order(list(locs))
     prompt = torch.randint(1, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
 
     import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
