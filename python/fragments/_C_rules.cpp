@@ -141,6 +141,23 @@ void bind_rules(py::module& m) {
       "become an index through the table's head layouts (`attributes`: path -> int attributes of QKV layers). "
       "Returns the steps as dicts.");
   m.def(
+      "head_layout",
+      [](const std::string& table_json, const std::string& location, const PathAttributes& attributes) {
+        const auto table = ir::table_from_json(nlohmann::json::parse(table_json), "fragment table");
+        py::dict out;
+        const auto layout = ir::head_layout(table, location, [&](const std::string& path) {
+          auto it = attributes.find(path);
+          return it == attributes.end() ? ir::IntAttributes{} : ir::IntAttributes(it->second.begin(),
+                                                                                  it->second.end());
+        });
+        for (const auto& region : layout)
+          out[py::str(region.name)] = py::make_tuple(region.start, region.stop, region.head_dim);
+        return out;
+      },
+      py::arg("table"), py::arg("location"), py::arg("attributes"),
+      "name -> (start, stop, head_dim) of the heads on `location`'s last dim (ir::head_layout, as plans' "
+      "\"segment\"/\"heads\" resolve them); table as JSON, attributes: path -> int attributes of QKV layers.");
+  m.def(
       "index_view",
       [](const std::string& index, const torch::Tensor& whole, const std::string& location) {
         return runtime::WholeIndex::parse(index).select(whole, location);

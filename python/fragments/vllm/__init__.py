@@ -23,7 +23,14 @@ from typing import Any, Dict, List, Optional, Sequence
 from ._plan import EXTRA_KEY, RequestPlan
 
 __all__ = ["register", "FragmentsPlanValidator", "sampling_params", "generate", "take_saves", "inspect",
-           "EXTRA_KEY"]
+           "EXTRA_KEY", "VLLM"]
+
+
+def __getattr__(name):
+    if name == "VLLM":  # tracing in nnsight's manner (fragments/vllm/_trace.py); imported when asked for
+        from ._trace import VLLM
+        return VLLM
+    raise AttributeError(name)
 
 
 def register() -> None:

@@ -285,6 +285,34 @@ class WorkerState:
             out[key] = {"error": record["error"], "data": save(tensors) if tensors else None}
         return out if self.rank == 0 else None
 
+    def call(self, modules: List[str], data: bytes) -> Optional[dict]:
+        """Runs `modules` in turn on a whole tensor (safetensors bytes, "x") after a forward: the logit lens
+        of fragments.vllm.VLLM. Replicated modules run as they are; the LM head through the model's logits
+        processor (vLLM's own gather and scaling). Every rank runs it (the head's collective); rank 0
+        answers {"error", "data"} ("y"), the others None."""
+        from safetensors.torch import load, save
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        try:
+            x = load(data)["x"]
+            with torch.no_grad(), set_current_vllm_config(self.runner.vllm_config):
+                for path in modules:
+                    module = self.modules.get(path)
+                    if module is None:
+                        raise ValueError(f"{path} is not a module of this model")
+                    if isinstance(module, ParallelLMHead) and self.logits_modules:
+                        x = self.modules[self.logits_modules[0]](module, x)
+                    elif f"{path}.input" in self.fragmented or f"{path}.output" in self.fragmented:
+                        raise ValueError(f"{path} holds one rank's piece of its weights; only replicated modules "
+                                         "and the LM head can be called on a whole value")
+                    else:
+                        out = module(x)
+                        x = out[0] if isinstance(out, tuple) else out
+            answer = {"error": None, "data": save({"y": x.contiguous()}) if x is not None else None}
+        except (RuntimeError, ValueError, TypeError) as e:
+            answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): {e}", "data": None}
+        return answer if self.rank == 0 else None
+
 
 # ---- installation into vLLM's classes (the general plugin calls install) --------------------------------
 
@@ -347,12 +375,16 @@ def install():
     def fragments_model_record(self):
         return _state.model_record() if _state is not None else None
 
+    def fragments_call(self, modules, data):
+        return _state.call(modules, data) if _state is not None else None
+
     _cpu_moe_silu_workaround()
 
     # vLLM's collective_rpc finds worker methods by name (its worker_extension_cls does the same by
     # inheritance); these two are fragments' own.
     worker_base.WorkerBase.fragments_take_saves = fragments_take_saves
     worker_base.WorkerBase.fragments_model_record = fragments_model_record
+    worker_base.WorkerBase.fragments_call = fragments_call
 
 
 def _cpu_moe_silu_workaround():

