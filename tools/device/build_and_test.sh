@@ -54,7 +54,8 @@ if [ -d /usr/local/cuda/bin ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-# Skip Caffe2's GPU-architecture probing; the build compiles no CUDA code.
+# Skip Caffe2's GPU-architecture probing; torch's CMake config turns this list into the -gencode flags of
+# the one CUDA file the build compiles (runtime/layer_ops_cuda.cu: sm_90a for 9.0).
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 
 args=(
