@@ -107,7 +107,12 @@ frag_feature_option(FRAG_WITH_CUDA_KERNELS "Fused CUDA kernels of frag::rms_norm
 set(_frag_cuda_kernels "")
 set(_why "needs FRAG_WITH_C10_CUDA (a LibTorch with CUDA)")
 frag_feature_mode(FRAG_WITH_CUDA_KERNELS _frag_cuda_kernels_mode)
-if(FRAG_HAVE_C10_CUDA AND NOT _frag_cuda_kernels_mode STREQUAL "OFF")
+# AUTO builds them only where a target GPU is named (TORCH_CUDA_ARCH_LIST, as tools/device/build_and_test.sh
+# sets it): without one, torch's CMake config asks nvcc for every architecture it knows, some of which a
+# newer nvcc has dropped (compute_50 under CUDA 13), on machines that have a CUDA LibTorch but no GPU.
+if(FRAG_HAVE_C10_CUDA AND _frag_cuda_kernels_mode STREQUAL "AUTO" AND "$ENV{TORCH_CUDA_ARCH_LIST}" STREQUAL "")
+  set(_why "no target GPU named (TORCH_CUDA_ARCH_LIST, e.g. 9.0): the reference kernels serve CUDA tensors")
+elseif(FRAG_HAVE_C10_CUDA AND NOT _frag_cuda_kernels_mode STREQUAL "OFF")
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
