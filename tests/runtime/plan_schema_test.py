@@ -80,16 +80,30 @@ def as_plan(value):
 
 
 def is_vllm(plan):
-    """A vLLM request plan (docs/vllm.md): "key"/"base" beside the steps, or a step's engine "step"."""
+    """A vLLM request plan (docs/vllm.md): "key"/"base" beside the steps, a step's engine "step", or a value
+    "@name" (a steering vector the OpenAI server registered)."""
     steps = plan.get("interventions", []) if isinstance(plan, dict) else plan
     if not isinstance(steps, list):
         return False
     return bool(isinstance(plan, dict) and ({"key", "base"} & set(plan))) or any(
-        isinstance(s, dict) and "step" in s for s in steps)
+        isinstance(s, dict) and ("step" in s or str(s.get("value", "")).startswith("@")) for s in steps)
+
+
+def registered_vectors(plan):
+    """A vLLM request plan with its "@name" values (steering vectors the server registered at start) as the
+    front end resolves them before any check (python/fragments/vllm/_plan.py: a file and tensor of that name)."""
+    def resolve(step):
+        if isinstance(step, dict) and isinstance(step.get("value"), str) and step["value"].startswith("@"):
+            return {**step, "value": f"registered-vectors.safetensors:{step['value'][1:]}"}
+        return step
+    if isinstance(plan, dict):
+        return {**plan, "interventions": [resolve(s) for s in plan.get("interventions", [])]}
+    return [resolve(s) for s in plan]
 
 
 def core_plan(plan):
     """A vLLM request plan as its front end hands it to the C++ parser (python/fragments/vllm/_plan.py)."""
+    plan = registered_vectors(plan)
     steps = plan.get("interventions", []) if isinstance(plan, dict) else plan
     out = {"interventions": [{k: v for k, v in s.items() if k != "step"} for s in steps]}
     if isinstance(plan, dict) and "format" in plan:
@@ -100,6 +114,7 @@ def core_plan(plan):
 def schema_errors(plan):
     """[] if `plan` is valid, else the most telling error (jsonschema's best_match), with where it is."""
     if is_vllm(plan):
+        plan = registered_vectors(plan)
         errors = list(VLLM_REQUEST.iter_errors(plan if isinstance(plan, dict) else {"interventions": plan}))
     else:
         errors = list(PLAN.iter_errors(plan))
