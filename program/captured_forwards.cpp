@@ -7,6 +7,42 @@
 #include <fmt/ranges.h>
 
 namespace frag::program {
+namespace {
+
+/// Copies a replay's saves out of the graph's buffers before the next replay overwrites them: one copy
+/// kernel per dtype for them all (a launch per save was most of what a save cost on a replayed decode
+/// step), each save a view of its part, kept in the order the forward saved them.
+void keep_copies(const std::vector<std::pair<SavedValues::Slot, torch::Tensor>>& saves, SavedValues& saved) {
+  if (saves.size() == 1) {
+    saved.keep(saves[0].first, saves[0].second.clone());
+    return;
+  }
+  std::vector<torch::Tensor> copies(saves.size());
+  std::vector<bool> done(saves.size(), false);
+  for (size_t first = 0; first < saves.size(); ++first) {
+    if (done[first]) continue;
+    const auto& like = saves[first].second;
+    std::vector<size_t> group;
+    std::vector<torch::Tensor> flat;
+    for (size_t i = first; i < saves.size(); ++i) {
+      const auto& buffer = saves[i].second;
+      if (done[i] || buffer.scalar_type() != like.scalar_type() || buffer.device() != like.device()) continue;
+      group.push_back(i);
+      flat.push_back(buffer.reshape({-1}));
+      done[i] = true;
+    }
+    const auto all = torch::cat(flat);
+    int64_t offset = 0;
+    for (const size_t i : group) {
+      const auto& buffer = saves[i].second;
+      copies[i] = all.narrow(0, offset, buffer.numel()).view(buffer.sizes());
+      offset += buffer.numel();
+    }
+  }
+  for (size_t i = 0; i < saves.size(); ++i) saved.keep(saves[i].first, std::move(copies[i]));
+}
+
+}  // namespace
 
 CapturedForwards::Entry& CapturedForwards::entry(const Key& key, const void* weights, const torch::Tensor& input) {
   if (weights != weights_) {
@@ -45,7 +81,7 @@ torch::Tensor CapturedForwards::replay(Entry& entry, const torch::Tensor& ids, c
   entry.graph->replay();
   ++stats_.replays;
   forward.interventions.replayed(entry.counts);
-  for (const auto& [slot, buffer] : entry.saves) forward.saved.keep(slot, buffer.clone());
+  if (!entry.saves.empty()) keep_copies(entry.saves, forward.saved);
   auto logits = entry.output.clone();
   try {
     // As an eager forward ends: one wait for the collectives, which throws what failed or timed out.

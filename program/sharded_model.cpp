@@ -61,6 +61,8 @@ void ShardedModel::set_plan(const Plan& plan) {
   set_plan_at_changes_ = runtime_->changes();
 }
 
+int64_t ShardedModel::registration_changes() const { return runtime_->changes(); }
+
 void ShardedModel::clear() { binder_->clear(); }
 
 std::vector<std::string> ShardedModel::unreached_visits() const { return binder_->unreached_visits(); }

@@ -92,6 +92,9 @@ class ShardedModel {
   /// forward costs what a plan registered once does. As with apply, a rank whose plan changed meets
   /// the others in the digest exchange before its next forward.
   void set_plan(const Plan& plan);
+  /// Counts every change of what is registered: a caller that kept the count after registering its plan
+  /// knows, while it is unchanged, that its plan is still what runs (so need not build and compare it again).
+  int64_t registration_changes() const;
   /// Removes every intervention.
   void clear();
 

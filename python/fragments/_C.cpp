@@ -175,6 +175,9 @@ struct PyModel {
   std::shared_ptr<ShardedModel> model;
   std::string path;
   int64_t python_calls = 0;  ///< Python callables run (benchmarks count them)
+  /// model->registration_changes() right after run() last registered a plan (-1: it did not): while
+  /// unchanged, that plan is what is registered.
+  int64_t run_plan_at = -1;
 
   /// Registers a Python callable at a location: it gets the whole tensor once
   /// per visit and returns a replacement or None. Every rank runs it; the
@@ -255,12 +258,17 @@ struct PyModel {
   /// (logits, saved, unreached visits). A plan without callables stays registered
   /// after its forward (ShardedModel::set_plan): a trace that repeats it, as a
   /// decode loop does, registers nothing and exchanges nothing before its forward.
+  /// `same_plan`: the caller's records are the previous run's steps (no tensor values), so while nothing
+  /// else registered since (generation's prepare, callables) they are not parsed and compared again.
   py::tuple run(const py::list& records, const std::vector<py::tuple>& callables, const torch::Tensor& ids,
-                int64_t generate) {
+                int64_t generate, bool same_plan) {
     model->clear_saved();
+    const bool current = same_plan && run_plan_at == model->registration_changes();
+    run_plan_at = -1;
     try {
       if (callables.empty()) {
-        model->set_plan(make_plan(records, "model.trace"));
+        if (!current) model->set_plan(make_plan(records, "model.trace"));
+        run_plan_at = model->registration_changes();
       } else {  // Python functions: registered for this forward only, so the model holds none after it
         model->clear();
         model->apply(make_plan(records, "model.trace"));
@@ -475,7 +483,8 @@ void bind_model_tables(PyModelClass& model) {
 
 void bind_model_runs(PyModelClass& model) {
   model
-      .def("run", &PyModel::run, py::arg("records"), py::arg("callables"), py::arg("ids"), py::arg("generate") = 0)
+      .def("run", &PyModel::run, py::arg("records"), py::arg("callables"), py::arg("ids"), py::arg("generate") = 0,
+           py::arg("same_plan") = false)
       .def("prepare", &PyModel::prepare, py::arg("records"), py::arg("callables"))
       .def("finish", &PyModel::finish, py::arg("had_callables"))
       .def_property_readonly("has_kv_cache", [](const PyModel& m) { return m.model->program().has_kv_cache(); })

@@ -723,10 +723,15 @@ class Trace:
     def _run(self):
         for i, ((name, visit), hook) in enumerate(self._hooks.items()):
             self._callables.append((name, hook, visit, f"expression#{i}"))
+        key = None if self._callables else _plan_key(self._steps)
+        same = key is not None and key == self._model._plan_key
+        self._model._plan_key = None
         try:
-            out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate)
+            out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate,
+                                                       same)
         except _C.FragError as e:  # a step refused during the forward: said at the line that wrote it
             raise _at_line(e, self._steps) from None
+        self._model._plan_key = key
         for line in unreached:
             warnings.warn(line)
         self.output = out
@@ -746,6 +751,18 @@ class Trace:
             values, _ = _program._results(self._model, saves, self._captured, {})
             for i, (value, _, _) in enumerate(self._expressions):
                 value._set(values[i])
+
+
+def _plan_key(steps):
+    """What identifies a trace's plan, to tell C++ it repeats the last one (a decode loop's trace): the
+    steps' fields; None where a step carries a tensor, which only C++ compares byte for byte."""
+    key = []
+    for s in steps:
+        if s.value is not None:
+            return None
+        key.append((s.at, s.do, s.as_, s.by, s.index, s.visit, tuple(s.modules), s.steps,
+                    None if s.rows is None else tuple(s.rows)))
+    return tuple(key)
 
 
 def _leaf_nodes(node, where):
@@ -870,6 +887,7 @@ class Model:
                 parent, _, leaf = path_.rpartition(".")
                 self._children.setdefault(parent, []).append(leaf)
         self._trace = None
+        self._plan_key = None  # the last trace's steps (_plan_key), if it ran without tensor values
         self._layouts = {}
         self._root = Module(self, "")
 

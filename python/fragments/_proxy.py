@@ -9,23 +9,33 @@ tensors it was computed from (a logit lens can keep the top 5 of every layer).
 Nodes are plain picklable objects: a function travels by reference (`torch.topk`, `operator.mul`) or, for
 `.apply`, by value through cloudpickle.
 """
-import inspect
 import numbers
 import operator
 import os
+import sys
 
 import torch
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
+_OURS = {}  # co_filename -> whether it is this package's (or importlib's): asked once per file
+
+
+def _ours(filename):
+    verdict = _OURS.get(filename)
+    if verdict is None:
+        path = os.path.abspath(filename)
+        verdict = _OURS[filename] = path.startswith(_PACKAGE + os.sep) or "importlib" in path
+    return verdict
+
 
 def user_line():
-    """"file:line" of the first frame outside this package (where the user wrote the step)."""
-    frame = inspect.currentframe()
+    """"file:line" of the first frame outside this package (where the user wrote the step). Every step of
+    every trace asks, so it walks frames with sys._getframe and judges each file once."""
+    frame = sys._getframe(1)
     try:
         while frame is not None:
-            path = os.path.abspath(frame.f_code.co_filename)
-            if not path.startswith(_PACKAGE + os.sep) and "importlib" not in path:
+            if not _ours(frame.f_code.co_filename):
                 return f"{frame.f_code.co_filename}:{frame.f_lineno}"
             frame = frame.f_back
         return "?"
