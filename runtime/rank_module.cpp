@@ -15,12 +15,12 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <mutex>
 #include <new>
-#include <regex>
 #include <sstream>
 
 namespace frag::runtime {
@@ -129,16 +129,34 @@ RankModule load_and_check_rank_module(RankContext& context, const std::string& p
   return result;
 }
 
+namespace {
+/// "X" of a line "[builtins.]NameError: X" or "NameException: X" (a Python exception's last line); empty if
+/// the line is not one. Plain string work: std::regex's locale machinery crashed on the GPU machine's
+/// libstdc++ inside this very error path, turning a message into a segfault.
+std::string raised_text(const std::string& line) {
+  const auto colon = line.find(": ");
+  if (colon == std::string::npos || colon + 2 >= line.size()) return "";
+  std::string name = line.substr(0, colon);
+  if (name.rfind("builtins.", 0) == 0) name = name.substr(9);
+  for (const char c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return "";
+  auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  return ends_with("Error") || ends_with("Exception") ? line.substr(colon + 2) : "";
+}
+}  // namespace
+
 /// The user-facing message inside an error raised through the TorchScript
 /// interpreter (which wraps it in a traceback).
 std::string interpreter_message(const std::string& text) {
   // A TorchScript `raise X("...")` ends the text with "builtins.XError: ..." after the tracebacks.
-  static const std::regex raised(R"(^(?:builtins\.)?\w*(?:Error|Exception): (.+)$)");
   std::istringstream lines(text);
   std::string line, last_raised;
-  std::smatch match;
-  while (std::getline(lines, line))
-    if (std::regex_match(line, match, raised) && line.rfind("RuntimeError: ", 0) != 0) last_raised = match[1];
+  while (std::getline(lines, line)) {
+    auto raised = raised_text(line);
+    if (!raised.empty() && line.rfind("RuntimeError: ", 0) != 0) last_raised = std::move(raised);
+  }
   if (!last_raised.empty()) return last_raised;
   const std::string marker = "RuntimeError: ";
   auto at = text.rfind(marker);
