@@ -549,9 +549,17 @@ class Trace:
 
     def __init__(self, model, ids, generate=0):
         self._model = model
-        rows = _token_rows(ids)
-        self.lengths = [len(r) for r in rows]  # a ragged batch runs right-padded: see unpad()
-        self._ids = _padded(rows)
+        if isinstance(ids, torch.Tensor):  # one rectangular batch, as it is (no round trip through lists)
+            self._ids = _token_ids(ids)
+            if self._ids.shape[1] == 0:
+                raise FragmentsError("token ids: prompt 0 has no tokens")
+            self.lengths = [self._ids.shape[1]] * self._ids.shape[0]
+        else:
+            rows = _token_rows(ids)
+            self.lengths = [len(r) for r in rows]  # a ragged batch runs right-padded: see unpad()
+            self._ids = _padded(rows)
+        # The forward reads ids on the model's device (a CUDA graph's input buffer is there too).
+        self._ids = self._ids.to(model.device)
         self._generate = generate
         self._captured, self._expressions = {}, []  # saved expressions: their leaves' saves, (value, node, line)
         self._hooks, self._live = {}, {}            # edits by expressions: callables at locations
@@ -873,6 +881,7 @@ class Model:
         if device is None:  # NCCL ranks run on their GPU (LOCAL_RANK), Gloo ranks on the CPU
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if context.backend == "nccl" else "cpu"
         self.path = path.format(rank=context.rank) if "{rank}" in path else path
+        self.device = torch.device(device)
         if _C.is_torch_export_archive(self.path):  # run by torch.export here, its plans by the C++ engine
             self._c = _C.ShardedModel.exported(context, self.path, device, ExportedRunner)
         else:
