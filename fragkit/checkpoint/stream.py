@@ -179,8 +179,8 @@ class RankPlan:
             if name in self.weights:
                 p = self.weights[name][1]
                 total += p.numel() * p.element_size()
-            elif name == _EXTRA:
-                total += 1 << 20  # written with the export id; the layers' configs are ~100 bytes each
+            elif name == _EXTRA and self.format == "export":  # written with the export id and the info
+                total += len(json.dumps(self.extra)) + 4096
             elif name not in self.own_records:
                 total += len(bytes(self.skeleton.get_record(name))) if name != "data.pkl" else len(self.data_pkl)
             total += _RECORD_OVERHEAD
