@@ -258,14 +258,16 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype,
-                arena: Optional[Arena] = None) -> torch.Tensor:
+                arena: Optional[Arena] = None, joined: Optional[Arena] = None) -> torch.Tensor:
     """Rank ``module``'s parameter ``path`` from ``view`` (the whole tp=1 tensor): kit layers by their
     ``rank_slice``, any other module's parameters whole. A slice that must be copied (another dtype, or not
-    contiguous: a row-parallel weight's columns) goes to ``arena`` when given (valid until its next use)."""
+    contiguous: a row-parallel weight's columns) goes to ``arena`` when given (valid until its next use);
+    row blocks the layer joins (q_r|k_r|v_r) go to ``joined`` when given (layers.rows_joined_into)."""
     owner_path, _, name = path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     if isinstance(owner, KIT_LAYERS):
-        t = owner.rank_slice(name, view)
+        with layers.rows_joined_into(joined.tensor) if joined is not None else contextlib.nullcontext():
+            t = owner.rank_slice(name, view)
     else:
         t = layers._whole(view)
     if arena is None or (t.dtype == dtype and t.is_contiguous()):
@@ -389,7 +391,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
         if weight_steps:
             views[plans[0].weights[weight_steps[0]][0]].prefetch()
         reader = stack.enter_context(TensorReader([views[plans[0].weights[n][0]] for n in weight_steps]))
-        slices = Arena()
+        slices, joined = Arena(), Arena()
         for name in (progress(steps) if progress else steps):
             if name in ahead:  # the kernel reads the next tensor ahead while this one is written
                 views[plans[0].weights[ahead[name]][0]].prefetch()
@@ -399,7 +401,7 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
             for plan, writer, sink, tmp in zip(plans, writers, sinks, temps):
                 if name in plan.weights:
                     path, param = plan.weights[name]
-                    tensor = rank_tensor(plan.module, path, whole, dtype, slices)
+                    tensor = rank_tensor(plan.module, path, whole, dtype, slices, joined)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise CheckpointError("internal: %s at rank %d: %s, expected %s"
                                               % (path, plan.rank, tuple(tensor.shape), tuple(param.shape)))
@@ -590,10 +592,10 @@ def write_in_jobs(path: str, tp: int, jobs: int, out_dir: str, dtype: str, enabl
 
 def job_peak_bytes(views: Dict[str, View], dtype: torch.dtype) -> int:
     """Predicted peak memory of one writing process: the process (~1 GB: Python, PyTorch, the kit, the
-    skeletons), TensorReader's buffers (the largest kit tensor, twice the largest read ahead) and one rank
-    slice copied in ``dtype`` (at most a whole tensor)."""
+    skeletons), TensorReader's buffers (the largest kit tensor, twice the largest read ahead), one rank
+    slice copied in ``dtype`` and one joined (each at most a whole tensor)."""
     item = torch.empty(0, dtype=dtype).element_size()
     sizes = [v.nbytes for v in views.values()]
     ahead = [n for n in sizes if n <= AHEAD_BYTES]
     return (1_000_000_000 + max(sizes) + 2 * max(ahead, default=0)
-            + max(v.nbytes // v.dtype.itemsize * item for v in views.values()))
+            + 2 * max(v.nbytes // v.dtype.itemsize * item for v in views.values()))
