@@ -17,6 +17,11 @@ is read once, and the memory held is the skeletons plus the reader's buffers. A 
 attributes hold (a tied LM head) is one record, written once. Files are written as ``rank{r}.pt.tmp`` and
 renamed when all are complete, and removed on any error.
 
+``--format export``: the same writer fills a .pt2 skeleton (pt2.py: the program traced from fake weights,
+its weight records empty), record by record in torch.export.save's order; the file is written through
+``FileSink`` (PyTorchFileWriter's buffer constructor), so the archive's folder is "archive" as torch names
+it for a buffer, and a failed write is checked after each record.
+
 Records carry no CRC-32 unless ``crc32=True``: PyTorch's zip writer computes it at ~400 MB/s, slower than
 the disk, and PyTorch's readers (torch.load, torch.jit.load, LibTorch) never check it (as with
 ``torch.serialization.set_crc32_options(False)``); zip tools then report CRC errors.
