@@ -23,6 +23,7 @@ cache_len the constant 0: the span attended is the cache view's length), the one
 [layers, 2, rows, kv_heads, slots, head_size]), which is how a runner knows the archive takes a cache.
 A plain forward of such an archive runs the cached forward over a scratch cache of the sequence's length.
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -164,7 +165,8 @@ def example_cached_inputs(module: nn.Module) -> Tuple[Tensor, Tensor, Tensor, in
     return ids, positions, module.new_kv_cache(ids.size(0), 16), 0
 
 
-def export_program(module: nn.Module, tp_size: int, kv_cache: bool = False) -> "torch.export.ExportedProgram":
+def export_program(module: nn.Module, tp_size: int, kv_cache: bool = False,
+                   fake_mode=None) -> "torch.export.ExportedProgram":
     """``torch.export`` of one rank's kit model (``forward(input_ids)``), batch and sequence dims dynamic;
     ``kv_cache``: ``forward(input_ids, positions, kv_cache, cache_len)``, every size dynamic and cache_len the
     constant 0: a step attends over the cache it is given, so a runner passes the cache narrowed to the slots
@@ -177,7 +179,11 @@ def export_program(module: nn.Module, tp_size: int, kv_cache: bool = False) -> "
 
     The cached program records guards that a length is not 1 (reshapes of strided views); its ops hold for
     one token too (a decode step), so runners call it without the guards (``module(check_guards=False)``,
-    NativeRT checks none); the tests compare decode steps with the eager module's."""
+    NativeRT checks none); the tests compare decode steps with the eager module's.
+
+    ``fake_mode``: the module's parameters are fake tensors of this FakeTensorMode (the streaming import's
+    skeleton, fragkit.checkpoint.pt2): the trace runs inside it, the example inputs stay real, so the program
+    and its sample inputs are those of the same module with real weights."""
     dim = torch.export.Dim.DYNAMIC
     calls = tuple(name for name, _ in module.named_modules() if name)
     if kv_cache:
@@ -185,7 +191,7 @@ def export_program(module: nn.Module, tp_size: int, kv_cache: bool = False) -> "
         shapes = ({0: dim, 1: dim}, {0: dim, 1: dim}, {2: dim, 4: dim}, None)
     else:
         args, shapes = (example_input_ids(),), ({0: dim, 1: dim},)
-    with ops.tracing_group_size(tp_size), torch.no_grad():
+    with ops.tracing_group_size(tp_size), torch.no_grad(), (fake_mode or contextlib.nullcontext()):
         return torch.export.export(module, args, dynamic_shapes=shapes, preserve_module_call_signature=calls)
 
 

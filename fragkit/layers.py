@@ -157,6 +157,22 @@ def _whole(full) -> Tensor:
     return full[tuple(slice(None) for _ in full.shape)]
 
 
+_JOIN_INTO: List[Optional[object]] = [None]
+
+
+@contextlib.contextmanager
+def rows_joined_into(allocate):
+    """Inside, ``_cat_rows`` joins row blocks that are not adjacent (q_r|k_r|v_r, gate_r|up_r at tp > 1) into
+    ``allocate(shape, dtype)`` -- the streaming import's reused buffer -- instead of a new tensor: a new one
+    per rank and tensor costs fresh pages (page faults, zeroing) for every slice written."""
+    before = _JOIN_INTO[0]
+    _JOIN_INTO[0] = allocate
+    try:
+        yield
+    finally:
+        _JOIN_INTO[0] = before
+
+
 def _cat_rows(full, rows: Sequence[Tuple[int, int]]) -> Tensor:
     """Rows [a, b) of ``full`` for each (a, b), concatenated in that order (one read, and no copy, when the
     ranges are adjacent: at tp 1 q|k|v and gate|up are the whole tensor)."""
@@ -167,7 +183,12 @@ def _cat_rows(full, rows: Sequence[Tuple[int, int]]) -> Tensor:
         else:
             merged.append((a, b))
     parts = [full[a:b] for a, b in merged]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    if len(parts) == 1:
+        return parts[0]
+    if _JOIN_INTO[0] is None:
+        return torch.cat(parts, 0)
+    out = _JOIN_INTO[0]((sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:]), parts[0].dtype)
+    return torch.cat(parts, 0, out=out)
 
 
 @torch.no_grad()

@@ -19,8 +19,9 @@ checkpoint's own (bfloat16 stays bfloat16; quantized GGUF tensors are dequantize
 ``--dtype`` says otherwise. Before writing, the free space is checked against the bytes to write; files are
 written under temporary names and renamed at the end, and on any error everything written is removed.
 ``--dry-run`` prints each rank's bytes and the predicted peak memory and writes nothing (also for a bare
-config.json or ``--like``: fragkit.checkpoint.plan). ``--format export`` fills one whole rank module at a
-time (torch.export needs real tensors): peak memory about one rank's size.
+config.json or ``--like``: fragkit.checkpoint.plan). ``--format export`` streams the same way: each rank's
+program is traced from fake weights and saved as a skeleton archive, whose empty weight records the writer
+fills (pt2.py; the one private torch seam it uses is documented and checked there).
 """
 import argparse
 import dataclasses
@@ -151,11 +152,11 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
         stream.check_free_space(out_dir, sum(stream.rank_bytes(build, r, tp_size) for r in range(tp_size)),
                                 "writing %d rank file(s)" % tp_size)
     os.makedirs(out_dir, exist_ok=True)
-    if not materialize and format == "torchscript" and jobs == 1:
+    if not materialize and jobs == 1:
         plans = []
         for r in range(tp_size):
             skeletons.append(os.path.join(out_dir, "rank%d.skeleton.tmp" % r))
-            plans.append(stream.plan_rank(build, r, tp_size, skeletons[-1]))
+            plans.append(stream.plan_rank(build, r, tp_size, skeletons[-1], format))
     shutil.rmtree(tokenizer_tmp, ignore_errors=True)
     tokenizer_dir = source.save_tokenizer(tokenizer_tmp)
     info = {
@@ -182,15 +183,13 @@ def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, ow
         ticks = iter(bar) if progress else None
         paths = export_ranks(full, build, tp_size, out_dir, info=rank_info,
                              progress=(lambda r: next(ticks, None)) if ticks else None, format=format)
-    elif format == "torchscript" and jobs > 1:
+    elif jobs > 1:
         paths = stream.write_in_jobs(path, tp_size, jobs, out_dir, dtype, enable_expert_parallel,
-                                     ignore_config_fields, rank_info, export_id, crc32)
-    elif plans is not None:
+                                     ignore_config_fields, rank_info, export_id, crc32, format)
+    else:
         paths = stream.write_ranks(plans, views, DTYPES[dtype], out_dir, rank_info, export_id,
                                    progress=(lambda steps: _progress(steps, "writing %d rank(s)" % tp_size, progress))
                                    if progress else None, check_space=check_space, crc32=crc32)
-    else:
-        paths = stream.export_pt2_ranks(build, views, tp_size, DTYPES[dtype], out_dir, rank_info, export_id)
     if not materialize:
         info["export_id"] = export_id
         info["jobs"] = jobs

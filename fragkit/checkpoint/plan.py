@@ -4,8 +4,8 @@ The kit model is built on meta (shapes only, no memory) for each rank, so a 405B
 seconds on any machine. Per rank: the bytes of its file (parameters and buffers). The predicted peak memory
 of the streaming import is an upper bound: the process itself (Python, PyTorch, the kit: ``BASE_BYTES``)
 plus the reader's buffers (stream.TensorReader: the largest kit tensor, and twice the largest one read
-ahead) and the largest rank slice copied in the target dtype (a row slice is written straight from the
-buffer and needs no copy, so the import often stays below it).
+ahead), the largest rank slice copied in the target dtype and the largest joined (q_r|k_r|v_r at tp > 1)
+(a row slice is written straight from the buffer and needs no copy, so the import often stays below it).
 """
 import json
 import os
@@ -68,7 +68,7 @@ def dry_run(cfg: dict, where: str, tp: int, dtype: Optional[str] = None, enable_
         del module
     whole = [full[n].numel() * src_size for n in full]
     ahead = [b for b in whole if b <= AHEAD_BYTES]
-    step = max(whole) + 2 * max(ahead, default=0) + max(worst_slice.values())
+    step = max(whole) + 2 * max(ahead, default=0) + 2 * max(worst_slice.values())  # a copied and a joined slice
     largest = max(p.numel() * src_size for p in full.values())
     return {"config": where, "family": family.name, "tp_size": tp, "dtype": dtype,
             "layers": cfg.get("num_hidden_layers"), "rank_bytes": ranks, "total_bytes": sum(ranks),

@@ -17,6 +17,11 @@ is read once, and the memory held is the skeletons plus the reader's buffers. A 
 attributes hold (a tied LM head) is one record, written once. Files are written as ``rank{r}.pt.tmp`` and
 renamed when all are complete, and removed on any error.
 
+``--format export``: the same writer fills a .pt2 skeleton (pt2.py: the program traced from fake weights,
+its weight records empty), record by record in torch.export.save's order; the file is written through
+``FileSink`` (PyTorchFileWriter's buffer constructor), so the archive's folder is "archive" as torch names
+it for a buffer, and a failed write is checked after each record.
+
 Records carry no CRC-32 unless ``crc32=True``: PyTorch's zip writer computes it at ~400 MB/s, slower than
 the disk, and PyTorch's readers (torch.load, torch.jit.load, LibTorch) never check it (as with
 ``torch.serialization.set_crc32_options(False)``); zip tools then report CRC errors.
@@ -48,6 +53,8 @@ from .views import Arena, TensorView, View, read_into
 # Records PyTorchFileWriter writes itself at the end of a file.
 _WRITER_RECORDS = ("version", "byteorder", ".data/serialization_id")
 _EXTRA = "extra/fragkit.json"
+# The same for a .pt2 archive (torch.export.save's writer; pt2.py).
+_PT2_OWN_RECORDS = (".data/version", "byteorder", ".data/serialization_id", "version")
 # Per record: local header, central directory entry (zip64 extras included) and the 64-byte alignment.
 _RECORD_OVERHEAD = 256
 
@@ -160,6 +167,16 @@ class RankPlan:
     version: int
     weights: Dict[str, Tuple[str, nn.Parameter]] = field(default_factory=dict)  # record -> (path, meta param)
     data_pkl: bytes = b""
+    format: str = "torchscript"  # or "export" (a .pt2 archive: pt2.py)
+    extra: dict = field(default_factory=dict)  # .pt2: fields of extra/fragkit.json known from the module
+
+    @property
+    def suffix(self) -> str:
+        return ".pt2" if self.format == "export" else ".pt"
+
+    @property
+    def own_records(self) -> Tuple[str, ...]:
+        return _PT2_OWN_RECORDS if self.format == "export" else _WRITER_RECORDS
 
     def bytes_to_write(self) -> int:
         total = 0
@@ -167,22 +184,28 @@ class RankPlan:
             if name in self.weights:
                 p = self.weights[name][1]
                 total += p.numel() * p.element_size()
-            elif name not in _WRITER_RECORDS:
+            elif name == _EXTRA and self.format == "export":  # written with the export id and the info
+                total += len(json.dumps(self.extra)) + 4096
+            elif name not in self.own_records:
                 total += len(bytes(self.skeleton.get_record(name))) if name != "data.pkl" else len(self.data_pkl)
             total += _RECORD_OVERHEAD
         return total + 4096
 
 
-def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int, skeleton_path: str) -> RankPlan:
+def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int, skeleton_path: str,
+              format: str = "torchscript") -> RankPlan:
     """Build rank ``rank`` on meta and save its skeleton to ``skeleton_path`` (a file, so that real buffers
-    such as rotary tables are not held in memory for every rank; the caller removes it)."""
+    such as rotary tables are not held in memory for every rank; the caller removes it). ``format="export"``:
+    a .pt2 skeleton traced from fake weights (pt2.py)."""
+    if format == "export":
+        return _plan_pt2(build, rank, tp, skeleton_path)
     with layers.build_on_meta():
         module = build(rank, tp).eval()
     stabilize_script_types(module)
     try:
         torch.jit.save(torch.jit.script(module), skeleton_path, _extra_files={"fragkit.json": "{}"})
     except RuntimeError as e:  # a full disk
-        raise CheckpointError(_write_failure(skeleton_path + ".tmp", "the rank skeleton", e,
+        raise CheckpointError(write_failure(skeleton_path + ".tmp", "the rank skeleton", e,
                                              os.path.dirname(skeleton_path))) from None
     for sub in module.modules():  # the skeleton holds the buffers now
         for name, buf in list(sub._buffers.items()):
@@ -213,6 +236,20 @@ def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int, skelet
     return plan
 
 
+def _plan_pt2(build, rank: int, tp: int, skeleton_path: str) -> RankPlan:
+    from . import pt2
+
+    module, extra = pt2.save_skeleton(build, rank, tp, skeleton_path)
+    reader = torch._C.PyTorchFileReader(skeleton_path)
+    records = list(reader.get_all_records())
+    if ".data/version" not in records:
+        raise pt2.changed("the archive has no .data/version record")
+    plan = RankPlan(rank, module, records, reader, int(bytes(reader.get_record(".data/version")).strip()),
+                    format="export", extra=extra)
+    plan.weights = pt2.weight_records(reader, module)
+    return plan
+
+
 def rank_bytes(build: Callable[[int, int], nn.Module], rank: int, tp: int) -> int:
     """The bytes of rank ``rank``'s file (parameters and buffers, plus zip overhead), from a meta build."""
     with layers.build_on_meta(), torch.device("meta"):
@@ -226,14 +263,16 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def rank_tensor(module: nn.Module, path: str, view: View, dtype: torch.dtype,
-                arena: Optional[Arena] = None) -> torch.Tensor:
+                arena: Optional[Arena] = None, joined: Optional[Arena] = None) -> torch.Tensor:
     """Rank ``module``'s parameter ``path`` from ``view`` (the whole tp=1 tensor): kit layers by their
     ``rank_slice``, any other module's parameters whole. A slice that must be copied (another dtype, or not
-    contiguous: a row-parallel weight's columns) goes to ``arena`` when given (valid until its next use)."""
+    contiguous: a row-parallel weight's columns) goes to ``arena`` when given (valid until its next use);
+    row blocks the layer joins (q_r|k_r|v_r) go to ``joined`` when given (layers.rows_joined_into)."""
     owner_path, _, name = path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     if isinstance(owner, KIT_LAYERS):
-        t = owner.rank_slice(name, view)
+        with layers.rows_joined_into(joined.tensor) if joined is not None else contextlib.nullcontext():
+            t = owner.rank_slice(name, view)
     else:
         t = layers._whole(view)
     if arena is None or (t.dtype == dtype and t.is_contiguous()):
@@ -330,57 +369,73 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
     needed = sum(p.bytes_to_write() for p in plans)
     if check_space:
         check_free_space(out_dir, needed, "writing %d rank file(s)" % tp)
-    finals = [os.path.join(out_dir, "rank%d.pt" % p.rank) for p in plans]
+    pt2 = plans[0].format == "export"
+    own = plans[0].own_records
+    finals = [os.path.join(out_dir, "rank%d%s" % (p.rank, p.suffix)) for p in plans]
     temps = [f + ".tmp" for f in finals]
-    writers = []
+    writers, sinks = [], []
     finished = set()
     stack = contextlib.ExitStack()
     try:
         for tmp in temps:
-            writers.append(torch._C.PyTorchFileWriter(tmp, crc32))
+            if pt2:  # a file object: the archive's folder is "archive", as torch.export.save to a buffer names it
+                sinks.append(FileSink(tmp))
+                writers.append(torch._C.PyTorchFileWriter(sinks[-1], crc32))
+            else:
+                sinks.append(None)
+                writers.append(torch._C.PyTorchFileWriter(tmp, crc32))
         order = plans[0].records
         for plan in plans[1:]:
             if [plan.weights.get(n, (None,))[0] for n in plan.records] != [plans[0].weights.get(n, (None,))[0]
                                                                                for n in order]:
                 raise CheckpointError("internal: rank modules differ in structure")
-        steps = [n for n in order if n != _EXTRA and n not in _WRITER_RECORDS]
+        # TorchScript: fragkit.json last (torch.jit.save's place for it); .pt2: where torch.export.save put it.
+        steps = [n for n in order if n not in own and (pt2 or n != _EXTRA)]
         weight_steps = [n for n in steps if n in plans[0].weights]
         ahead = {a: b for a, b in zip(weight_steps, weight_steps[1:])}
         if weight_steps:
             views[plans[0].weights[weight_steps[0]][0]].prefetch()
         reader = stack.enter_context(TensorReader([views[plans[0].weights[n][0]] for n in weight_steps]))
-        slices = Arena()
+        slices, joined = Arena(), Arena()
         for name in (progress(steps) if progress else steps):
             if name in ahead:  # the kernel reads the next tensor ahead while this one is written
                 views[plans[0].weights[ahead[name]][0]].prefetch()
             whole = None
             if name in plans[0].weights:  # read once, sliced for every rank
                 whole = reader.next()
-            for plan, writer, tmp in zip(plans, writers, temps):
+            for plan, writer, sink, tmp in zip(plans, writers, sinks, temps):
                 if name in plan.weights:
                     path, param = plan.weights[name]
-                    tensor = rank_tensor(plan.module, path, whole, dtype, slices)
+                    tensor = rank_tensor(plan.module, path, whole, dtype, slices, joined)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise CheckpointError("internal: %s at rank %d: %s, expected %s"
                                               % (path, plan.rank, tuple(tensor.shape), tuple(param.shape)))
                     nbytes = tensor.numel() * tensor.element_size()
-                    _write(writer, tmp, name, path, _record_storage(tensor), nbytes, out_dir)
+                    _write(writer, tmp, name, path, _record_storage(tensor), nbytes, out_dir, sink)
                     del tensor
                 else:
-                    data = plan.data_pkl if name == "data.pkl" else bytes(plan.skeleton.get_record(name))
-                    _write(writer, tmp, name, name, data, len(data), out_dir)
-        for plan, writer, tmp in zip(plans, writers, temps):
-            meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=plan.rank, model=type(plan.module).__name__)
-            text = json.dumps(meta, sort_keys=True).encode()
-            _write(writer, tmp, _EXTRA, _EXTRA, text, len(text), out_dir)
+                    if name == _EXTRA:
+                        data = _extra_record(plan, info, export_id, tp)
+                    else:
+                        data = plan.data_pkl if name == "data.pkl" and not pt2 else bytes(plan.skeleton.get_record(name))
+                    _write(writer, tmp, name, name, data, len(data), out_dir, sink)
+        for plan, writer, sink, tmp in zip(plans, writers, sinks, temps):
+            if not pt2:
+                text = _extra_record(plan, info, export_id, tp)
+                _write(writer, tmp, _EXTRA, _EXTRA, text, len(text), out_dir)
             writer.set_min_version(plan.version)
             try:
                 writer.write_end_of_file()
             except RuntimeError as e:
-                raise CheckpointError(_write_failure(tmp, "the end of the file", e, out_dir)) from None
+                raise CheckpointError(write_failure(tmp, "the end of the file", e, out_dir)) from None
             finally:
                 finished.add(id(writer))
+            if sink is not None:
+                _check_sink(sink, tmp, "the end of the file", out_dir)
         writers.clear()  # closes the files
+        for sink in sinks:
+            if sink is not None:
+                sink.close()
         if not rename:
             done = list(temps)
             temps.clear()
@@ -399,19 +454,74 @@ def write_ranks(plans: List[RankPlan], views: Dict[str, View], dtype: torch.dtyp
                 except RuntimeError:
                     pass
         writers.clear()
+        for sink in sinks:
+            if sink is not None:
+                sink.close()
         for tmp in temps:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
 
-def _write(writer, tmp: str, record: str, what: str, data, nbytes: int, out_dir: str) -> None:
+def _extra_record(plan: RankPlan, info: dict, export_id: str, tp: int) -> bytes:
+    meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=plan.rank, model=type(plan.module).__name__,
+                **plan.extra)
+    return json.dumps(meta, sort_keys=True).encode()
+
+
+class FileSink(io.RawIOBase):
+    """A file written through PyTorchFileWriter's buffer constructor (a .pt2 rank, and torch.export.save's
+    skeleton), which hands each piece to ``write`` as a memoryview of the record: no copy. An error is not
+    raised into the C++ writer (an exception through its zip code is not safe there): the first one is kept,
+    later writes are dropped, and the caller checks ``error`` after each record. A short write (a full disk)
+    is continued until it succeeds or fails, never silently lost."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.error: Optional[OSError] = None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(view):
+                    done += os.write(self.fd, view[done:])
+            except OSError as e:
+                self.error = e
+        return len(view)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return os.lseek(self.fd, offset, whence)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        super().close()
+
+
+def _check_sink(sink: Optional[FileSink], tmp: str, what: str, out_dir: str) -> None:
+    if sink is not None and sink.error is not None:
+        raise CheckpointError(write_failure(tmp, what, sink.error, out_dir))
+
+
+def _write(writer, tmp: str, record: str, what: str, data, nbytes: int, out_dir: str,
+           sink: Optional[FileSink] = None) -> None:
     try:
         writer.write_record(record, data, nbytes)
     except RuntimeError as e:  # PyTorchFileWriter: "... file write failed" (a full disk, an I/O error)
-        raise CheckpointError(_write_failure(tmp, what, e, out_dir)) from None
+        raise CheckpointError(write_failure(tmp, what, e, out_dir)) from None
+    _check_sink(sink, tmp, what, out_dir)
 
 
-def _write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
+def write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
     _, free = _free_bytes(out_dir)
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return ("%s: writing %s failed (%s; %d bytes free on the device): nothing is left behind"
@@ -432,9 +542,10 @@ def fixed_mmap_threshold() -> None:
 
 
 def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: str, enable_expert_parallel: bool,
-                     ignore_config_fields, info: dict, export_id: str, crc32: bool) -> List[str]:
+                     ignore_config_fields, info: dict, export_id: str, crc32: bool,
+                     format: str = "torchscript") -> List[str]:
     """One ``--jobs`` process: opens the checkpoint itself and writes the ranks ``ranks`` as complete
-    ``rank{r}.pt.tmp`` files (the parent renames them all, or removes them all)."""
+    ``rank{r}.pt.tmp`` (``.pt2.tmp``) files (the parent renames them all, or removes them all)."""
     from . import DTYPES
     from .families import family_for
     from .sources import open_checkpoint
@@ -449,7 +560,7 @@ def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: 
     views = family.kit_views(shapes, source)
     skeletons = [os.path.join(out_dir, "rank%d.skeleton.tmp" % r) for r in ranks]
     try:
-        plans = [plan_rank(build, r, tp, s) for r, s in zip(ranks, skeletons)]
+        plans = [plan_rank(build, r, tp, s, format) for r, s in zip(ranks, skeletons)]
         return write_ranks(plans, views, DTYPES[dtype], out_dir, info, export_id, check_space=False, crc32=crc32,
                            tp=tp, rename=False)
     finally:
@@ -459,18 +570,19 @@ def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: 
 
 
 def write_in_jobs(path: str, tp: int, jobs: int, out_dir: str, dtype: str, enable_expert_parallel: bool,
-                  ignore_config_fields, info: dict, export_id: str, crc32: bool) -> List[str]:
+                  ignore_config_fields, info: dict, export_id: str, crc32: bool,
+                  format: str = "torchscript") -> List[str]:
     """``--jobs N``: the ranks dealt round-robin to N processes (spawned: each opens the checkpoint and
     holds its own tensor at a time); all renamed when every one is complete, all removed otherwise."""
     import concurrent.futures
     import multiprocessing
 
     groups = [list(range(j, tp, jobs)) for j in range(jobs) if j < tp]
-    temps = [os.path.join(out_dir, "rank%d.pt.tmp" % r) for r in range(tp)]
+    temps = [os.path.join(out_dir, "rank%d%s.tmp" % (r, ".pt2" if format == "export" else ".pt")) for r in range(tp)]
     try:
         with concurrent.futures.ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context("spawn")) as ex:
             futures = [ex.submit(write_rank_group, path, tp, g, out_dir, dtype, enable_expert_parallel,
-                                 list(ignore_config_fields), info, export_id, crc32) for g in groups]
+                                 list(ignore_config_fields), info, export_id, crc32, format) for g in groups]
             for f in futures:
                 f.result()
         finals = [t[:-4] for t in temps]
@@ -485,55 +597,10 @@ def write_in_jobs(path: str, tp: int, jobs: int, out_dir: str, dtype: str, enabl
 
 def job_peak_bytes(views: Dict[str, View], dtype: torch.dtype) -> int:
     """Predicted peak memory of one writing process: the process (~1 GB: Python, PyTorch, the kit, the
-    skeletons), TensorReader's buffers (the largest kit tensor, twice the largest read ahead) and one rank
-    slice copied in ``dtype`` (at most a whole tensor)."""
+    skeletons), TensorReader's buffers (the largest kit tensor, twice the largest read ahead), one rank
+    slice copied in ``dtype`` and one joined (each at most a whole tensor)."""
     item = torch.empty(0, dtype=dtype).element_size()
     sizes = [v.nbytes for v in views.values()]
     ahead = [n for n in sizes if n <= AHEAD_BYTES]
     return (1_000_000_000 + max(sizes) + 2 * max(ahead, default=0)
-            + max(v.nbytes // v.dtype.itemsize * item for v in views.values()))
-
-
-def export_pt2_ranks(build, views: Dict[str, View], tp: int, dtype: torch.dtype, out_dir: str, info: dict,
-                     export_id: str) -> List[str]:
-    """``--format export``: torch.export needs real tensors, so each rank module is filled whole (from the
-    same ``rank_tensor`` slices) and exported, one rank at a time."""
-    from ..export import LAYERS_FORMAT, export_program, layer_configs
-
-    def filled(rank):
-        with layers.build_on_meta():
-            module = build(rank, tp).eval()
-        filled_params: Dict[int, nn.Parameter] = {}  # a tied parameter is filled once and shared again
-        for path, meta_param in list(module.named_parameters(remove_duplicate=False)):
-            owner_path, _, name = path.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            if id(meta_param) not in filled_params:
-                tensor = rank_tensor(module, path, views[path], dtype)
-                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                    tensor = tensor.clone()  # torch.export.save writes a view's whole storage
-                filled_params[id(meta_param)] = nn.Parameter(tensor, requires_grad=False)
-            setattr(owner, name, filled_params[id(meta_param)])
-        return module
-
-    finals = [os.path.join(out_dir, "rank%d.pt2" % r) for r in range(tp)]
-    try:
-        for r, final in enumerate(finals):
-            module = filled(r)
-            meta = dict(info, export_id=export_id, tp_size=tp, tp_rank=r, model=type(module).__name__,
-                        layers_format=LAYERS_FORMAT, layers=layer_configs(module))
-            program = export_program(module, tp)
-            buffer = io.BytesIO()
-            torch.export.save(program, buffer, extra_files={"fragkit.json": json.dumps(meta, sort_keys=True)})
-            try:
-                with open(final + ".tmp", "wb") as f:
-                    f.write(buffer.getbuffer())
-            except OSError as e:
-                raise CheckpointError("%s: writing failed: %s: nothing is left behind" % (final, e)) from None
-            del program, buffer, module
-        for final in finals:
-            os.replace(final + ".tmp", final)
-        return finals
-    finally:
-        for final in finals:
-            if os.path.exists(final + ".tmp"):
-                os.remove(final + ".tmp")
+            + 2 * max(v.nbytes // v.dtype.itemsize * item for v in views.values()))

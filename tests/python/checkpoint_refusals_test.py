@@ -125,17 +125,25 @@ class SmallDisk(Case):
         self.folder = save_hf(model, self.path("hf"))
 
     def test_not_enough_free_space_is_refused_before_writing(self):
-        message = self.refused(self.folder, out=os.path.join(self.disk, "out"))
-        self.assertRegex(message, r"writing 2 rank file\(s\) needs [0-9.]+ GB, the device of .* has [0-9.]+ GB free")
-        self.assertEqual(os.listdir(self.disk), [])
+        for format in ("torchscript", "export"):
+            with self.subTest(format=format):
+                message = self.refused(self.folder, out=os.path.join(self.disk, "out"), format=format)
+                self.assertRegex(message, r"writing 2 rank file\(s\) needs [0-9.]+ GB, the device of .* has [0-9.]+ "
+                                          r"GB free")
+                self.assertEqual(os.listdir(self.disk), [])
 
     def test_a_disk_that_fills_up_midway_leaves_nothing(self):
-        # The space check skipped, as when another process fills the disk during the import.
-        message = self.refused(self.folder, out=os.path.join(self.disk, "out"), _check_space=False)
-        # The file, and the tensor (or other record) being written when the disk was full.
-        self.assertRegex(message, r"^%s/out/rank\d\.pt: writing \S+ failed \(.*\d+ bytes "
-                                  r"free on the device\): nothing is left behind$" % self.disk)
-        self.assertEqual(os.listdir(self.disk), [])
+        # The space check skipped, as when another process fills the disk during the import. A .pt2 rank
+        # (--format export, ~0.53 MB here) is written through a Python file object: a short or failed write
+        # must surface too, not leave a truncated archive.
+        for format, suffix in (("torchscript", "pt"), ("export", "pt2")):
+            with self.subTest(format=format):
+                message = self.refused(self.folder, out=os.path.join(self.disk, "out"), _check_space=False,
+                                       format=format)
+                # The file, and the tensor (or other record) being written when the disk was full.
+                self.assertRegex(message, r"^%s/out/rank\d\.%s: writing \S+ failed \(.*\d+ bytes "
+                                          r"free on the device\): nothing is left behind$" % (self.disk, suffix))
+                self.assertEqual(os.listdir(self.disk), [])
 
 
 class DryRunAndSynthetic(Case):
