@@ -4,10 +4,11 @@
 
 Writes a tiny Llama with transformers' save_pretrained (and a word-level tokenizer: w0 … w299), a
 safetensors file of steering vectors registered by name (FRAGMENTS_VLLM_VECTORS: "steer" fits layer 1's
-down-projection input, "short" fits nothing), starts `vllm serve` on 127.0.0.1 at tensor_parallel_size TP
-with the plugin loaded through its real entry points (a dist-info on PYTHONPATH), fp32, eager, no prefix
-caching, FRAGMENTS_VLLM_MAX_SAVE_BYTES=65536, and checks, one line per check, exiting non-zero on any
-failure:
+down-projection input, "short" fits nothing), starts vLLM's own command `vllm serve DIR
+--tensor-parallel-size TP` (on the CPU build it needs tools/vllm_dist_name.py's `vllm` dist-info) on
+127.0.0.1 with the plugin loaded through its real entry points (a dist-info on PYTHONPATH), fp32, eager,
+no prefix caching, FRAGMENTS_VLLM_MAX_SAVE_BYTES=65536, and checks, one line per check, exiting non-zero
+on any failure:
   A  16 requests (8 plain, 8 with 8 different plans: saves of fragmented and whole locations at chosen
      steps, logits, a steering vector "@steer" added at every step, a v head scaled) served one at a
      time: the plans' saves come back in the response as base64 safetensors of the expected shapes;
@@ -56,9 +57,13 @@ def write_model(folder, vocab):
                                          eos_token="w2").save_pretrained(folder)
 
 
+def vllm_command():
+    """vLLM's `vllm` console script of this Python (the venv's bin/, beside sys.executable)."""
+    return os.path.join(os.path.dirname(sys.executable), "vllm")
+
+
 def start_server(folder, tp, port, env, log):
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-           "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
+    cmd = [vllm_command(), "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
            "--max-model-len", "64", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     t0 = time.time()
