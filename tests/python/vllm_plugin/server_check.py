@@ -14,7 +14,8 @@ on any failure:
      time: the plans' saves come back in the response as base64 safetensors of the expected shapes;
      a plain request's answer has no "fragments" field
   B  the same 16 at once (16 threads, openai client), together with, over curl, a bad plan (an unknown
-     location: HTTP 400 with the location in the message), a plan naming a file on the server (400) and
+     location: HTTP 400 with the location in the message), a plan naming a file on the server (400), one
+     naming a Python program (400: only an in-process LLM's traces run Python steps) and
      a request with n = 2 (400); and a "@short" vector that passes the front end's check but does not fit
      its location (200, its "fragments.error" names the location): each of the 16 equals its answer from A
      (tokens exactly; logprobs and saves within 1e-5 relative: vLLM's CPU kernels round differently in a
@@ -209,6 +210,8 @@ def run_checks(client, prompts, vocab, work):
         bad = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(bad_plan)}})
         file_plan = [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "/etc/x.safetensors:v"}]
         bad_file = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(file_plan)}})
+        bad_program = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(
+            {"interventions": [], "program": ["trace-0", 0]})}})
         bad_n = pool.submit(client.curl, {"prompt": prompts[0], "n": 2, "vllm_xargs": {"fragments": json.dumps(P[0])}})
         short = pool.submit(client.complete, prompts[2],
                             [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@short"}])
@@ -218,6 +221,8 @@ def run_checks(client, prompts, vocab, work):
           f"{code} {text[:160]}")
     code, text = bad_file.result()
     check("B a file on the server refused: 400", code == 400 and "@name" in text, f"{code} {text[:120]}")
+    code, text = bad_program.result()
+    check("B a plan naming a Python program refused: 400", code == 400 and "program" in text, f"{code} {text[:120]}")
     code, text = bad_n.result()
     check("B n = 2 with a plan: 400", code == 400 and "n = 1" in text, f"{code} {text[:120]}")
     sr = short.result()
