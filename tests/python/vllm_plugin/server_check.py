@@ -210,8 +210,9 @@ def run_checks(client, prompts, vocab, work):
         bad = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(bad_plan)}})
         file_plan = [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "/etc/x.safetensors:v"}]
         bad_file = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(file_plan)}})
+        with_program = dict(interventions=[], program=["trace-0", 0])  # not a plan of the schema: refused
         bad_program = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(
-            {"interventions": [], "program": ["trace-0", 0]})}})
+            with_program)}})
         bad_n = pool.submit(client.curl, {"prompt": prompts[0], "n": 2, "vllm_xargs": {"fragments": json.dumps(P[0])}})
         short = pool.submit(client.complete, prompts[2],
                             [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@short"}])
