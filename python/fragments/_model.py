@@ -229,7 +229,10 @@ for _name in ("floordiv", "mod", "lt", "le", "gt", "ge", "and", "or"):
 
 def _loc_node(location):
     from ._proxy import Loc
-    return Loc(location.name, location._visit)
+    node = Loc(location.name, location._visit)
+    if getattr(location, "_invoke", None) is not None:  # a vLLM trace's invoke (prompt) the value belongs to
+        node.invoke = location._invoke
+    return node
 
 
 def _is_expression(value):
@@ -289,6 +292,8 @@ class Location(_InPlaceEdits, _Expression):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "_visit", visit)
+        # fragments.vllm's traces: the invoke open when the location was taken (its value is that prompt's)
+        object.__setattr__(self, "_invoke", getattr(getattr(model, "_trace", None), "_invoke_now", None))
 
     def _regions(self):
         return self._model._head_layout(self.name)

@@ -81,10 +81,14 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         spec = {"interventions": spec}
     if not isinstance(spec, dict):
         raise ValueError(f'extra_args["{EXTRA_KEY}"] must be a plan object or list, found {type(spec).__name__}')
-    unknown = sorted(set(spec) - {"format", "interventions", "key", "base"})
+    unknown = sorted(set(spec) - {"format", "interventions", "key", "base", "program"})
     if unknown:
         raise ValueError(f'unknown field(s) {unknown}; a request plan has "format", "interventions", "key" and '
                          '"base"')
+    program = spec.get("program")  # [group, invoke]: a VLLM trace's Python steps, registered by RPC (_python.py)
+    if program is not None and not (isinstance(program, list) and len(program) == 2 and isinstance(program[0], str)
+                                    and (program[1] is None or isinstance(program[1], int))):
+        raise ValueError(f'"program" must be [group id, invoke number or null], found {json.dumps(program)}')
     if record.get("compiled"):
         raise ValueError("per-request plans need vLLM's eager mode: start the engine with enforce_eager=True "
                          "(the compiled model has no module hooks; docs/vllm.md)")

@@ -87,6 +87,9 @@ def prepare(spec) -> Tuple[str, str]:
     if not isinstance(spec, dict):
         raise BadPlan(f"vllm_xargs.{EXTRA_KEY}: expected a plan object or list, found {type(spec).__name__}")
     spec = dict(spec)
+    if "program" in spec:  # Python steps run only for an in-process LLM's traces (fragments/vllm/_python.py)
+        raise BadPlan('fragments plan: "program" (Python steps of fragments.vllm.VLLM\'s traces) is refused over '
+                      'HTTP')
     if os.environ.get("FRAGMENTS_VLLM_ALLOW_FILES") != "1":
         if "base" in spec:
             raise BadPlan('fragments plan: "base" (a folder on the server) is refused; refer to registered '

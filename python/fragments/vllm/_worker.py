@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from . import _layers, _plan
+from . import _layers, _plan, _python
 
 log = logging.getLogger("fragments.vllm")
 
@@ -72,6 +72,9 @@ class WorkerState:
         self.compiled = not runner.model_config.enforce_eager
         self._record = None
         self._failed = False  # a plan failed in a forward: its hooks go at the next step
+        self.programs: Dict[str, list] = {}  # Python steps of VLLM traces by group (_python.py)
+        self.py_live: Dict[tuple, tuple] = {}  # (request key, location, step) -> (forward, its rows)
+        self.py_forward = 0  # forwards run, for py_live
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
@@ -87,6 +90,7 @@ class WorkerState:
         follow: a location has a hook only while a live plan acts there, so a batch without plans runs
         vLLM's model untouched. Every rank sees the same scheduler output, so every rank hooks alike."""
         self.step_work = None
+        self.py_forward += 1
         changed, self._failed = self._failed, False
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             changed |= self.plans.pop(req_id, None) is not None
@@ -156,6 +160,7 @@ class WorkerState:
             if self._record is None:
                 self._record = self.model_record()
             plan = _plan.RequestPlan.parse(spec, req_id, self._record, set(self.modules))
+            _python.attach(self, plan, spec)  # a VLLM trace's Python steps (.apply, edits read from locations)
             record = self.saves.setdefault(plan.key, {"saves": {}, "error": None})
             record["error"] = plan.error
         self.plans[req_id] = plan
@@ -229,6 +234,10 @@ class WorkerState:
             sel = slice(position[w.start], position[w.stop - 1] + 1)
             view = whole[sel]
             s = w.step
+            if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
+                edited |= _python.run(self, location, s, w, view, lambda key: next(
+                    (whole[position[x.start]:position[x.stop - 1] + 1] for x in work if x.key == key), None))
+                continue
             # A step that cannot run (an index out of range, a value of the wrong shape) fails its request
             # only; whole values are the same on every rank, so every rank fails it alike.
             try:
@@ -378,6 +387,19 @@ def install():
     def fragments_call(self, modules, data):
         return _state.call(modules, data) if _state is not None else None
 
+    def fragments_program(self, group, blob):
+        """A VLLM trace's Python steps (cloudpickle bytes) under its group id; blob None drops them."""
+        if _state is None:
+            return None
+        if blob is None:
+            _state.programs.pop(group, None)
+            for k in [k for k in _state.py_live if k[0].startswith(group + ".")]:  # its captures
+                del _state.py_live[k]
+        else:
+            import cloudpickle
+            _state.programs[group] = cloudpickle.loads(blob)
+        return True
+
     _cpu_moe_silu_workaround()
 
     # vLLM's collective_rpc finds worker methods by name (its worker_extension_cls does the same by
@@ -385,6 +407,7 @@ def install():
     worker_base.WorkerBase.fragments_take_saves = fragments_take_saves
     worker_base.WorkerBase.fragments_model_record = fragments_model_record
     worker_base.WorkerBase.fragments_call = fragments_call
+    worker_base.WorkerBase.fragments_program = fragments_program
 
 
 def _cpu_moe_silu_workaround():

@@ -2,24 +2,30 @@
 
     python server_check.py TP
 
-Writes a tiny Llama with transformers' save_pretrained (and a word-level tokenizer: w0 … w299), a
+Writes a tiny Llama with transformers' save_pretrained (and a word-level tokenizer: [w0] … [w299]), a
 safetensors file of steering vectors registered by name (FRAGMENTS_VLLM_VECTORS: "steer" fits layer 1's
-down-projection input, "short" fits nothing), starts `vllm serve` on 127.0.0.1 at tensor_parallel_size TP
-with the plugin loaded through its real entry points (a dist-info on PYTHONPATH), fp32, eager, no prefix
-caching, FRAGMENTS_VLLM_MAX_SAVE_BYTES=65536, and checks, one line per check, exiting non-zero on any
-failure:
+down-projection input, "short" fits nothing), starts vLLM's own command `vllm serve DIR
+--tensor-parallel-size TP` (on the CPU build it needs tools/vllm_dist_name.py's `vllm` dist-info) on
+127.0.0.1 with the plugin loaded through its real entry points (a dist-info on PYTHONPATH), fp32, eager,
+no prefix caching, FRAGMENTS_VLLM_MAX_SAVE_BYTES=65536, and checks, one line per check, exiting non-zero
+on any failure:
   A  16 requests (8 plain, 8 with 8 different plans: saves of fragmented and whole locations at chosen
      steps, logits, a steering vector "@steer" added at every step, a v head scaled) served one at a
      time: the plans' saves come back in the response as base64 safetensors of the expected shapes;
      a plain request's answer has no "fragments" field
   B  the same 16 at once (16 threads, openai client), together with, over curl, a bad plan (an unknown
-     location: HTTP 400 with the location in the message), a plan naming a file on the server (400) and
+     location: HTTP 400 with the location in the message), a plan naming a file on the server (400), one
+     naming a Python program (400: only an in-process LLM's traces run Python steps) and
      a request with n = 2 (400); and a "@short" vector that passes the front end's check but does not fit
      its location (200, its "fragments.error" names the location): each of the 16 equals its answer from A
      (tokens exactly; logprobs and saves within 1e-5 relative: vLLM's CPU kernels round differently in a
      batch of 16 than alone, plain requests included)
   C  "@steer": the saved down-projection input at prefill minus the unsteered one is the registered vector
   D  a plan whose saves pass the cap: 200, "safetensors" null, "error" names the cap
+  F  /v1/chat/completions with the official client (client.chat.completions.create, extra_body={"vllm_xargs":
+     {"fragments": plan}}; the tiny tokenizer gets a chat template that joins the messages' words): four of
+     A's plans each equal A's completion served alone (same prompt ids, tokens exactly, logprobs and saves
+     within 1e-5), a plain chat has no "fragments" field, a bad plan is a BadRequestError (400)
   E  stream: true over curl: the key in the x-fragments-key header, saves from GET /v1/fragments/saves/KEY
      equal to the same request's in A; GET /v1/fragments/model lists the locations; /vectors the shapes
 """
@@ -49,16 +55,27 @@ def write_model(folder, vocab):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     families.write_checkpoint("llama", folder)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    # words "[w0]" … : no word is inside another, so the special tokens (matched anywhere in a text, before
+    # the split at spaces) cannot cut a word in two ("w2" would cut "w234")
+    tok = Tokenizer(models.WordLevel({f"[w{i}]": i for i in range(vocab)}, unk_token="[w0]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1",
-                                         eos_token="w2").save_pretrained(folder)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[w0]", bos_token="[w1]",
+                                                eos_token="[w2]")
+    # A chat template for /v1/chat/completions: the messages' contents joined by spaces, nothing added, so a
+    # chat whose one message is "[w5] [w17] [w200]" is the prompt [5, 17, 200] (the test's tokenizer has none).
+    if not getattr(fast, "chat_template", None):
+        fast.chat_template = "{% for m in messages %}{% if not loop.first %} {% endif %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(folder)
+
+
+def vllm_command():
+    """vLLM's `vllm` console script of this Python (the venv's bin/, beside sys.executable)."""
+    return os.path.join(os.path.dirname(sys.executable), "vllm")
 
 
 def start_server(folder, tp, port, env, log):
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-           "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
+    cmd = [vllm_command(), "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
            "--max-model-len", "64", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     t0 = time.time()
@@ -113,6 +130,22 @@ class Client:
         c = r.choices[0]
         frag = (r.model_extra or {}).get("fragments")
         return {"tokens": list(c.token_ids), "logprobs": list(c.logprobs.token_logprobs), "text": c.text,
+                "fragments": frag, "saves": decode(frag)}
+
+    def chat(self, prompt, plan=None):
+        """The same request through /v1/chat/completions (the official client's chat API): one user message
+        whose text is the prompt's words, so the chat template gives the same token ids."""
+        body = {"return_token_ids": True, "ignore_eos": True}
+        if plan is not None:
+            body["vllm_xargs"] = {"fragments": json.dumps(plan)}
+        r = self.api.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": " ".join(f"[w{t}]" for t in prompt)}],
+            max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, extra_body=body)
+        c = r.choices[0]
+        frag = (r.model_extra or {}).get("fragments")
+        return {"tokens": list((c.model_extra or {}).get("token_ids") or []),
+                "prompt_tokens": list((r.model_extra or {}).get("prompt_token_ids") or []),
+                "logprobs": [x.logprob for x in c.logprobs.content], "text": c.message.content,
                 "fragments": frag, "saves": decode(frag)}
 
     def curl(self, body, *extra):
@@ -177,6 +210,9 @@ def run_checks(client, prompts, vocab, work):
         bad = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(bad_plan)}})
         file_plan = [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "/etc/x.safetensors:v"}]
         bad_file = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(file_plan)}})
+        with_program = dict(interventions=[], program=["trace-0", 0])  # not a plan of the schema: refused
+        bad_program = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(
+            with_program)}})
         bad_n = pool.submit(client.curl, {"prompt": prompts[0], "n": 2, "vllm_xargs": {"fragments": json.dumps(P[0])}})
         short = pool.submit(client.complete, prompts[2],
                             [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@short"}])
@@ -186,6 +222,8 @@ def run_checks(client, prompts, vocab, work):
           f"{code} {text[:160]}")
     code, text = bad_file.result()
     check("B a file on the server refused: 400", code == 400 and "@name" in text, f"{code} {text[:120]}")
+    code, text = bad_program.result()
+    check("B a plan naming a Python program refused: 400", code == 400 and "program" in text, f"{code} {text[:120]}")
     code, text = bad_n.result()
     check("B n = 2 with a plan: 400", code == 400 and "n = 1" in text, f"{code} {text[:120]}")
     sr = short.result()
@@ -218,6 +256,25 @@ def run_checks(client, prompts, vocab, work):
     saves = decode(streamed)
     check("E stream: key in the header, saves by id equal the unstreamed request's", code == 200 and saves is not None
           and all(bool((saves[n] == alone[1]["saves"][n]).all()) for n in alone[1]["saves"]), f"{code} key {key}")
+    # F  chat completions: each plan of A through client.chat.completions.create(extra_body={"vllm_xargs":
+    # ...}) on the same prompt equals that completion served alone; a bad plan is a 400 there too.
+    for i in (1, 3, 5, 7):
+        chat = client.chat(jobs[i][0], jobs[i][1])
+        ok, why = same(chat, alone[i])
+        check(f"F chat completion with plan {i // 2} == the completion alone", ok and
+              chat["prompt_tokens"] == list(jobs[i][0]) and chat["fragments"]["error"] is None,
+              f"{why}; prompt ids {chat['prompt_tokens'][:6]} vs {list(jobs[i][0])[:6]}")
+    plain_chat = client.chat(jobs[0][0])
+    check("F plain chat completion: no fragments field, tokens of the completion", plain_chat["fragments"] is None
+          and plain_chat["tokens"] == alone[0]["tokens"], f"{plain_chat['tokens']} vs {alone[0]['tokens']}")
+    import openai
+    try:
+        client.chat(prompts[0], bad_plan)
+        check("F chat with a bad plan: 400", False, "no error")
+    except openai.BadRequestError as e:
+        check("F chat with a bad plan: 400 naming the location", "model.layers.9.mlp.down_proj.input" in str(e),
+              str(e)[:160])
+
     record = client.get("/v1/fragments/model")
     check("E GET /v1/fragments/model lists locations", "model.layers.0.mlp.down_proj" in record["modules"])
     check("E GET /v1/fragments/vectors", client.get("/v1/fragments/vectors") == {"steer": [256], "short": [7]})

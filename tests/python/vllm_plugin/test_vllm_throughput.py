@@ -1,0 +1,62 @@
+"""CPU smoke test of bench/vllm_throughput.py (paired rotating rounds; issue 27's throughput goals).
+
+FRAG_SLOW=1 only (two vLLM engines, ~3-6 min on 2 shared cores); otherwise skipped, loudly. Runs the benchmark
+tiny (8 prompts of 8 tokens, 4 new tokens, 2 rounds, no nnsight) and checks what it wrote: every column in
+every round, the order rotated between rounds, each round's ratios taken against that round's plain run,
+the quarter column's saves all came back (2 requests x 4 locations), and the summary's medians and spreads
+are those of the rounds. No speed is asserted: the ratios are the benchmark's to report, on a quiet machine.
+
+    FRAG_SLOW=1 PYTHONPATH=python python tests/python/vllm_plugin/test_vllm_throughput.py
+"""
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+class VllmThroughputSmokeTest(unittest.TestCase):
+    def test_paired_rotating_rounds(self):
+        if os.environ.get("FRAG_SLOW") != "1":
+            print("SKIPPED vllm_throughput smoke test: FRAG_SLOW=1 runs it (two vLLM engines)", file=sys.stderr)
+            self.skipTest("FRAG_SLOW=1 runs it")
+        if importlib.util.find_spec("vllm") is None:
+            print("SKIPPED vllm_throughput smoke test: vllm is not installed", file=sys.stderr)
+            self.skipTest("vllm is not installed")
+        out = os.path.join(tempfile.mkdtemp(prefix="frag-vllm-bench-smoke-"), "result.json")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"),
+                                                           os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vllm_throughput.py"), "--prompts", "8",
+                               "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2", "--json", out],
+                              env=env, capture_output=True, text=True, timeout=1500)
+        print(proc.stdout[-3000:])
+        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        with open(out) as f:
+            report = json.load(f)
+        columns = ["plain", "none", "quarter"]
+        rounds = report["rounds"]
+        self.assertEqual(len(rounds), 2)
+        self.assertNotEqual(rounds[0]["order"], rounds[1]["order"], "the order must rotate between rounds")
+        for r in rounds:
+            self.assertEqual(sorted(r["order"]), sorted(columns))
+            for c in columns:
+                self.assertGreater(r["rows"][c]["tokens_per_s"], 0)
+                self.assertAlmostEqual(r["ratio"][c], r["rows"][c]["tokens_per_s"] / r["rows"]["plain"]["tokens_per_s"])
+            self.assertEqual(r["rows"]["quarter"]["saved"], 2 * 4, "every 4th of 8 requests saves 4 locations")
+            self.assertEqual(r["rows"]["none"]["saved"], 0)
+        for c in columns:
+            ratios = [r["ratio"][c] for r in rounds]
+            s = report["summary"][c]
+            self.assertAlmostEqual(s["ratio_median"], statistics.median(ratios))
+            self.assertEqual((s["ratio_min"], s["ratio_max"]), (min(ratios), max(ratios)))
+        self.assertEqual(report["summary"]["none"]["goal"], 0.97)
+        self.assertEqual(report["summary"]["quarter"]["goal"], 0.85)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
