@@ -31,11 +31,12 @@ SHAPE = dict(hidden=256, intermediate=768, heads=8, kv_heads=4, layers=4, vocab=
 
 
 def export(folder):
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "export_model.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tools", "export_model.py")
     cmd = [sys.executable, script, "--model", "llama", "--tp", "1", "--out", folder]
     for k, v in SHAPE.items():
         cmd += ["--" + k.replace("_", "-"), str(v)]
-    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH="."))
+    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=root))
     return os.path.join(folder, "rank0.pt")
 
 

@@ -16,8 +16,10 @@ One process, one GPU, the same config and weights on every side (random, bf16; d
   transformers dynamic LlamaForCausalLM.generate, DynamicCache
   transformers static  LlamaForCausalLM.generate(cache_implementation="static"), which compiles its decode step
 
-Per batch size (--batches, default 1 and 32): ms per decode step (median over --iterations after warm-up) and
-tokens/s = batch / step time. For transformers the step time is (generate(N) - generate(1)) / (N - 1), the
+It first prints which attention over the cache the rank file runs (read from its code: SDPA in the cache's
+dtype, or an older export's float32 matmul/softmax). Per batch size (--batches, default 1 and 32): ms per decode
+step (median over --iterations after warm-up) and tokens/s = batch / step time, then the ratios: saves at 4
+locations / nothing registered, fragments / transformers static cache (tokens/s), fragments / independent. For transformers the step time is (generate(N) - generate(1)) / (N - 1), the
 prompt of --prompt tokens prefilled in both. Goals (issue 28): fragments >= 2x transformers static at batch 1,
 >= 1.2x at batch 32 with nothing registered, >= 0.9x of that with the 4 saves; the captured step <= 1.3x
 the independent plain model's captured step with the same cache (printed as a ratio).
@@ -174,6 +176,20 @@ def transformers_step_ms(hf, batch, args, device, static):
     return (full - one) / (n - 1)
 
 
+def cached_attention(module):
+    """Which attention over the KV cache the rank file (`module`, loaded) runs: read from its attention module's
+    code, so a run on an export made by older kit code says so (tools/device/bench_common.sh re-exports when
+    the kit changes)."""
+    try:
+        attn = getattr(module.model.layers, "0").self_attn.attn  # a loaded ModuleList has no []
+        code = attn._cached.code
+    except Exception as e:  # not a kit TorchScript file of a cached model
+        return "unknown (%s)" % ((str(e).strip().splitlines() or [type(e).__name__])[0][:120])
+    if "scaled_dot_product_attention" in code:
+        return "SDPA in the cache's dtype (boolean mask, no float32 copy of the cache)"
+    return "explicit float32 matmul/softmax over a float32 copy of the cache (an export by older kit code)"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("file", help="rank file (tp 1) of the shape below, e.g. from tools/export_model.py")
@@ -190,6 +206,9 @@ def main():
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
+    scripted = torch.jit.load(args.file, map_location="cpu")
+    attention = cached_attention(scripted)
+    print("attention over the cache in %s: %s" % (args.file, attention))
     model = fragments.load(args.file, device=str(device))
     saves = ["model.layers.0.output", "model.layers.%d.output" % (args.layers - 1),
              "model.layers.0.mlp.down_proj.input", "model.layers.0.self_attn.o_proj.input"]
@@ -199,7 +218,8 @@ def main():
     kit = LlamaForCausalLM(config).eval()
     # The rank file also holds the rotary tables (buffers the kit's module makes itself): weights only.
     wanted = kit.state_dict().keys()
-    kit.load_state_dict({k: v for k, v in torch.jit.load(args.file).state_dict().items() if k in wanted})
+    kit.load_state_dict({k: v for k, v in scripted.state_dict().items() if k in wanted})
+    del scripted
     kit.to(device)
     plain = PlainLlama(args.vocab, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads,
                        args.head_dim, eps=config.rms_norm_eps, rope_theta=config.rope_theta,
@@ -208,7 +228,8 @@ def main():
     check = check_independent(kit, plain, args, device, dtype)
     print("check %s: max |diff| %.3g, tolerance %.3g: %s" % (check["what"], check["max_abs_diff"],
                                                             check["tolerance"], "ok" if check["ok"] else "FAILED"))
-    report = {"dtype": args.dtype, "device": str(device), "checks": [check], "batches": {}}
+    report = {"dtype": args.dtype, "device": str(device), "attention": attention, "checks": [check],
+              "batches": {}}
     if not check["ok"]:
         if args.json:
             with open(args.json, "w") as f:
@@ -242,7 +263,15 @@ def main():
         times = dict(rows)
         ratio = times["fragments, nothing registered"] / times["independent plain PyTorch, static cache, CUDA graph"]
         print("  fragments step / independent plain captured step: %.3fx (goal <= 1.3)" % ratio)
-        report["batches"][str(batch)] = {"ms_per_step": times, "fragments_over_independent": ratio}
+        saves_ratio = times["fragments, nothing registered"] / times["fragments, saves at 4 locations"]
+        print("  fragments tokens/s, saves at 4 locations / nothing registered: %.3fx (goal >= 0.9)" % saves_ratio)
+        entry = {"ms_per_step": times, "fragments_over_independent": ratio, "saves_over_nothing": saves_ratio}
+        if reference:
+            over_hf = reference / times["fragments, nothing registered"]
+            print("  fragments / transformers static cache, tokens/s: %.3fx (goal >= %s)"
+                  % (over_hf, "2" if batch == 1 else "1.2"))
+            entry["fragments_over_transformers_static"] = over_hf
+        report["batches"][str(batch)] = entry
         if device.type == "cuda":
             print("  graphs: %s" % model.graph_stats())
     if args.json:

@@ -261,11 +261,11 @@ class Attention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Optional[Tensor] = None,
                 kv_cache: Optional[Tensor] = None, cache_len: int = 0) -> Tensor:
+        if kv_cache is not None and positions is not None:
+            return self._cached(q, k, v, positions, kv_cache, cache_len).to(q.dtype)
         b = q.shape[0]
         t = q.shape[1]
         qh = q.reshape(b, t, self.num_heads, self.head_size).transpose(1, 2).float()
-        if kv_cache is not None and positions is not None:
-            return self._cached(qh, k, v, positions, kv_cache, cache_len).to(q.dtype)
         kh = k.reshape(b, t, self.num_kv_heads, self.head_size).transpose(1, 2).float()
         vh = v.reshape(b, t, self.num_kv_heads, -1).transpose(1, 2).float()
         if self.num_heads != self.num_kv_heads:
@@ -278,10 +278,10 @@ class Attention(nn.Module):
         out = torch.matmul(torch.softmax(scores, dim=-1), vh)
         return out.transpose(1, 2).reshape(b, t, -1).to(q.dtype)
 
-    def _cached(self, qh: Tensor, k: Tensor, v: Tensor, positions: Tensor, kv_cache: Tensor,
+    def _cached(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kv_cache: Tensor,
                 cache_len: int) -> Tensor:
-        b = qh.shape[0]
-        t = qh.shape[2]
+        b = q.shape[0]
+        t = q.shape[1]
         k_cache = kv_cache[self.layer_idx, 0]  # [max_batch, kv heads, max_len, head size]
         v_cache = kv_cache[self.layer_idx, 1]
         if positions.dim() == 1:
@@ -292,18 +292,22 @@ class Attention(nn.Module):
         k_cache.transpose(1, 2).index_put_(index, k.reshape(b, t, self.num_kv_heads, self.head_size).to(k_cache.dtype))
         v_cache.transpose(1, 2).index_put_(index, v.reshape(b, t, self.num_kv_heads, -1).to(v_cache.dtype))
         n = cache_len if cache_len > 0 else k_cache.size(2)
-        kh = k_cache[:b, :, :n].float()  # [B, nkv, n, hs]: a view, each head's slots contiguous
-        vh = v_cache[:b, :, :n].float()
-        # GQA without copying the cache: the rep query heads of a kv head are stacked on the query dim.
+        # Attention in the cache's dtype over views of it (no float32 copy of the cache: at batch 32 that copy
+        # was most of a decode step on a GPU); SDPA's kernels accumulate in float32 themselves.
+        kh = k_cache[:b, :, :n]  # [B, nkv, n, hs]
+        vh = v_cache[:b, :, :n]
+        # GQA without copying the cache: the rep query heads of a kv head are stacked on the query dim
+        # (SDPA's own enable_gqa would repeat the cache's heads on some backends).
         rep = self.num_heads // self.num_kv_heads
-        qg = qh.reshape(b, self.num_kv_heads, rep * t, self.head_size)
-        scores = torch.matmul(qg, kh.transpose(-1, -2)) * self.scale  # [B, nkv, rep * t, n]
+        qg = q.reshape(b, t, self.num_heads, self.head_size).transpose(1, 2).to(k_cache.dtype)
+        qg = qg.reshape(b, self.num_kv_heads, rep * t, self.head_size)
+        # True where a query may attend: the slots at or before its own position (its row's real tokens; a
+        # pad or a stale slot is after it). Every query sees at least slot 0, so no row of the mask is empty.
         slots = torch.arange(n, dtype=torch.long, device=positions.device)
-        hidden = slots.view(1, 1, n) > positions.unsqueeze(-1)  # [B, t, n]: slots after the query's position
-        scores = scores.view(b, self.num_kv_heads, rep, t, n).masked_fill(hidden.view(b, 1, 1, t, n), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(b, self.num_kv_heads, rep * t, n)
-        out = torch.matmul(probs, vh).view(b, self.num_heads, t, -1)
-        return out.transpose(1, 2).reshape(b, t, -1)
+        visible = slots.view(1, 1, n) <= positions.unsqueeze(-1)  # [B, t, n]
+        mask = visible.unsqueeze(1).expand(b, rep, t, n).reshape(b, 1, rep * t, n)
+        out = torch.nn.functional.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask, scale=self.scale)
+        return out.view(b, self.num_heads, t, -1).transpose(1, 2).reshape(b, t, -1)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -57,9 +57,13 @@ class CapturedForwards {
     const void* cache = nullptr;
     int64_t cache_rows = 0;
     int64_t cache_len = 0;
+    /// A padded bucket's real rows where a plan is registered (its steps and saves act on those rows, a
+    /// narrowing the graph holds); 0 otherwise, so without a plan one graph serves every batch of a bucket.
+    int64_t real_rows = 0;
     bool operator==(const Key& other) const {
       return plan == other.plan && specialize == other.specialize && decode == other.decode &&
-             cache == other.cache && cache_rows == other.cache_rows && cache_len == other.cache_len;
+             cache == other.cache && cache_rows == other.cache_rows && cache_len == other.cache_len &&
+             real_rows == other.real_rows;
     }
   };
 

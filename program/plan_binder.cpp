@@ -180,9 +180,17 @@ torch::Tensor row_index(const PlanStep& step, const torch::Tensor& whole, const 
   return torch::tensor(step.rows, torch::kLong).to(whole.device());
 }
 
-/// What a bound step does at a visit: the whole, or (filtered) only at its steps and on its rows.
-std::optional<torch::Tensor> visit(BoundStep& bound, const ActionRule& rule, torch::Tensor& whole,
+/// The real rows of `whole` (VisitState::real_rows): a view, so edits made to it land in the whole.
+torch::Tensor real_rows_of(const torch::Tensor& whole, const VisitState& state) {
+  if (!state.real_rows || whole.dim() == 0 || whole.size(0) <= *state.real_rows) return whole;
+  return whole.narrow(0, 0, *state.real_rows);
+}
+
+/// What a bound step does at a visit: the whole, or (filtered) only at its steps and on its rows; in a
+/// padded batch bucket, on the real rows only.
+std::optional<torch::Tensor> visit(BoundStep& bound, const ActionRule& rule, torch::Tensor& padded,
                                    const VisitInfo& info) {
+  torch::Tensor whole = real_rows_of(padded, *bound.state);
   if (!bound.filtered) {
     rule.run(bound, whole, info);
     return std::nullopt;
@@ -291,7 +299,19 @@ void PlanBinder::save(ir::LocationId location, const std::string& name, std::opt
 
 void PlanBinder::on(ir::LocationId location, runtime::Hook hook, std::optional<int64_t> visit,
                     const std::string& label, bool edits) {
-  add_hook(location, std::move(hook), visit, label, edits, /*capturable=*/false);
+  // A callback sees the real rows of a padded batch bucket, as plan steps do; its replacement of them
+  // is written into the whole's real rows.
+  auto real_rows_hook = [hook = std::move(hook), state = state_](torch::Tensor& padded,
+                                                                 const VisitInfo& info) -> std::optional<torch::Tensor> {
+    torch::Tensor whole = real_rows_of(padded, *state);
+    if (whole.is_same(padded)) return hook(padded, info);
+    auto replaced = hook(whole, info);
+    if (!replaced) return std::nullopt;
+    torch::Tensor copy = padded.clone();
+    copy.narrow(0, 0, whole.size(0)).copy_(*replaced);
+    return copy;
+  };
+  add_hook(location, std::move(real_rows_hook), visit, label, edits, /*capturable=*/false);
 }
 
 void PlanBinder::add_hook(ir::LocationId location, runtime::Hook hook, std::optional<int64_t> visit,

@@ -39,6 +39,10 @@ struct VisitState {
   /// row is dropped; -1 for a padding row), which a plan step's "rows" name; empty: "rows" are indices
   /// into the batch (a plain forward).
   std::vector<int64_t> row_ids;
+  /// The rows that are real while a decode step runs padded to a batch bucket (program/decoder.h): plan
+  /// steps and callbacks see rows [0, real_rows) only, so a value shaped per row ([rows, ...]) binds to
+  /// the real rows and no step touches a padding row. nullopt: every row is real.
+  std::optional<int64_t> real_rows;
 };
 
 struct BoundStep;
@@ -68,6 +72,8 @@ class PlanBinder {
 
   /// Whether every hook only enqueues device work (no callback, no host-side step filter).
   bool capturable() const { return callbacks_ == 0; }
+  /// Whether anything is registered (what a forward does then depends on the batch's real rows).
+  bool has_hooks() const { return !bound_.empty() || callbacks_ > 0; }
   /// The values edit steps made on the device: a CUDA graph that reads them keeps them.
   std::vector<torch::Tensor> device_values() const;
   /// Hooks registered for a visit the last forward never reached, one line each.

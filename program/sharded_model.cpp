@@ -116,6 +116,7 @@ CapturedForwards::Entry* ShardedModel::graph_entry(const torch::Tensor& input_id
     key.cache = cached->kv_cache.data_ptr();
     key.cache_rows = cached->kv_cache.size(2);
     key.cache_len = cached->cache_len;
+    if (binder_->has_hooks()) key.real_rows = binder_->state().real_rows.value_or(0);
   }
   return &graphs_->entry(key, weights, input_ids);
 }

@@ -141,9 +141,12 @@ class ShardedModel {
     binder_->state().generation_step = step.value_or(0);
     binder_->state().saved.set_step(step);
   }
-  /// The batch's real rows while a decode step runs padded to a batch bucket: saves keep those rows only
-  /// (program/decoder.h). nullopt: every row is real.
-  void set_real_rows(std::optional<int64_t> rows) { binder_->state().saved.set_rows(rows); }
+  /// The batch's real rows while a decode step runs padded to a batch bucket: plan steps, callbacks and
+  /// saves see those rows only (program/decoder.h). nullopt: every row is real.
+  void set_real_rows(std::optional<int64_t> rows) {
+    binder_->state().real_rows = rows;
+    binder_->state().saved.set_rows(rows);
+  }
   /// The stable ids of the rows of the batch the next forwards run (program/decoder.h), which a plan
   /// step's "rows" name; {}: "rows" are batch indices.
   void set_row_ids(std::vector<int64_t> ids) { binder_->state().row_ids = std::move(ids); }

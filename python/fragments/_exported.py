@@ -164,8 +164,11 @@ class ExportedRunner:
                     name = renamed[name]
                 if name is not None and name != spec.arg.name:
                     spec.arg = type(spec.arg)(name=name)
-            with contextlib.redirect_stdout(io.StringIO()):  # PyTorch 2.11's unflatten prints a debug line per
-                tree = torch.export.unflatten(program)      # value crossing modules ("Checking mutability")
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                # PyTorch 2.11's unflatten prints a debug line per value crossing modules ("Checking
+                # mutability"), and warns of get_attr nodes for a cached program's mutated input (the cache)
+                warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+                tree = torch.export.unflatten(program)
             self._tree = tree
         return self._tree
 

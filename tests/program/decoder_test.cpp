@@ -277,6 +277,62 @@ TEST(Decoder, BatchBucketsPadDecodeStepsWithoutChangingRealRows) {
   EXPECT_EQ(second, std::vector<int64_t>(truth[1].begin(), truth[1].begin() + 3));
 }
 
+TEST(Decoder, PerRowEditValuesBindToTheRealRowsOfAPaddedBucket) {
+  FRAG_REQUIRE_GLOO();
+  // An edit whose value is shaped per row ([3, 1, 64]: each row its own vector, at every step) while decode
+  // steps of 3 rows run padded to a bucket of 4: the value binds to the 3 real rows (the padding row is not
+  // a row of the plan), and each row's tokens are those of its prompt generated alone with its own vector.
+  auto folder = temporary_folder();
+  torch::manual_seed(11);
+  auto values = torch::randn({3, 1, 64}) * 8;
+  runtime::write_safetensors(folder + "/v.safetensors", {{"v", values}});
+  for (int64_t b = 0; b < 3; ++b)
+    runtime::write_safetensors(folder + "/v" + std::to_string(b) + ".safetensors", {{"v", values[b].clone()}});
+  auto plan = [&](const std::string& file) {
+    return runtime::Plan::from_json(
+        nlohmann::json::array({{{"at", "model.layers.1.output"}, {"do", "add"}, {"value", file + ":v"}},
+                               {{"at", "model.layers.0.output"}, {"do", "save"}, {"as", "h"}}}),
+        "plan", folder);
+  };
+  std::vector<std::vector<int64_t>> alone, plain, padded;
+  SavedTensors saved;
+  std::vector<int64_t> callback_rows;
+  expect_no_errors(on_ranks("llama_tp1", [&](int, ShardedModel& model) {
+    for (size_t b = 0; b < kPrompts.size(); ++b) {  // the truth: each prompt alone with its own vector
+      model.clear();
+      model.apply(plan("v" + std::to_string(b) + ".safetensors"));
+      Decoder decoder(model, 1, 32);
+      auto t = decoder.generate({kPrompts[b]}, kSteps);
+      alone.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + kSteps);
+    }
+    model.clear();
+    Decoder unedited(model, 4, 32);
+    auto t = unedited.generate(kPrompts, kSteps);
+    for (int64_t b = 0; b < t.size(0); ++b) plain.emplace_back(t[b].data_ptr<int64_t>(), t[b].data_ptr<int64_t>() + kSteps);
+    model.apply(plan("v.safetensors"));
+    // A callback sees the real rows too.
+    model.on(
+        "model.layers.0.output",
+        [&](torch::Tensor& whole, const runtime::VisitInfo&) -> std::optional<torch::Tensor> {
+          callback_rows.push_back(whole.size(0));
+          return std::nullopt;
+        },
+        std::nullopt, "rows", /*edits=*/false);
+    model.clear_saved();
+    Decoder decoder(model, 4, 32);
+    decoder.set_batch_buckets({4});
+    t = decoder.generate(kPrompts, kSteps);
+    for (int64_t b = 0; b < t.size(0); ++b)
+      padded.emplace_back(t[b].data_ptr<int64_t>(), t[b].data_ptr<int64_t>() + kSteps);
+    saved = model.saved();
+  }));
+  EXPECT_NE(alone, plain) << "the per-row values must change the tokens (else this proves nothing)";
+  EXPECT_EQ(padded, alone) << "each real row of the padded bucket gets its own value";
+  EXPECT_EQ(callback_rows, std::vector<int64_t>(kSteps, 3)) << "the prefill's 3 rows, then 3 real rows of 4";
+  ASSERT_EQ(saved.count("step1.h"), 1u);
+  EXPECT_EQ(saved.at("step1.h")[0].sizes(), (std::vector<int64_t>{3, 1, 64}));
+}
+
 TEST(Decoder, PlanRowsNameStableRowIdsThatSurviveDrops) {
   FRAG_REQUIRE_GLOO();
   auto folder = temporary_folder();

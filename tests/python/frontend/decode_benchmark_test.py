@@ -3,7 +3,9 @@
 Runs the benchmark with --device cpu on the tiny Llama (tests/models/llama_tp1, float32) without transformers
 and reads its --json: the independent plain PyTorch model with a static KV cache (bench/peer_models.py
 PlainLlama.decode) gives the kit model's logits within 1e-4 of their scale over a ragged prefill and 4 decode
-steps, every row has a time, and the ratio against the independent model is printed. The same run with the
+steps, every row has a time, the ratio against the independent model and the saves' ratio to nothing
+registered are printed, and the attention it names is the rank file's (the kit's SDPA over the cache, as
+tests/models exports it now). The same run with the
 plain model's weights a little off (one layer's o_proj scaled by 1.05) fails its check and exits 1.
 Needs tests/models/llama_tp1, bench/, fragkit/ and `fragments` importable (python/fragments with its _C).
 """
@@ -59,7 +61,11 @@ class DecodeBenchmarkCpuTest(unittest.TestCase):
             self.assertGreater(times["independent plain PyTorch, static cache, CUDA graph"], 0)
             self.assertGreater(times["fragments, nothing registered"], 0)
             self.assertGreater(data["batches"][batch]["fragments_over_independent"], 0)
+            self.assertGreater(data["batches"][batch]["saves_over_nothing"], 0)
         self.assertIn("fragments step / independent plain captured step", proc.stdout)
+        self.assertIn("saves at 4 locations / nothing registered", proc.stdout)
+        self.assertTrue(data["attention"].startswith("SDPA in the cache's dtype"), data["attention"])
+        self.assertIn("attention over the cache in", proc.stdout)
 
     def test_perturbed_independent_model_fails_its_check(self):
         with tempfile.TemporaryDirectory() as tmp:

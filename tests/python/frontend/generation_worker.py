@@ -97,3 +97,15 @@ def steered_tokens(rank, path, steps=STEPS):
         with gen.decode():
             model.model.layers[1].output[...] += _vector(64, 4)
     return gen.new_tokens
+
+
+def lens(rank, path, steps=3):
+    """A logit lens (model.norm then lm_head on layer 0's output, a plan `call` step) in a trace of one
+    prompt and at every step of cached generation of PROMPTS: (trace lens, [per-step lens], new tokens)."""
+    model = fragments.load(path)
+    m = model.model
+    with model.trace(torch.tensor([PROMPTS[2]])):
+        traced = model.lm_head(m.norm(m.layers[0].output)).save()
+    with model.generate(PROMPTS, max_new_tokens=steps) as gen:
+        per_step = model.lm_head(m.norm(m.layers[0].output)).save()
+    return traced.value, per_step.value, gen.new_tokens
