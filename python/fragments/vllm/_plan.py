@@ -85,9 +85,6 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
     if unknown:
         raise ValueError(f'unknown field(s) {unknown}; a request plan has "format", "interventions", "key" and '
                          '"base"')
-    if record.get("compiled"):
-        raise ValueError("per-request plans need vLLM's eager mode: start the engine with enforce_eager=True "
-                         "(the compiled model has no module hooks; docs/vllm.md)")
     interventions = spec.get("interventions")
     if not isinstance(interventions, list):
         raise ValueError('"interventions" must be a list')
@@ -121,6 +118,10 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
                              "the hidden states it reads are the final norm's output (e.g. model.norm.output)")
         if at in record["refused"]:
             raise ValueError(f"{where}: {record['refused'][at]}")
+        if record.get("compiled") and at not in (record.get("taps") or ()):
+            raise ValueError(f"{where}: this vLLM engine is compiled (enforce_eager=False) and {at} is not tapped; "
+                             "the compiled graph is fixed at start: declare it with LLM(..., additional_config="
+                             f'{{"fragments_taps": ["{at}"]}}) (globs allowed), or use enforce_eager=True')
         if d["do"] == "call":
             raise ValueError(f'{where}: "call" (ad-hoc module calls, logit lens) is not supported inside vLLM yet')
         if d["visit"] not in (None, 0):
