@@ -78,6 +78,7 @@ class WorkerState:
         self.forwards = 0
         if self.compiled:
             self._place_taps()
+            _watch_dynamo()
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
@@ -303,10 +304,13 @@ class WorkerState:
         counters (a recompile shows as a new Dynamo graph or compile)."""
         from torch._dynamo.utils import counters
         from vllm.compilation.counter import compilation_counter as cc
+        from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+        model_code = sorted({_code_name(m.original_code_object()) for m in self.modules.values()
+                             if isinstance(m, TorchCompileWithNoGuardsWrapper)})
         return {"rank": self.rank, "compiled": self.compiled, "forwards": self.forwards,
-                "tap_calls": dict(self.tap_calls),
+                "tap_calls": dict(self.tap_calls), "model_code": model_code,
+                "dynamo_compiles": list(_dynamo_compiles),  # every frame Dynamo compiled here, in order
                 "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-                "dynamo_frames": int(counters["frames"]["total"]),
                 "vllm_compiles": {k: int(getattr(cc, k)) for k in ("num_aot_compiles", "num_aot_artifacts_loaded",
                                                                     "num_backend_compilations",
                                                                     "num_inductor_compiles")}}
@@ -364,6 +368,25 @@ class WorkerState:
         except (RuntimeError, ValueError, TypeError) as e:
             answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): {e}", "data": None}
         return answer if self.rank == 0 else None
+
+
+_dynamo_compiles: List[str] = []
+_dynamo_watched = False
+
+
+def _code_name(code) -> str:
+    return f"{code.co_name} {code.co_filename}:{code.co_firstlineno}"
+
+
+def _watch_dynamo():
+    """Records every frame Dynamo compiles in this process (a bytecode hook; it changes nothing): the model's
+    forward must be among them once and never again, whatever the plans (vLLM also compiles small helpers of
+    its own, e.g. the sampler's logprob ranks, on first use)."""
+    global _dynamo_watched
+    if not _dynamo_watched:
+        import torch._dynamo.convert_frame
+        torch._dynamo.convert_frame.register_bytecode_hook(lambda old, new: _dynamo_compiles.append(_code_name(old)))
+        _dynamo_watched = True
 
 
 # ---- installation into vLLM's classes (the general plugin calls install) --------------------------------

@@ -18,8 +18,9 @@ non-zero on a failure:
     hooks, and layer 1's q|k|v and the logits equal transformers' under them; the plain row is unchanged;
   a plan naming an untapped location is refused at submission (that request alone, the message names the
     location and fragments_taps), and the engine runs on;
-  fragments_compile_stats (every rank): no Dynamo graph and no vLLM compile added across the requests with
-    different plans, and every tap's body ran exactly once per forward.
+  fragments_compile_stats (every rank): Dynamo compiled the model's forward once before the requests and never
+    during them (whatever the plans; vLLM's own helpers compiled on first use are listed), vLLM's compile
+    counters unchanged, and every tap's body ran exactly once per forward.
 """
 import argparse
 import json
@@ -131,8 +132,13 @@ def main():
     def stats():
         return llm.collective_rpc("fragments_compile_stats")
     before = stats()
-    check("the engine compiled the model (Dynamo traced it, with the taps in the graph)",
-          all(s["compiled"] and s["dynamo_graphs"] >= 1 for s in before), json.dumps(before)[:400])
+    # vLLM 0.24 with torch 2.11 compiles ahead of time (torch.compile's aot_compile, counted by vLLM) unless its
+    # compile cache is off; then Dynamo compiles the forward's frame (seen by the bytecode hook)
+    check("the engine compiled the model's forward (fresh: not loaded from a cache), once",
+          all(s["compiled"] and s["model_code"] and s["vllm_compiles"]["num_aot_artifacts_loaded"] == 0 and
+              s["vllm_compiles"]["num_aot_compiles"] + sum(c in s["model_code"] for c in s["dynamo_compiles"]) == 1
+              for s in before),
+          json.dumps([[s["model_code"], s["vllm_compiles"], s["dynamo_compiles"]] for s in before])[:700])
 
     down0_in = "model.layers.0.mlp.down_proj.input"
     plan_read = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
@@ -224,11 +230,11 @@ def main():
     after = stats()
     for b, a in zip(before, after):
         rank = a["rank"]
-        check(f"rank {rank}: no recompile across requests with different plans",
-              a["dynamo_graphs"] == b["dynamo_graphs"] and a["dynamo_frames"] == b["dynamo_frames"]
-              and a["vllm_compiles"] == b["vllm_compiles"],
-              f"graphs {b['dynamo_graphs']}->{a['dynamo_graphs']}, frames {b['dynamo_frames']}->{a['dynamo_frames']}, "
-              f"vLLM {b['vllm_compiles']}->{a['vllm_compiles']}")
+        # vLLM compiles small helpers of its own on first use (the sampler's logprob ranks): listed, not counted
+        new = a["dynamo_compiles"][len(b["dynamo_compiles"]):]
+        check(f"rank {rank}: no recompile of the model across requests with different plans",
+              not any(c in a["model_code"] for c in new) and a["vllm_compiles"] == b["vllm_compiles"],
+              f"model {a['model_code']}; compiled meanwhile: {new}; vLLM {b['vllm_compiles']}->{a['vllm_compiles']}")
         forwards = a["forwards"] - b["forwards"]
         calls = {loc: a["tap_calls"][loc] - b["tap_calls"].get(loc, 0) for loc in a["tap_calls"]}
         check(f"rank {rank}: every tap's body ran once per forward", forwards > 0 and
