@@ -7,11 +7,12 @@ The model, prompts and load are bench/vllm_throughput.py's (a Llama written by t
 hidden 512, 8 heads / 4 kv heads, 4 layers, MLP 1536, vocab 4096, fp32; tp 1; `LLM.generate` with all prompts
 at once, greedy, ignore_eos), but every engine is compiled. Columns, each engine in its own process:
   plain     compiled vLLM without the plugin (no entry points on the path)
+  plugin    the plugin loaded, nothing tapped (its per-step work and logits-processor plugin, no tap)
   taps      the plugin loaded, 4 locations tapped at start (additional_config fragments_taps: layer 0's fused
             qkv output, layer 1's MLP down-projection input, layer 2's output, the final norm's output),
             no request with a plan: what a tap costs when nothing acts
   quarter   the same engine, every 4th request saving those 4 locations at every step (saves fetched)
-Interleaved: --rounds times (plain engine, tapped engine); inside the tapped engine taps and quarter
+Interleaved: --rounds times (plain engine, plugin engine, tapped engine); inside the tapped engine taps and quarter
 alternate for --reps repetitions after one warm-up each. Per column: the median tokens/s (wall) and
 tokens per CPU second (user + system of this process and the vLLM processes it starts), as ratios to plain.
 """
@@ -53,7 +54,7 @@ def child(args, mode):
             outs = llm.generate(ps, SamplingParams(**sampling), use_tqdm=False)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == tokens
 
-    columns = ["plain"] if mode == "plain" else ["taps", "quarter"]
+    columns = {"plain": ["plain"], "plugin": ["plugin"], "tapped": ["taps", "quarter"]}[mode]
     for c in columns:
         generate(c)  # warm-up
     for _ in range(args.reps):
@@ -67,7 +68,7 @@ def child(args, mode):
 
 def spawn(args, mode, site):
     env = dict(os.environ)
-    paths = [os.path.join(ROOT, "python")] + ([site] if mode == "tapped" else [])
+    paths = [os.path.join(ROOT, "python")] + ([site] if mode != "plain" else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     env["VLLM_CACHE_ROOT"] = os.path.join(args.work, f"cache-{mode}")  # each engine compiles its own graph
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--work", args.work,
@@ -110,7 +111,7 @@ def main():
     load_before = os.getloadavg()
     results, per_cpu, stats = {}, {}, []
     for _ in range(args.rounds):
-        for mode in ("plain", "tapped"):
+        for mode in ("plain", "plugin", "tapped"):
             for row in spawn(args, mode, site):
                 if "stats" in row:
                     stats.append(row["stats"])
