@@ -4,7 +4,8 @@ Installed as vLLM plugins by the package (pyproject.toml):
   vllm.general_plugins  fragments = fragments.vllm:register            (every process: engine and workers)
   vllm.logits_processors fragments = fragments.vllm:FragmentsPlanValidator  (front end: plan checks at submission)
 In `vllm serve`, plans come in the request body and saves go back in the response (_server.py).
-Workers need eager mode (LLM(..., enforce_eager=True)); see docs/vllm.md for the data flow.
+Eager engines (enforce_eager=True) act through module hooks; compiled engines at the locations tapped at start
+(LLM(..., additional_config={"fragments_taps": [globs]}), fragments/vllm/_tap.py). docs/vllm.md: the data flow.
 
     from fragments import vllm as fv
     llm = LLM(model_dir, tensor_parallel_size=2, enforce_eager=True)

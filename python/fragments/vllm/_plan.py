@@ -89,9 +89,6 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
     if program is not None and not (isinstance(program, list) and len(program) == 2 and isinstance(program[0], str)
                                     and (program[1] is None or isinstance(program[1], int))):
         raise ValueError(f'"program" must be [group id, invoke number or null], found {json.dumps(program)}')
-    if record.get("compiled"):
-        raise ValueError("per-request plans need vLLM's eager mode: start the engine with enforce_eager=True "
-                         "(the compiled model has no module hooks; docs/vllm.md)")
     interventions = spec.get("interventions")
     if not isinstance(interventions, list):
         raise ValueError('"interventions" must be a list')
@@ -125,6 +122,10 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
                              "the hidden states it reads are the final norm's output (e.g. model.norm.output)")
         if at in record["refused"]:
             raise ValueError(f"{where}: {record['refused'][at]}")
+        if record.get("compiled") and at not in (record.get("taps") or ()):
+            raise ValueError(f"{where}: this vLLM engine is compiled (enforce_eager=False) and {at} is not tapped; "
+                             "the compiled graph is fixed at start: declare it with LLM(..., additional_config="
+                             f'{{"fragments_taps": ["{at}"]}}) (globs allowed), or use enforce_eager=True')
         if d["do"] == "call":
             raise ValueError(f'{where}: "call" (ad-hoc module calls, logit lens) is not supported inside vLLM yet')
         if d["visit"] not in (None, 0):

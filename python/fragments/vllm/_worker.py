@@ -17,7 +17,8 @@ Data flow of one engine step (docs/vllm.md):
 
 Why hooks: in eager mode (enforce_eager=True) the model runs as Python modules, and module hooks see
 every layer boundary with its module path. The compiled path (torch.compile / Inductor) loses the module
-structure in its post-grad graph; see docs/vllm.md.
+structure in its post-grad graph, so compiled engines get taps placed before Dynamo traces: hooks calling the
+fragments::tap op, whose body (tap_body) does the same work at run time (_tap.py; docs/vllm.md).
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ class WorkerState:
         self.programs: Dict[str, list] = {}  # Python steps of VLLM traces by group (_python.py)
         self.py_live: Dict[tuple, tuple] = {}  # (request key, location, step) -> (forward, its rows)
         self.py_forward = 0  # forwards run, for py_live
+        self.taps: List[str] = []  # compiled mode: the locations with a fragments::tap (fixed at start)
+        self.tap_calls: Dict[str, int] = {}
+        self.forwards = 0
+        if self.compiled:
+            self._place_taps()
+            _watch_dynamo()
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
@@ -82,7 +89,7 @@ class WorkerState:
                 "table": self.table, "qkv_attributes": self.qkv_attributes,
                 "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
                 "refused": self.refused, "modules": sorted(p for p in self.modules if p),
-                "logits_modules": self.logits_modules}
+                "logits_modules": self.logits_modules, "taps": self.taps}
 
     # ---- the step -----------------------------------------------------------------------------------
     def begin_step(self, scheduler_output):
@@ -100,6 +107,9 @@ class WorkerState:
         if changed:
             self._sync_hooks()
         self.in_step = bool(self.hooks)
+        if self.compiled:  # taps are always in the graph; their bodies act only while a live plan exists
+            self.in_step = any(p is not None and not p.error for p in self.plans.values())
+            self.forwards += int((getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0)
 
     def _sync_hooks(self):
         wanted = set() if self.compiled else \
@@ -268,6 +278,52 @@ class WorkerState:
         out.index_copy_(0, rows.to(value.device), new_piece.to(value.dtype))
         return out
 
+    # ---- compiled mode (fragments/vllm/_tap.py) ------------------------------------------------------
+    def _place_taps(self):
+        """Taps at the locations additional_config["fragments_taps"] names, placed before vLLM's first forward
+        compiles the model. A bad pattern stops the engine with one message (before any request)."""
+        from . import _tap
+        extra = getattr(self.runner.vllm_config, "additional_config", None) or {}
+        patterns = extra.get(_tap.TAPS_KEY, []) if isinstance(extra, dict) else []
+        if not patterns:
+            return
+        candidates = {f"{p}.{side}" if p else side for p in self.modules for side in ("input", "output")}
+        candidates -= {f"{p}.input" for p in self.logits_modules}  # vLLM passes the LM head module there
+        _tap.check_graph_capture(self.runner.vllm_config.compilation_config)
+        self.taps = _tap.select(patterns, candidates, self.refused)
+        self.tap_calls = {loc: 0 for loc in self.taps}
+        _tap.place(self.modules, self.taps)
+        _tap.body = self.tap_body
+
+    def tap_body(self, location: str, x) -> None:
+        """fragments::tap's body, at run time inside the compiled forward: the eager hooks' work, the value
+        edited in place."""
+        self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
+        if not self.in_step:
+            return
+        work = self._work().get(location)
+        if not work:
+            return
+        new = self._act(location, x, work)
+        if new is not None:
+            x.copy_(new)
+
+    def compile_stats(self) -> dict:
+        """Per rank: forwards run by execute_model, tap body calls per location, Dynamo's and vLLM's compile
+        counters (a recompile shows as a new Dynamo graph or compile)."""
+        from torch._dynamo.utils import counters
+        from vllm.compilation.counter import compilation_counter as cc
+        from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+        model_code = sorted({_code_name(m.original_code_object()) for m in self.modules.values()
+                             if isinstance(m, TorchCompileWithNoGuardsWrapper)})
+        return {"rank": self.rank, "compiled": self.compiled, "forwards": self.forwards,
+                "tap_calls": dict(self.tap_calls), "model_code": model_code,
+                "dynamo_compiles": list(_dynamo_compiles),  # every frame Dynamo compiled here, in order
+                "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+                "vllm_compiles": {k: int(getattr(cc, k)) for k in ("num_aot_compiles", "num_aot_artifacts_loaded",
+                                                                    "num_backend_compilations",
+                                                                    "num_inductor_compiles")}}
+
     def _fail(self, key: str, message: str) -> None:
         record = self.saves.setdefault(key, {"saves": {}, "error": None})
         record["error"] = record["error"] or f"fragments plan of request {key}: {message}"
@@ -321,6 +377,25 @@ class WorkerState:
         except (RuntimeError, ValueError, TypeError) as e:
             answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): {e}", "data": None}
         return answer if self.rank == 0 else None
+
+
+_dynamo_compiles: List[str] = []
+_dynamo_watched = False
+
+
+def _code_name(code) -> str:
+    return f"{code.co_name} {code.co_filename}:{code.co_firstlineno}"
+
+
+def _watch_dynamo():
+    """Records every frame Dynamo compiles in this process (a bytecode hook; it changes nothing): the model's
+    forward must be among them once and never again, whatever the plans (vLLM also compiles small helpers of
+    its own, e.g. the sampler's logprob ranks, on first use)."""
+    global _dynamo_watched
+    if not _dynamo_watched:
+        import torch._dynamo.convert_frame
+        torch._dynamo.convert_frame.register_bytecode_hook(lambda old, new: _dynamo_compiles.append(_code_name(old)))
+        _dynamo_watched = True
 
 
 # ---- installation into vLLM's classes (the general plugin calls install) --------------------------------
@@ -399,6 +474,8 @@ def install():
             import cloudpickle
             _state.programs[group] = cloudpickle.loads(blob)
         return True
+    def fragments_compile_stats(self):
+        return _state.compile_stats() if _state is not None else None
 
     _cpu_moe_silu_workaround()
 
@@ -408,6 +485,7 @@ def install():
     worker_base.WorkerBase.fragments_model_record = fragments_model_record
     worker_base.WorkerBase.fragments_call = fragments_call
     worker_base.WorkerBase.fragments_program = fragments_program
+    worker_base.WorkerBase.fragments_compile_stats = fragments_compile_stats
 
 
 def _cpu_moe_silu_workaround():

@@ -2,10 +2,11 @@
 each in its own process: vLLM engines do not share a process cleanly).
 
 Default tier (CI): Llama at tp 1 and 2 and Qwen2-MoE at tp 2, tracing (trace_check.py) at tp 2, nnsight's VLLM
-beside the plugin (nnsight_compare.py) on Llama at tp 2 (five engine starts, ~1-3 min each on 2 shared cores).
+beside the plugin (nnsight_compare.py) on Llama at tp 2, a compiled engine (compiled_check.py) at tp 2 (seven
+engine starts, ~1-3 min each on 2 shared cores).
 FRAG_SLOW=1 adds every family of families.FAMILIES at tp 1 and 2, Llama at tp 3 (6 heads, 3 kv heads) and at
 tp 2 with one kv head (replicated on both ranks), tracing at tp 1, nnsight beside the plugin on Llama at tp 1
-and Qwen2-MoE at tp 2, and SmolLM2 (the real model, tests/models) at tp 1 and 3. Skipped, loudly, where vLLM,
+and Qwen2-MoE at tp 2, SmolLM2 (the real model, tests/models) at tp 1 and 3, and the compiled engine at tp 1. Skipped, loudly, where vLLM,
 nnsight, the extension or the model is missing.
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_plugin.py
@@ -145,6 +146,23 @@ def _make_smollm2(tp, tol):
 for _tp, _tol in SMOLLM2:
     setattr(VllmPluginTest, f"test_smollm2_tp{_tp}", _make_smollm2(_tp, _tol))
 
+
+
+# Compiled mode (enforce_eager=False: torch.compile with Inductor, taps declared at start; compiled_check.py):
+# saves and an edit against transformers, read-only plans against plain compiled vLLM (no plugin), no recompiles
+# across plans, each tap body once per forward. tp 2 by default, tp 1 in the slow tier (two engine starts each,
+# one of them plain; Inductor compiles the tiny model in ~1-2 min here).
+COMPILED = [2] + ([1] if os.environ.get("FRAG_SLOW") == "1" else [])
+
+
+def _make_compiled(tp):
+    def test(self):
+        _run_script(self, "compiled_check.py", [tp], f"compiled vLLM tp {tp}")
+    return test
+
+
+for _tp in COMPILED:
+    setattr(VllmPluginTest, f"test_compiled_tp{_tp}", _make_compiled(_tp))
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

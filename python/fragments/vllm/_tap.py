@@ -1,0 +1,114 @@
+"""Compiled mode: `fragments::tap`, a custom op placed at the tapped locations of vLLM's model.
+
+With enforce_eager=False vLLM compiles the model's forward with torch.compile (CPU: Inductor, fullgraph,
+guards dropped: it is traced once). Module hooks registered before that first trace are inlined by Dynamo,
+so a hook that only calls `torch.ops.fragments.tap(x, "model.layers.0.mlp.down_proj.input")` leaves one
+opaque node per tapped location in the graph; Inductor calls the op at run time, where its Python body
+(`WorkerState.tap_body`) sees the live batch and the step's plans — as the eager hooks do.
+
+Why this op's shape:
+- It mutates `x` in place (declared: mutates_args=("x",)) and returns nothing: a save reads x, an edit
+  writes x's rows. A functional op would have to return a copy at every step even when nothing acts
+  (an op's output may not alias its input); the in-place form costs nothing then (Inductor re-inplaces the
+  functionalized call onto the layer's own buffer: no clone in the generated code).
+- A mutating op is never removed or merged by Inductor (no DCE, no CSE), and the reads and writes after
+  it are ordered after it. Its fake kernel does nothing (shapes do not change).
+- The location is a constant string argument, not an index: a compiled artifact loaded from vLLM's
+  compile cache names its taps by themselves (the cache key covers additional_config, hence the taps).
+- The traced hooks read no Python state (no batch, no plan): that would become guards or graph breaks
+  under fullgraph. Which locations are tapped is fixed at engine start (additional_config
+  {"fragments_taps": [patterns]}), because the graph is fixed once compiled.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+
+TAPS_KEY = "fragments_taps"
+
+# (location, x) -> None; set by the worker (fragments/vllm/_worker.py) once its state exists.
+body: Optional[Callable[[str, torch.Tensor], None]] = None
+
+
+@torch.library.custom_op("fragments::tap", mutates_args=("x",))
+def tap(x: torch.Tensor, location: str) -> None:
+    b = body
+    if b is not None:
+        b(location, x)
+
+
+@tap.register_fake
+def _(x, location):
+    return None
+
+
+def _post_hook(location: str):
+    def hook(module, args, kwargs, output):
+        value = output[0] if isinstance(output, tuple) else output
+        if isinstance(value, torch.Tensor):
+            torch.ops.fragments.tap(value, location)
+        return None
+    return hook
+
+
+def _pre_hook(location: str):
+    def hook(module, args, kwargs):
+        value = args[0] if args else (next(iter(kwargs.values())) if kwargs else None)
+        if isinstance(value, torch.Tensor):
+            torch.ops.fragments.tap(value, location)
+        return None
+    return hook
+
+
+def select(patterns, candidates: Iterable[str], refused: Dict[str, str]) -> list:
+    """The locations `patterns` (fnmatch globs over '<module path>.input/.output') name among `candidates`.
+    Raises ValueError (one message: the pattern, what was expected) for a pattern that matches nothing or
+    names a refused (rank-local) location exactly; globs skip refused locations."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f'fragments: additional_config["{TAPS_KEY}"] must be a list of location patterns '
+                         f'(e.g. ["model.layers.*.mlp.down_proj.input"]), found {patterns!r}')
+    candidates = sorted(candidates)
+    chosen = set()
+    for p in patterns:
+        if p in refused:
+            raise ValueError(f'fragments: additional_config["{TAPS_KEY}"]: {p} cannot be tapped: {refused[p]}')
+        hits = [c for c in candidates if fnmatch.fnmatchcase(c, p) and c not in refused]
+        if not hits:
+            raise ValueError(f'fragments: additional_config["{TAPS_KEY}"]: pattern {p!r} matches no location of '
+                             "this vLLM model; expected <module path>.input or .output, globs allowed (e.g. "
+                             f"model.layers.*.self_attn.qkv_proj.output); some locations: {', '.join(candidates[:4])}")
+        chosen.update(hits)
+    return sorted(chosen)
+
+
+def check_graph_capture(compilation_config) -> None:
+    """GPUs: vLLM's piecewise backend captures CUDA graphs of the pieces between its splitting ops, and a
+    captured graph replays kernels, never a Python body. A tap inside a captured piece would act once (at
+    capture) and then silently not at all, so taps need their own split (the op runs eagerly between
+    graph pieces, as attention does) or no CUDA graphs. Untested (no GPU vLLM here); the CPU build captures
+    nothing (cudagraph_mode NONE)."""
+    mode = str(getattr(compilation_config, "cudagraph_mode", "NONE") or "NONE")
+    splitting = getattr(compilation_config, "splitting_ops", None) or []
+    if "NONE" in mode.upper() or "fragments::tap" in splitting:
+        return
+    raise ValueError(f'fragments: additional_config["{TAPS_KEY}"] with CUDA graphs ({mode}): a tap inside a captured '
+                     "graph would not run at replay; add \"fragments::tap\" to compilation_config's splitting_ops "
+                     f"(vLLM's list here: {list(splitting)}) or set compilation_config cudagraph_mode NONE")
+
+
+def place(modules: Dict[str, torch.nn.Module], locations: Iterable[str]) -> list:
+    """Registers a tap hook at each location (before vLLM's first forward traces the model). Returns the
+    hook handles."""
+    handles = []
+    for location in locations:
+        path, _, side = location.rpartition(".")
+        module = modules[path]
+        if side == "input":
+            handles.append(module.register_forward_pre_hook(_pre_hook(location), with_kwargs=True))
+        else:
+            handles.append(module.register_forward_hook(_post_hook(location), with_kwargs=True))
+    return handles
