@@ -307,7 +307,8 @@ class Attention(nn.Module):
         visible = slots.view(1, 1, n) <= positions.unsqueeze(-1)  # [B, t, n]
         mask = visible.unsqueeze(1).expand(b, rep, t, n).reshape(b, 1, rep * t, n)
         out = torch.nn.functional.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask, scale=self.scale)
-        return out.view(b, self.num_heads, t, -1).transpose(1, 2).reshape(b, t, -1)
+        # reshape, not view: CUDA's SDPA kernels may return [B, nkv, rep*t, hs] with another layout
+        return out.reshape(b, self.num_heads, t, -1).transpose(1, 2).reshape(b, t, -1)
 
 
 # --------------------------------------------------------------------------------------------------------
