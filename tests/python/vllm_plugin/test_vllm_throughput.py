@@ -1,8 +1,10 @@
 """CPU smoke test of bench/vllm_throughput.py (paired rotating rounds; issue 27's throughput goals).
 
 FRAG_SLOW=1 only (two vLLM engines, ~3-6 min on 2 shared cores); otherwise skipped, loudly. Runs the benchmark
-tiny (8 prompts of 8 tokens, 4 new tokens, 2 rounds, no nnsight) and checks what it wrote: every column in
-every round, the order rotated between rounds, each round's ratios taken against that round's plain run,
+tiny (8 prompts of 8 tokens, 4 new tokens, 2 passes of 2 rounds, no nnsight) and checks what it wrote: the
+engines started in another order in each pass, every column in every round, the order rotated between
+rounds, each round's ratios taken against that round's plain run, the balanced ratio the geometric mean of
+the passes' medians,
 the quarter column's saves all came back (2 requests x 4 locations), and the summary's medians and spreads
 are those of the rounds. No speed is asserted: the ratios are the benchmark's to report, on a quiet machine.
 
@@ -32,7 +34,8 @@ class VllmThroughputSmokeTest(unittest.TestCase):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"),
                                                            os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vllm_throughput.py"), "--prompts", "8",
-                               "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2", "--json", out],
+                               "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2", "--start-orders", "2",
+                               "--json", out],
                               env=env, capture_output=True, text=True, timeout=1500)
         print(proc.stdout[-3000:])
         self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
@@ -40,8 +43,11 @@ class VllmThroughputSmokeTest(unittest.TestCase):
             report = json.load(f)
         columns = ["plain", "none", "quarter"]
         rounds = report["rounds"]
-        self.assertEqual(len(rounds), 2)
-        self.assertNotEqual(rounds[0]["order"], rounds[1]["order"], "the order must rotate between rounds")
+        self.assertEqual(len(rounds), 4)
+        self.assertEqual([r["pass"] for r in rounds], [0, 0, 1, 1])
+        self.assertEqual([rounds[0]["started"], rounds[2]["started"]], [["plain", "plugin"], ["plugin", "plain"]])
+        for first in (0, 2):
+            self.assertNotEqual(rounds[first]["order"], rounds[first + 1]["order"], "the order must rotate")
         for r in rounds:
             self.assertEqual(sorted(r["order"]), sorted(columns))
             for c in columns:
@@ -54,6 +60,9 @@ class VllmThroughputSmokeTest(unittest.TestCase):
             s = report["summary"][c]
             self.assertAlmostEqual(s["ratio_median"], statistics.median(ratios))
             self.assertEqual((s["ratio_min"], s["ratio_max"]), (min(ratios), max(ratios)))
+            per_pass = [statistics.median(ratios[:2]), statistics.median(ratios[2:])]
+            self.assertEqual(s["ratio_median_per_pass"], per_pass)
+            self.assertAlmostEqual(s["ratio_balanced"], statistics.geometric_mean(per_pass))
         self.assertEqual(report["summary"]["none"]["goal"], 0.97)
         self.assertEqual(report["summary"]["quarter"]["goal"], 0.85)
 
