@@ -164,5 +164,15 @@ def _make_compiled(tp):
 for _tp in COMPILED:
     setattr(VllmPluginTest, f"test_compiled_tp{_tp}", _make_compiled(_tp))
 
+# Bazel runs the eager engines' tests and the compiled ones as two targets, each within --test_timeout
+# (tests/python/BUILD): FRAG_VLLM_PART=eager|compiled; unset runs both.
+PART = os.environ.get("FRAG_VLLM_PART")
+if PART not in (None, "eager", "compiled"):
+    raise SystemExit(f"FRAG_VLLM_PART={PART!r}: expected eager or compiled (or unset: both)")
+if PART:
+    for _name in [n for n in vars(VllmPluginTest) if n.startswith("test_")]:
+        if _name.startswith("test_compiled_") != (PART == "compiled"):
+            delattr(VllmPluginTest, _name)
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
