@@ -767,15 +767,16 @@ class Trace:
 
 
 def _plan_key(steps):
-    """What identifies a trace's plan, to tell C++ it repeats the last one (a decode loop's trace): the
-    steps' fields; None where a step carries a tensor, which only C++ compares byte for byte."""
-    key = []
-    for s in steps:
-        if s.value is not None:
-            return None
-        key.append((s.at, s.do, s.as_, s.by, s.index, s.visit, tuple(s.modules), s.steps,
-                    None if s.rows is None else tuple(s.rows)))
-    return tuple(key)
+    """What identifies a trace's plan, to tell C++ it repeats the last one (a decode loop's trace): every
+    field of every Step (lists as tuples); None where a step carries a tensor, which only C++ compares
+    byte for byte."""
+    if any(s.value is not None for s in steps):
+        return None
+    return tuple(tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(s, f.name) for f in _STEP_FIELDS))
+                 for s in steps)
+
+
+_STEP_FIELDS = dataclasses.fields(Step)
 
 
 def _leaf_nodes(node, where):
