@@ -85,15 +85,17 @@ def env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
 
 
-def frag_check(args, work):
+def frag_check(args, work, existing=None):
     """Logits of frag run at each --frag-tps against the first, on a --frag-layers deep checkpoint of the same
-    widths."""
+    widths (`existing`, the benchmark's own checkpoint, when it is that deep: 16 GB is not written twice)."""
     import torch
     from safetensors.torch import load_file
 
-    ckpt = os.path.join(work, "frag_ckpt")
-    subprocess.run([sys.executable, "-m", "fragkit.synthetic", "--like", args.like, "--layers",
-                    str(args.frag_layers), "--out", ckpt, "--quiet"], check=True, env=env(), stdout=subprocess.DEVNULL)
+    ckpt = existing or os.path.join(work, "frag_ckpt")
+    if not existing:
+        subprocess.run([sys.executable, "-m", "fragkit.synthetic", "--like", args.like, "--layers",
+                        str(args.frag_layers), "--out", ckpt, "--quiet"], check=True, env=env(),
+                       stdout=subprocess.DEVNULL)
     ids = os.path.join(work, "ids.txt")
     with open(ids, "w") as f:
         f.write("1 17 300 999 42 5 64 700 128000 9 11 4096\n")
@@ -116,7 +118,8 @@ def frag_check(args, work):
             print("frag run tp %d: %.1f s, logits %s %s" % (tp, time.time() - started, tuple(logits[tp].shape),
                                                             logits[tp].dtype), flush=True)
     finally:
-        shutil.rmtree(ckpt, ignore_errors=True)
+        if not existing:
+            shutil.rmtree(ckpt, ignore_errors=True)
         if os.path.exists(ids):
             os.remove(ids)
     rows = []
@@ -256,10 +259,9 @@ def main():
             print("| %d | %.2f (%.2f-%.2f) | %.2f | %.2f |" % (row["tp"], row["ratio_median"], row["ratio_min"],
                                                             row["ratio_max"], row["peak_rss"] / 1e9,
                                                             row["target_rss"] / 1e9), flush=True)
-        if not args.checkpoint:
-            shutil.rmtree(ckpt)
         if args.frag:
-            results["frag"] = frag_check(args, work)
+            same = args.frag_layers == cfg["num_hidden_layers"]
+            results["frag"] = frag_check(args, work, ckpt if same else None)
             print("frag run against tp %s: %s" % (args.frag_tps.split(",")[0], json.dumps(results["frag"])), flush=True)
     finally:
         if not args.checkpoint and os.path.isdir(ckpt):

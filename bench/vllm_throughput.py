@@ -199,6 +199,19 @@ class Engine:
         self.start_s = self._answer()["start_s"]
         print(f"{mode} engine ready in {self.start_s:.0f} s", flush=True)
 
+    def cpu_seconds(self):
+        """User + system CPU seconds of this engine's processes (its child, vLLM's engine core, workers)."""
+        import psutil
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root] + root.children(recursive=True):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+        return total
+
     def _answer(self):
         for line in self.proc.stdout:
             if line.startswith(PROTOCOL):
@@ -232,6 +245,24 @@ def spread(values):
     return statistics.median(values), min(values), max(values), (q[2] - q[0]) if q else None
 
 
+def run_settled(engines, column, settle):
+    """One column's run, then `settle` seconds of nothing. vLLM's workers and engine core read their shared-
+    memory queues in a sched_yield loop for busy_loop_s = 1 s after their last read (vllm/distributed/
+    device_communicators/shm_broadcast.py, SpinCondition): an engine that has just finished burns up to a core
+    for that second (measured 0.9 CPU s here), which on a 2-core machine lands on whichever engine runs next.
+    Without the pause, a column that follows another engine's column is slowed and one that follows its own
+    engine's is not; plain vLLM, alone in its engine, always followed another engine, and the plugin's columns
+    looked faster than plain (s37's unexplained 1.17x). `others_cpu_s`, the other engines' CPU seconds during
+    the run, shows that nothing else ran."""
+    owner = engines[OWNER[column]]
+    others = [e for e in engines.values() if e is not owner]
+    before = sum(e.cpu_seconds() for e in others)
+    row = owner.run(column)
+    row["others_cpu_s"] = sum(e.cpu_seconds() for e in others) - before
+    time.sleep(settle)
+    return row
+
+
 def run_pass(args, columns, started, site, work, start_s, index):
     """One pass: the engines started in `started`'s order and kept; a warm-up of every column, then
     --rounds rounds, every column once per round in an order rotated by one each round (no column always
@@ -244,16 +275,18 @@ def run_pass(args, columns, started, site, work, start_s, index):
             start_s.setdefault(mode, []).append(engines[mode].start_s)
         for c in columns:  # warm-up
             engines[OWNER[c]].run(c)
+            time.sleep(args.settle)
         for r in range(args.rounds):
             order = columns[r % len(columns):] + columns[:r % len(columns)]
-            rows = {c: engines[OWNER[c]].run(c) for c in order}
+            rows = {c: run_settled(engines, c, args.settle) for c in order}
             ratio = {c: rows[c]["tokens_per_s"] / rows["plain"]["tokens_per_s"] for c in columns}
             ratio_cpu = {c: rows[c]["tokens_per_cpu_s"] / rows["plain"]["tokens_per_cpu_s"] for c in columns}
             rounds.append({"pass": index, "started": started, "order": order, "rows": rows, "ratio": ratio,
                            "ratio_per_cpu_s": ratio_cpu, "load": os.getloadavg()[0]})
             print(f"round {r + 1}/{args.rounds} ({' '.join(order)}): " +
                   ", ".join(f"{c} {ratio[c]:.3f}" for c in columns if c != "plain") +
-                  f" × plain ({rows['plain']['tokens_per_s']:.0f} tokens/s); load {rounds[-1]['load']:.1f}",
+                  f" × plain ({rows['plain']['tokens_per_s']:.0f} tokens/s); load {rounds[-1]['load']:.1f}; "
+                  f"other engines' CPU during a run ≤ {max(x['others_cpu_s'] for x in rows.values()):.2f} s",
                   flush=True)
     finally:
         for e in engines.values():
@@ -277,6 +310,9 @@ def main():
     ap.add_argument("--start-orders", type=int, default=2,
                     help="passes, each starting the engines in another rotation (3 with --nnsight: each engine "
                          "first once)")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds between column runs: > vLLM's 1 s busy loop of an engine that has just run "
+                         "(run_settled); 0 shows the interference")
     ap.add_argument("--nnsight", action="store_true")
     ap.add_argument("--chunked-prefill", choices=("on", "off"), default="on",
                     help="every engine alike; nnsight's VLLM defaults to off (a traced prompt prefills in one "
@@ -303,9 +339,9 @@ def main():
     load_before = os.getloadavg()
     modes = list(dict.fromkeys(OWNER[c] for c in columns))
     rounds, start_s = [], {}
-    # The engine started first runs slower on this machine (bench/README.md, 2026-12-04) by more than the
-    # plugin costs, so each pass starts the engines in another rotation and the headline is the geometric
-    # mean of the passes' median ratios: each engine has started first equally often.
+    # Each pass starts the engines in another rotation and the headline is the geometric mean of the passes'
+    # median ratios, so no engine is always the first started (s37 saw start order move the ratios; the
+    # interference run_settled takes out explained most of it, bench/README.md).
     for p in range(args.start_orders):
         started = modes[p % len(modes):] + modes[:p % len(modes)]
         print(f"pass {p + 1}/{args.start_orders}: engines started {', '.join(started)}", flush=True)
@@ -316,13 +352,14 @@ def main():
         cmed, clo, chi, ciqr = spread([r["ratio_per_cpu_s"][c] for r in rounds])
         bal, per_pass = balanced(rounds, c, "ratio")
         cbal, _ = balanced(rounds, c, "ratio_per_cpu_s")
-        summary[c] = {"median_tokens_per_s": statistics.median(r["rows"][c]["tokens_per_s"] for r in rounds),
+        summary[c] = {"others_cpu_s_max": max(r["rows"][c]["others_cpu_s"] for r in rounds),
+                      "median_tokens_per_s": statistics.median(r["rows"][c]["tokens_per_s"] for r in rounds),
                       "ratio_balanced": bal, "ratio_median_per_pass": per_pass, "ratio_per_cpu_s_balanced": cbal,
                       "ratio_median": med, "ratio_min": lo, "ratio_max": hi, "ratio_iqr": iqr,
                       "ratio_per_cpu_s_median": cmed, "ratio_per_cpu_s_min": clo, "ratio_per_cpu_s_max": chi,
                       "ratio_per_cpu_s_iqr": ciqr, "goal": GOALS.get(c)}
     report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds",
-                                                         "start_orders", "chunked_prefill")},
+                                                         "start_orders", "chunked_prefill", "settle")},
               "engine_start_s": start_s,
               "load_before": load_before, "load_after": os.getloadavg(), "summary": summary, "rounds": rounds}
     print(f"\n{args.start_orders} pass(es) of {args.rounds} paired rounds (ratios to plain taken within each "

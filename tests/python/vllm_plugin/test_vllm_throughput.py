@@ -5,7 +5,8 @@ tiny (8 prompts of 8 tokens, 4 new tokens, 2 passes of 2 rounds, no nnsight) and
 engines started in another order in each pass, every column in every round, the order rotated between
 rounds, each round's ratios taken against that round's plain run, the balanced ratio the geometric mean of
 the passes' medians,
-the quarter column's saves all came back (2 requests x 4 locations), and the summary's medians and spreads
+the quarter column's saves all came back (2 requests x 4 locations), the other engines idle while a column ran
+(the settle pause after each run: vLLM's 1 s busy loop), and the summary's medians and spreads
 are those of the rounds. No speed is asserted: the ratios are the benchmark's to report, on a quiet machine.
 
     FRAG_SLOW=1 PYTHONPATH=python python tests/python/vllm_plugin/test_vllm_throughput.py
@@ -55,6 +56,9 @@ class VllmThroughputSmokeTest(unittest.TestCase):
                 self.assertAlmostEqual(r["ratio"][c], r["rows"][c]["tokens_per_s"] / r["rows"]["plain"]["tokens_per_s"])
             self.assertEqual(r["rows"]["quarter"]["saved"], 2 * 4, "every 4th of 8 requests saves 4 locations")
             self.assertEqual(r["rows"]["none"]["saved"], 0)
+            for c in columns:  # the idle engines' CPU while a column ran (run_settled): they must be idle
+                self.assertGreaterEqual(r["rows"][c]["others_cpu_s"], 0.0)
+                self.assertLess(r["rows"][c]["others_cpu_s"], 0.5, f"another engine was busy during {c}")
         for c in columns:
             ratios = [r["ratio"][c] for r in rounds]
             s = report["summary"][c]
@@ -63,6 +67,8 @@ class VllmThroughputSmokeTest(unittest.TestCase):
             per_pass = [statistics.median(ratios[:2]), statistics.median(ratios[2:])]
             self.assertEqual(s["ratio_median_per_pass"], per_pass)
             self.assertAlmostEqual(s["ratio_balanced"], statistics.geometric_mean(per_pass))
+            self.assertEqual(s["others_cpu_s_max"], max(r["rows"][c]["others_cpu_s"] for r in rounds))
+        self.assertEqual(report["settings"]["settle"], 2.0)
         self.assertEqual(report["summary"]["none"]["goal"], 0.97)
         self.assertEqual(report["summary"]["quarter"]["goal"], 0.85)
 
