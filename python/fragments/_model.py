@@ -593,6 +593,8 @@ class Trace:
         earlier tensor); returns the output (the logits)."""
         if self._model._trace is self:
             raise FragmentsError("run(ids): the recording is still open: run it after its `with` block")
+        if self._model._trace is not None:  # a forward now would run in the middle of another recording
+            raise FragmentsError("run(ids) inside another trace of this model: run it after that block")
         self._ids, self.lengths = _batch(ids)
         self._run()
         return self.output

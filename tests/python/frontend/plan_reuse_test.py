@@ -119,6 +119,12 @@ class PlanReuseTest(unittest.TestCase):
                 self.model.model.layers[0].output.save()
                 plan.run(ids(1))
         self.assertIn("still open", str(caught.exception))
+        with self.model.plan() as plan:
+            self.model.model.layers[0].output.save()
+        with self.assertRaises(fragments.FragmentsError) as caught:
+            with self.model.trace(ids(1)):
+                plan.run(ids(1))
+        self.assertIn("inside another trace", str(caught.exception))
 
     def test_the_module_tree_walk_is_cached_and_still_refuses(self):
         m = self.model.model
