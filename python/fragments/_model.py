@@ -561,9 +561,13 @@ class Module:
 class Trace:
     """The recording of one `with model.trace(ids):` block; runs when the block ends."""
 
+    _plan = False  # model.plan()'s recording: it runs at run(ids), not at its block's end (a class default:
+    # fragments.vllm's trace inherits __exit__)
+
     def __init__(self, model, ids, generate=0):
         self._model = model
-        self._ids, self.lengths = (None, None) if ids is None else _batch(ids)  # None: a plan (model.plan())
+        self._plan = ids is None
+        self._ids, self.lengths = (None, None) if ids is None else _batch(ids)
         self._generate = generate
         self._captured, self._expressions = {}, []  # saved expressions: their leaves' saves, (value, node, line)
         self._hooks, self._live = {}, {}            # edits by expressions: callables at locations
@@ -582,7 +586,7 @@ class Trace:
 
     def __exit__(self, kind, value, tb):
         self._model._trace = None
-        if kind is None and self._ids is not None:  # a plan runs at run(ids)
+        if kind is None and not self._plan:
             self._run()
         return False
 
@@ -648,7 +652,7 @@ class Trace:
         """`node` on meta tensors (`.shape`, `.dtype`): each location's shape from one probe forward of this
         rank (once per model; in SPMD every rank asks alike, so the probe's collectives meet)."""
         from . import _proxy, _program
-        if self._ids is None:
+        if self._plan and self._ids is None:
             raise FragmentsError(f"{_proxy.user_line()}: a shape in model.plan(): a plan has no token ids until it "
                                  "runs; take shapes in model.trace(ids)")
         model = self._model
