@@ -172,14 +172,19 @@ def location_of(model, name):
     return node
 
 
+# How the saves column runs (README "Python": model.plan()): recorded once, one plan.run per forward.
+SAVES_PATH = "model.plan() recorded once, plan.run(ids) per forward"
 EMPTY_SAVES = {}  # (model id, location) -> what came back instead of a tensor: a failed check at the end
 
 
 def saving_forward(model, names):
+    # Recorded once, run per call (model.plan(): a decode loop's fastest path, no recording per call).
+    with model.plan() as plan:
+        saves = [location_of(model, n).save() for n in names]
+        out = model.output.save()
+
     def fwd(x):
-        with model.trace(x):
-            saves = [location_of(model, n).save() for n in names]
-            out = model.output.save()
+        plan.run(x)
         for name, saved in zip(names, saves):
             if not isinstance(saved.value, torch.Tensor):
                 EMPTY_SAVES.setdefault((id(model), name), f"{type(saved.value).__name__} "
@@ -426,7 +431,7 @@ def main():
         write_json(args.json, {
             "file": path, "tokens": args.tokens, "iterations": args.iterations, "world": world,
             "dtype": args.dtype, "device": device_name, "torch": torch.__version__,
-            "columns": table, "skipped": skips,
+            "columns": table, "skipped": skips, "saves_path": SAVES_PATH,
             "copy": {"bytes": copy_bytes, "ms": copy_ms, "bytes_per_s": bandwidth},
             "weight_bytes_read": read_bytes, "floor_ms": floor_ms, "ratios": ratios,
             "logits_absmax": ref.abs().max().item(), "logits_std": ref.std().item(), "checks": checks})

@@ -8,6 +8,13 @@
 
 namespace frag::program {
 
+torch::Tensor token_ids_on(const torch::Tensor& ids, const torch::Device& device, const std::string& what) {
+  if (ids.device() == device && ids.scalar_type() == torch::kLong) return ids;  // every forward: no copy
+  if (!c10::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
+    fail("{}: token ids must be integers, got {}", what, c10::toString(ids.scalar_type()));
+  return ids.to(device, torch::kLong);
+}
+
 ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std::string& path,
                                 const torch::Device& device, const std::string& rules_file) {
   if (runtime::is_torch_export_archive(path))
@@ -24,6 +31,7 @@ ShardedModel ShardedModel::over(std::shared_ptr<RankContext> context, std::share
   model.program_ = std::move(program);
   model.runtime_ = std::make_shared<InterventionRuntime>(model.program_->locations());
   model.binder_ = std::make_unique<PlanBinder>(model.program_, model.context_, model.runtime_);
+  model.device_ = model.program_->device();
   return model;
 }
 
@@ -72,7 +80,8 @@ void ShardedModel::prepare_forward(const torch::Tensor& input_ids) {
   if (binder_->widths().pending()) binder_->widths().check_pending(*program_, context_, input_ids);
 }
 
-torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
+torch::Tensor ShardedModel::forward(const torch::Tensor& ids) {
+  const torch::Tensor input_ids = token_ids_on(ids, device_, program_->path());
   prepare_forward(input_ids);
   runtime::ScopedRankContext rank_scope(context_);
   runtime::ScopedInterventionRuntime runtime_scope(runtime_);
@@ -82,7 +91,8 @@ torch::Tensor ShardedModel::forward(const torch::Tensor& input_ids) {
   return program_->forward(input_ids, kept, RankProgram::Use::kRepeated);
 }
 
-torch::Tensor ShardedModel::forward_cached(const torch::Tensor& input_ids, const CachedStep& step) {
+torch::Tensor ShardedModel::forward_cached(const torch::Tensor& ids, const CachedStep& step) {
+  const torch::Tensor input_ids = token_ids_on(ids, device_, program_->path());
   if (!program_->has_kv_cache())
     fail("{}: this rank file's forward takes no KV cache (exported before cached generation, or a .pt2 archive "
          "exported without kv_cache=True); export it again with the kit to decode from a cache",
@@ -160,7 +170,7 @@ torch::Tensor ShardedModel::call_module(const std::string& path, const std::vect
 }
 
 torch::Tensor ShardedModel::generate(const torch::Tensor& input_ids, int64_t steps) {
-  return program::generate(*this, input_ids, steps);
+  return program::generate(*this, token_ids_on(input_ids, device_, program_->path()), steps);
 }
 
 }  // namespace frag::program

@@ -47,6 +47,11 @@ using runtime::VisitInfo;
 /// What kind of location a name is.
 using LocationKind = ir::LocationKind;
 
+/// Token ids as a forward reads them: int64 on `device`. Ids elsewhere (a C++ caller's CPU ids for a CUDA
+/// model) are moved there, other integer types widened; ids already right are returned as they are, so a
+/// forward pays no copy. Floating-point "ids" are refused (`what` names the model in the message).
+torch::Tensor token_ids_on(const torch::Tensor& ids, const torch::Device& device, const std::string& what);
+
 /// One rank of a sharded model, with interventions.
 class ShardedModel {
  public:
@@ -97,6 +102,9 @@ class ShardedModel {
   int64_t registration_changes() const;
   /// Removes every intervention.
   void clear();
+
+  /// The device the model loaded onto: forward, forward_cached and generate move ids there (token_ids_on).
+  const torch::Device& device() const { return device_; }
 
   /// Runs forward(input_ids). Before the first forward after a change of
   /// interventions the ranks compare digests of their interventions and rule
@@ -187,6 +195,7 @@ class ShardedModel {
   std::shared_ptr<InterventionRuntime> runtime_;
   std::unique_ptr<PlanBinder> binder_;
   std::unique_ptr<CapturedForwards> graphs_ = std::make_unique<CapturedForwards>();
+  torch::Device device_ = torch::kCPU;  ///< program_->device() once: it walks the parameters
   bool specialize_ = true;
   bool cuda_graphs_ = true;
   std::string set_plan_text_;  ///< the steps of the last set_plan, described

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import numbers
+import operator
 import os
 import warnings
 
@@ -473,6 +474,7 @@ class Module:
     def __init__(self, model, path):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_numbered", None)  # a ModuleList's submodules by index, made once
 
     def _child(self, name):
         return f"{self._path}.{name}" if self._path else name
@@ -491,7 +493,10 @@ class Module:
             raise AttributeError(name)
         children = self._model._children.get(self._path, [])
         if name in children:
-            return Module(self._model, self._child(name))
+            child = Module(self._model, self._child(name))
+            if not hasattr(Module, name):  # kept as an attribute: the next walk (every save's) finds it at once
+                object.__setattr__(self, name, child)
+            return child
         if name in ("input", "output"):
             return self._location(name)
         options = list(children) + [s for s in ("input", "output") if self._child(s) in self._model._location_kinds]
@@ -505,7 +510,11 @@ class Module:
         self._model._active_trace(f"{location.name} = ...")._edit(location, None, value)
 
     def __getitem__(self, i):
-        numbered = [c for c in self._model._children.get(self._path, []) if c.isdigit()]
+        numbered = self._numbered
+        if numbered is None:
+            count = len([c for c in self._model._children.get(self._path, []) if c.isdigit()])
+            numbered = [Module(self._model, self._child(str(k))) for k in range(count)]
+            object.__setattr__(self, "_numbered", numbered)
         if not numbered:
             raise TypeError(f"{self._path or 'the model'} is not a ModuleList: it cannot be indexed")
         if not isinstance(i, numbers.Integral):
@@ -513,7 +522,7 @@ class Module:
         n = len(numbered)
         if not -n <= i < n:
             raise IndexError(f"{self._path}[{i}]: it has {n} modules (0 to {n - 1})")
-        return Module(self._model, self._child(str(i % n)))
+        return numbered[i]
 
     def __len__(self):
         return len([c for c in self._model._children.get(self._path, []) if c.isdigit()])
@@ -552,25 +561,21 @@ class Module:
 class Trace:
     """The recording of one `with model.trace(ids):` block; runs when the block ends."""
 
+    _plan = False  # model.plan()'s recording: it runs at run(ids), not at its block's end (a class default:
+    # fragments.vllm's trace inherits __exit__)
+
     def __init__(self, model, ids, generate=0):
         self._model = model
-        if isinstance(ids, torch.Tensor):  # one rectangular batch, as it is (no round trip through lists)
-            self._ids = _token_ids(ids)
-            if self._ids.shape[1] == 0:
-                raise FragmentsError("token ids: prompt 0 has no tokens")
-            self.lengths = [self._ids.shape[1]] * self._ids.shape[0]
-        else:
-            rows = _token_rows(ids)
-            self.lengths = [len(r) for r in rows]  # a ragged batch runs right-padded: see unpad()
-            self._ids = _padded(rows)
-        # The forward reads ids on the model's device (a CUDA graph's input buffer is there too).
-        self._ids = self._ids.to(model.device)
+        self._plan = ids is None
+        self._ids, self.lengths = (None, None) if ids is None else _batch(ids)
         self._generate = generate
         self._captured, self._expressions = {}, []  # saved expressions: their leaves' saves, (value, node, line)
         self._hooks, self._live = {}, {}            # edits by expressions: callables at locations
         self._steps = _StepsWithLines()  # each step remembers the user's file:line (errors name it)
         self._callables = []
         self._saves = []   # (SavedValue, name) ; name None for the output
+        self._key = None   # _plan_key(self._steps), taken at the first run: a run again reuses it
+        self._ran = False
         self.output = None
 
     def __enter__(self):
@@ -581,9 +586,22 @@ class Trace:
 
     def __exit__(self, kind, value, tb):
         self._model._trace = None
-        if kind is None:
+        if kind is None and not self._plan:
             self._run()
         return False
+
+    def run(self, ids):
+        """Runs this recording again on `ids` (a plan of `model.plan()`, or a trace after its block): one
+        forward, with nothing recorded again and, while it is the plan this model ran last, nothing parsed
+        or checked again. Its `.save()`s then hold this run's values (a `.value` read before keeps the
+        earlier tensor); returns the output (the logits)."""
+        if self._model._trace is self:
+            raise FragmentsError("run(ids): the recording is still open: run it after its `with` block")
+        if self._model._trace is not None:  # a forward now would run in the middle of another recording
+            raise FragmentsError("run(ids) inside another trace of this model: run it after that block")
+        self._ids, self.lengths = _batch(ids)
+        self._run()
+        return self.output
 
     def _name(self):
         return f"save{len(self._steps)}"
@@ -634,6 +652,9 @@ class Trace:
         """`node` on meta tensors (`.shape`, `.dtype`): each location's shape from one probe forward of this
         rank (once per model; in SPMD every rank asks alike, so the probe's collectives meet)."""
         from . import _proxy, _program
+        if self._plan and self._ids is None:
+            raise FragmentsError(f"{_proxy.user_line()}: a shape in model.plan(): a plan has no token ids until it "
+                                 "runs; take shapes in model.trace(ids)")
         model = self._model
         if getattr(model, "_shapes", None) is None:
             open_trace, model._trace = model._trace, None
@@ -734,10 +755,13 @@ class Trace:
         return path
 
     def _run(self):
-        for i, ((name, visit), hook) in enumerate(self._hooks.items()):
-            self._callables.append((name, hook, visit, f"expression#{i}"))
-        key = None if self._callables else _plan_key(self._steps)
-        same = key is not None and key == self._model._plan_key
+        if not self._ran:  # once: a run again (run(ids)) has these already
+            for i, ((name, visit), hook) in enumerate(self._hooks.items()):
+                self._callables.append((name, hook, visit, f"expression#{i}"))
+            self._key = None if self._callables else _plan_key(self._steps)
+            self._ran = True
+        key = self._key
+        same = key is not None and key == self._model._plan_key  # the same object when this plan ran last
         self._model._plan_key = None
         try:
             out, saved, unreached = self._model._c.run(self._steps, self._callables, self._ids, self._generate,
@@ -770,13 +794,18 @@ def _plan_key(steps):
     """What identifies a trace's plan, to tell C++ it repeats the last one (a decode loop's trace): every
     field of every Step (lists as tuples); None where a step carries a tensor, which only C++ compares
     byte for byte."""
-    if any(s.value is not None for s in steps):
-        return None
-    return tuple(tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(s, f.name) for f in _STEP_FIELDS))
-                 for s in steps)
+    key = []
+    for s in steps:
+        if s.value is not None:
+            return None
+        fields = _STEP_FIELDS(s)  # one C call per step: a trace of many saves takes its key per call
+        if s.modules or s.rows:
+            fields = tuple(tuple(v) if isinstance(v, list) else v for v in fields)
+        key.append(fields)
+    return tuple(key)
 
 
-_STEP_FIELDS = dataclasses.fields(Step)
+_STEP_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(Step)))
 
 
 def _leaf_nodes(node, where):
@@ -810,9 +839,15 @@ class _StepsWithLines(list):
 
     def append(self, step):
         if _STEP_LINES:
-            from ._proxy import user_line
-            step.where = user_line()
+            step.where = _user_line()
         super().append(step)
+
+
+def _user_line():
+    from ._proxy import user_line  # (_proxy imports this module)
+    global _user_line
+    _user_line = user_line
+    return user_line()
 
 
 def _at_line(error, steps):
@@ -862,6 +897,18 @@ def unpad(value, lengths):
     return [value[b, :n] for b, n in enumerate(lengths)]
 
 
+def _batch(ids):
+    """(ids [B, T] as the forward takes them, each row's length): a tensor as it is (no round trip through
+    lists; C++ moves it to the model's device, ShardedModel::forward), lists of ids right-padded."""
+    if isinstance(ids, torch.Tensor):
+        ids = _token_ids(ids)
+        if ids.shape[1] == 0:
+            raise FragmentsError("token ids: prompt 0 has no tokens")
+        return ids, [ids.shape[1]] * ids.shape[0]
+    rows = _token_rows(ids)
+    return _padded(rows), [len(r) for r in rows]  # a ragged batch runs right-padded: see unpad()
+
+
 def _token_ids(ids):
     if isinstance(ids, torch.Tensor):
         t = ids
@@ -909,7 +956,10 @@ class Model:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._root, name)
+        found = getattr(self._root, name)
+        if isinstance(found, Module) and not hasattr(type(self), name):
+            self.__dict__[name] = found  # `model.model` found at once by the next walk (every save's)
+        return found
 
     @property
     def output(self):
@@ -923,8 +973,15 @@ class Model:
         return json.loads(self._c.inspect_json())
 
     def trace(self, ids):
-        """`with model.trace(ids):` records; the block's end runs one forward with it all."""
+        """`with model.trace(ids):` records; the block's end runs one forward with it all (`tracer.run(ids)`
+        runs it again on other ids)."""
         return Trace(self, ids)
+
+    def plan(self):
+        """`with model.plan() as plan:` records as a trace does, without ids and without running; then
+        `logits = plan.run(ids)`, as often as wanted: one forward each, its saves refreshed. A decode loop
+        records once instead of every step (with the same plan each call, C++ parses nothing again)."""
+        return Trace(self, None)
 
     def generate(self, prompts, max_new_tokens, **options):
         """Generation as a trace (fragments._generate.Generation): recorded edits act at every step (narrow

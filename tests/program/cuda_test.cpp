@@ -208,6 +208,16 @@ TEST(Cuda, InterventionsOnTheGpuMatchTheCpu) {
   EXPECT_EQ(gpu_saved.at("head")[0].size(-1), 1000) << "vocab padding dropped";
 }
 
+TEST(Cuda, CpuIdsRunOnACudaModel) {
+  // A C++ caller's CPU ids: ShardedModel moves them to the model's device (it raised a device error).
+  FRAG_REQUIRE_CUDA();
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto model = ShardedModel::load(RankContext::single_rank(), model_files("llama_tp1")[0], gpu);
+  const auto on_gpu = model.forward(token_ids().to(gpu));
+  EXPECT_TRUE(torch::equal(model.forward(token_ids()), on_gpu));
+  EXPECT_EQ(model.generate(token_ids(), 2).size(1), token_ids().size(1) + 2);
+}
+
 TEST(Cuda, AReadOnlyPlanIsBitIdenticalToNoPlan) {
   FRAG_REQUIRE_CUDA();
   // The runtime's forwards run op by op on GPUs (runtime::set_gpu_fusion), so

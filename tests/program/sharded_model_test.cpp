@@ -379,6 +379,29 @@ TEST(Specialization, MoreSetsOfLocationsThanTheCacheHolds) {
   }));
 }
 
+TEST(TokenIds, IdsAlreadyOnTheDeviceAreTheSameTensorOthersAreMovedOrRefused) {
+  // What every forward does to its ids (ShardedModel::forward): on the CPU only the dtype part can act,
+  // and int64 ids there must come back as the very tensor (no copy per forward).
+  const auto ids = token_ids();
+  EXPECT_TRUE(token_ids_on(ids, torch::kCPU, "m").is_same(ids));
+  const auto widened = token_ids_on(ids.to(torch::kInt), torch::kCPU, "m");
+  EXPECT_EQ(widened.scalar_type(), torch::kLong);
+  EXPECT_TRUE(torch::equal(widened, ids));
+  try {
+    token_ids_on(ids.to(torch::kFloat), torch::kCPU, "rank0.pt");
+    ADD_FAILURE() << "floating-point ids were taken";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rank0.pt: token ids must be integers, got Float");
+  }
+}
+
+TEST(TokenIds, AForwardTakesInt32Ids) {
+  auto model = ShardedModel::load(RankContext::single_rank(), model_files("llama_tp1")[0]);
+  EXPECT_EQ(model.device(), torch::Device(torch::kCPU));
+  const auto logits = model.forward(token_ids());
+  EXPECT_TRUE(torch::equal(model.forward(token_ids().to(torch::kInt)), logits));
+}
+
 TEST(Plans, ARepeatedPlanStaysRegisteredAndAChangedOneReplacesIt) {
   // What a trace does before every forward (python/fragments/_C.cpp): set_plan.
   FRAG_REQUIRE_GLOO();

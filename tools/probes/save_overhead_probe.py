@@ -1,7 +1,8 @@
 """Where a trace's per-save cost goes (issue 31: saves at the fragmented locations add <= 15 % to a captured
 decode step). Times, on one rank, a 1-token trace with only the output saved against one with a save at every
 fragmented location, splits the difference into the Python recording, the C++ call (plan, forward, saves
-handed out) and what is left, and prints a cProfile of the saving trace's Python side.
+handed out) and what is left, times the same two recorded once and run per call (`model.plan()`,
+`plan.run(ids)`: the decode loop's path), and prints a cProfile of the saving trace's Python side.
 
     PYTHONPATH=bazel-bin/python:python:. $(bash tools/python_env.sh) tools/probes/save_overhead_probe.py \\
         bazel-bin/tests/models/llama_tp1/rank0.pt [--device cuda] [--repeats 200]
@@ -64,6 +65,15 @@ def main():
             out = model.output.save()
         return out.value
 
+    has_plan = hasattr(type(model), "plan")  # (the same probe on a tree from before model.plan())
+    if has_plan:
+        with model.plan() as plain_plan:
+            model.output.save()
+        with model.plan() as saving_plan:
+            for n in names:
+                location_of(model, n).save()
+            model.output.save()
+
     # The C++ call alone, with the steps a saving trace records (their recording timed apart).
     recorded = {}
     orig_run = _model.Trace._run
@@ -75,11 +85,11 @@ def main():
     saving()
     _model.Trace._run = orig_run
 
-    def c_call():
-        model._c.run(recorded["steps"], [], recorded["ids"], 0)
+    def c_call():  # as a repeated trace calls it: the plan still registered, not parsed again
+        model._c.run(recorded["steps"], [], recorded["ids"], 0, True)
 
     def c_call_empty():
-        model._c.run([], [], recorded["ids"], 0)
+        model._c.run([], [], recorded["ids"], 0, True)
 
     def record_only():
         t = _model.Trace(model, ids)
@@ -91,17 +101,43 @@ def main():
         finally:
             model._trace = None
 
-    for fn in (plain, saving, c_call, c_call_empty, record_only):
+
+    # Each case's first call registers its plan (C++ same_plan False); the timed ones repeat it, as a trace
+    # repeated call after call does.
+    def register(steps):
+        return lambda: model._c.run(steps, [], recorded["ids"], 0, False)
+    cases = [("trace, output only", plain, None),
+             (f"trace, {len(names)} saves + output", saving, None),
+             ("plan.run, output only", lambda: plain_plan.run(ids), None),
+             (f"plan.run, {len(names)} saves + output", lambda: saving_plan.run(ids), None),
+             ("C++ run of those steps", c_call, register(recorded["steps"])),
+             ("C++ run, no steps", c_call_empty, register([])),
+             ("Python recording only", record_only, None)]
+    cases = [c for c in cases if has_plan or not c[0].startswith("plan.run")]
+    for _, fn, setup in cases:
         for _ in range(5):
+            (setup or fn)()
             fn()
-    rows = {name: timed(fn, a.repeats, sync) for name, fn in
-            [("trace, output only", plain), (f"trace, {len(names)} saves + output", saving),
-             ("C++ run of those steps", c_call), ("C++ run, no steps", c_call_empty),
-             ("Python recording only", record_only)]}
+    rows = {name: [] for name, _, _ in cases}
+    for _ in range(5):  # interleaved rounds: a shared machine's load falls on every row alike
+        for name, fn, setup in cases:
+            if setup:
+                setup()
+            rows[name].append(timed(fn, max(1, a.repeats // 5), sync))
+    rows = {name: statistics.median(us) for name, us in rows.items()}
     for name, us in rows.items():
         print(f"{name:<36} {us:9.1f} us")
-    extra = rows[f"trace, {len(names)} saves + output"] - rows["trace, output only"]
-    print(f"per save: {extra / len(names):.1f} us (recording {rows['Python recording only'] / len(names):.1f} us)")
+    n = len(names)
+    trace_extra = rows[f"trace, {n} saves + output"] - rows["trace, output only"]
+    plan_extra = (rows[f"plan.run, {n} saves + output"] - rows["plan.run, output only"]) if has_plan else None
+    print(f"per save, trace:    {trace_extra / n:.1f} us ({trace_extra:.0f} us per call for {n}; recording "
+          f"{rows['Python recording only'] / n:.1f} us a save)")
+    cpp = (rows["C++ run of those steps"] - rows["C++ run, no steps"]) / n
+    if has_plan:
+        print(f"per save, plan.run: {plan_extra / n:.1f} us ({plan_extra:.0f} us per call for {n}; C++ {cpp:.1f} "
+              "us a save)")
+    else:
+        print(f"per save, C++: {cpp:.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.repeats):

@@ -203,6 +203,10 @@ class VllmTrace(Trace):
         self.output = None
         self.iter = _Iter(self)
 
+    def run(self, ids):
+        raise FragmentsError("a vLLM trace runs once, at its block's end: run(ids) is fragments.load's "
+                             "(Trace.run) and model.plan() has no vLLM counterpart")
+
     def _position(self):
         """How many plan steps the open invoke (or the trace) has so far: a Python step runs after them and
         before those recorded later, at the same location (_python.attach)."""

@@ -78,6 +78,13 @@ class PeerBenchmarkCpuTest(unittest.TestCase):
         self.assertGreater(data["copy"]["bytes_per_s"], 0)
         self.assertGreater(data["floor_ms"], 0)
         self.assertIsNotNone(data["ratios"]["fragments eager / plain eager (target <= 1.3)"])
+        # The saves column runs the fastest path (a plan recorded once, run per call) and changes nothing.
+        self.assertEqual(data["saves_path"], "model.plan() recorded once, plan.run(ids) per forward")
+        saves = {what: c for what, c in checks.items() if what.startswith("fragments, saves at")}
+        self.assertEqual(len(saves), 1, saves)  # eager only, on the CPU
+        (what, check), = saves.items()
+        self.assertTrue(what.endswith(" eager vs nothing registered (bit for bit)"), what)
+        self.assertTrue(check["ok"], check)
         return data
 
     def test_float32(self):
