@@ -84,6 +84,10 @@ class Reader:
                 out[f"{p}.mlp.experts.output"] = ("output", f"{p}.mlp")  # routed + gated shared, all-reduced
             else:
                 m = f"{p}.mlp"
+                if f == "gemma2":  # its four norms a layer (vLLM passes the residual through two of them: a tuple)
+                    for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                              "post_feedforward_layernorm"):
+                        out[f"{p}.{n}.output"] = ("output", f"{p}.{n}")
                 out[f"{m}.gate_up_proj.output"] = ("cat", [f"{m}.gate_proj", f"{m}.up_proj"])
                 out[f"{m}.down_proj.input"] = ("input", f"{m}.down_proj")
                 out[f"{m}.down_proj.output"] = ("output", f"{m}.down_proj")
