@@ -253,6 +253,9 @@ def main():
 
     print(json.dumps({"family": args.family, "tp": args.tp, "engine_start_s": round(start_s, 1),
                       "plain_engine_s": round(plain_s, 1), "worst_rel": worst, "failed": FAILED}), flush=True)
+    # The engine's processes end here, not at exit: after the traces (--trace) its engine core outlived
+    # os._exit, holding the caller's output pipes open (test_vllm_plugin's subprocess.run then never returned).
+    llm.llm_engine.engine_core.shutdown()
     return 1 if FAILED else 0
 
 
