@@ -81,8 +81,12 @@ def child_plain(args):
     env_for(args.tp, args.work)
     llm = engine(args.model, args.tp)
     prompt_a = json.loads(args.prompt)
-    outs = llm.generate([{"prompt_token_ids": prompt_a}] * 2, SamplingParams(**SAMPLING), use_tqdm=False)
-    print("PLAIN " + json.dumps([tokens_and_logprobs(r) for r in outs]), flush=True)
+    # the batch twice: whether plain vLLM reproduces itself bit for bit (its CPU MoE may not: check_plain)
+    runs = [[tokens_and_logprobs(r) for r in llm.generate([{"prompt_token_ids": prompt_a}] * 2,
+                                                          SamplingParams(**SAMPLING), use_tqdm=False)]
+            for _ in range(2)]
+    print("PLAIN " + json.dumps(runs[0] + [runs[0] == runs[1]]), flush=True)
+    llm.llm_engine.engine_core.shutdown()
     return 0
 
 
@@ -105,7 +109,7 @@ def plain_run(tp, folder, work, prompt):
              if p and not os.path.isdir(os.path.join(p, "fragments_vllm_plugin-0.1.dist-info"))]
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(fix)] + paths)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "llama", str(tp), "--child-plain",
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "llama", str(tp), "--child-plain",  # (any family)
                            "--model", folder, "--work", os.path.join(work, "plain"), "--prompt", json.dumps(prompt)],
                           env=env, capture_output=True, text=True, timeout=900)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("PLAIN ")), None)
@@ -115,16 +119,28 @@ def plain_run(tp, folder, work, prompt):
     return (json.loads(line[6:]) if line else None), seconds
 
 
-def check_plain(plain, r0, r1):
-    """[plain request, read-only plan] on prompt A against plain compiled vLLM's same batch: exactly equal."""
+def check_plain(plain, r0, r1, moe=False):
+    """[plain request, read-only plan] on prompt A against plain compiled vLLM's same batch: exactly equal.
+    MoE (as vllm_check.py): tokens equal and logprobs within 1e-5. vLLM's CPU experts group the tokens of every
+    request in a step, and whether the two requests share a step depends on when they reach the engine-core
+    process, so the bits vary with timing, plugin or not (the line says whether plain vLLM reproduced
+    itself across two identical batches, and the gap)."""
     from vllm_check import check
     if plain is None:
         return
+    plain, reproducible = plain[:2], plain[2]
     got = [tokens_and_logprobs(r0), tokens_and_logprobs(r1)]
-    check("read-only plan: tokens and logprobs equal plain compiled vLLM's (no plugin, no taps; exactly)",
-          got[1] == plain[1], f"{got[1]['tokens']} vs {plain[1]['tokens']}")
-    check("taps without a plan: the plain row equals plain compiled vLLM's (exactly)", got[0] == plain[0],
-          f"{got[0]['tokens']} vs {plain[0]['tokens']}")
+
+    def gap(a, b):
+        return max((abs(x[k] - y[k]) for x, y in zip(a["logprobs"], b["logprobs"]) for k in x if k in y), default=0.0)
+    for name, i in [("read-only plan: tokens and logprobs equal plain compiled vLLM's (no plugin, no taps; exactly"
+                     f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 1),
+                    (f"taps without a plan: the plain row equals plain compiled vLLM's (exactly"
+                     f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 0)]:
+        exact = got[i] == plain[i]
+        ok = exact or (moe and got[i]["tokens"] == plain[i]["tokens"] and gap(got[i], plain[i]) <= 1e-5)
+        check(name, ok, f"{got[i]['tokens']} vs {plain[i]['tokens']}; exact {exact}, max |dlogprob| "
+              f"{gap(got[i], plain[i]):.2e}; plain vLLM bit-reproducible across two identical batches: {reproducible}")
 
 
 def main():
@@ -197,7 +213,7 @@ def main():
     r0, r1 = fv.generate(llm, [{"prompt_token_ids": prompt_a}] * 2, [None, {"interventions": read_plan(locs, down0_in)}],
                          **SAMPLING)
     check("no plan error", r1.fragments_error is None, str(r1.fragments_error))
-    check_plain(plain, r0, r1)
+    check_plain(plain, r0, r1, moe=args.family == "qwen2_moe")
     hf = families.hf_model(folder)
     worst = check_saves(hf, reader, locs, prompt_a, r1, down0_in)
 
