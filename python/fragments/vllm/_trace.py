@@ -33,6 +33,12 @@ what is recorded inside it acts on (and saves) that prompt's rows only:
             model.model.layers[1].mlp.down_proj.output[-1] = h[-1]      # patching within one forward
             patched = model.output.save()
 
+Compiled engines (enforce_eager=False: `VLLM(folder, taps=[globs])`, or an `LLM` started with
+additional_config {"fragments_taps": [...]}) run the same traces at the locations tapped at start
+(fragments/vllm/_tap.py); naming any other location (a save, an edit, `.apply`, a location an edit reads,
+`model.output` without `logits_processor.output` tapped) is refused where it is recorded, with the tap to
+declare. Ad-hoc module calls (the logit lens) run after the forward, outside the compiled graph.
+
 Python steps (fragments.vllm._python): `.apply(fn)` (fn(rows) -> the replacement or None) and edits whose
 value is read from a location — of the same prompt at an earlier (or the same) location, or of another
 invoke's prompt in the same forward — run in the workers on whole values; the trace sends them once to
@@ -57,21 +63,35 @@ from .._model import FragmentsError, Location, Module, SavedValue, Trace, _Logit
 
 
 class VLLM:
-    """A vLLM `LLM` (eager mode, fragments' plugin loaded) whose module tree can be traced."""
+    """A vLLM `LLM` (fragments' plugin loaded) whose module tree can be traced. Eager by default; with
+    `taps` (globs, as additional_config["fragments_taps"]) a compiled engine (torch.compile), where a trace
+    may name only the tapped locations."""
 
-    def __init__(self, model=None, llm=None, tensor_parallel_size=1, dtype="float32", **llm_kwargs):
+    def __init__(self, model=None, llm=None, tensor_parallel_size=1, dtype="float32", taps=None, **llm_kwargs):
         from . import inspect
+        from ._tap import TAPS_KEY
         if llm is None:
             from vllm import LLM
+            if taps is not None:  # a compiled engine: its graph holds a tap at each of these locations (_tap.py)
+                if llm_kwargs.get("enforce_eager"):
+                    raise FragmentsError("VLLM(taps=...) compiles the model (enforce_eager=False); taps and "
+                                         "enforce_eager=True do not go together")
+                config = dict(llm_kwargs.pop("additional_config", None) or {})
+                config[TAPS_KEY] = [taps] if isinstance(taps, str) else list(taps)
+                llm_kwargs.update(enforce_eager=False, additional_config=config)
             llm_kwargs.setdefault("enforce_eager", True)
             llm = LLM(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, **llm_kwargs)
+        elif taps is not None:
+            raise FragmentsError("VLLM(llm=..., taps=...): an engine's taps are fixed when it starts; give them to "
+                                 f'LLM(..., additional_config={{"{TAPS_KEY}": [...]}})')
         self.llm = llm
         record = inspect(llm)
         if record is None:
             raise FragmentsError("fragments' vLLM plugin is not loaded in this engine's workers (VLLM_PLUGINS "
                                  "unset or listing 'fragments', and FRAGMENTS_VLLM not 0)")
-        if record.get("compiled"):
-            raise FragmentsError("tracing needs vLLM's eager mode: start the engine with enforce_eager=True")
+        # A compiled engine acts only at the locations tapped at its start: recording any other is refused
+        # at once (None: eager, every location).
+        self._taps = set(record.get("taps") or ()) if record.get("compiled") else None
         self._record = record
         self.dtype = llm.llm_engine.model_config.dtype
         self._classes = {}
@@ -120,6 +140,16 @@ class VLLM:
             self._layouts[location] = _C.head_layout(json.dumps(self._record["table"]), location,
                                                      self._record["qkv_attributes"])
         return self._layouts[location]
+
+    def _require_tap(self, location, where=None):
+        """Compiled engines: `location` must be among the taps declared at start (the graph is fixed)."""
+        if self._taps is None or location in self._taps:
+            return
+        from ._tap import TAPS_KEY
+        raise FragmentsError(f"{where or location}: this vLLM engine is compiled (enforce_eager=False) and {location} "
+                             f"is not tapped; declare it at start: VLLM(..., taps=[\"{location}\"]) or LLM(..., "
+                             f'additional_config={{"{TAPS_KEY}": ["{location}"]}}) (globs allowed), or use '
+                             "enforce_eager=True")
 
     def _active_trace(self, what):
         if self._trace is None:
@@ -171,8 +201,10 @@ class _Recorded(_ScopedSteps):
                                  "is one prompt's request; steps outside would have no prompt)")
         if isinstance(item, tuple):  # Location.apply's (name, fn, visit, label): the label becomes the user's line
             from .._proxy import user_line
+            trace._model._require_tap(item[0], f"{user_line()}: {item[0]}.apply")
             list.append(self, item[:3] + (user_line(), self._scope.steps, trace._invoke_now, trace._position()))
             return
+        trace._model._require_tap(item.at)
         item.invoke = trace._invoke_now
         super().append(item)
 
@@ -240,6 +272,8 @@ class VllmTrace(Trace):
             self._invoke_now = None
 
     def _save_output(self):
+        if self._model._logits_at is not None:
+            self._model._require_tap(self._model._logits_at, "model.output")
         saved = super()._save_output()
         self._output_invokes[id(saved)] = self._invoke_now
         return saved
@@ -268,7 +302,9 @@ class VllmTrace(Trace):
             raise FragmentsError(f"{where}: this trace has invokes: record inside `with tr.invoke(prompt):`")
         if location._visit not in (None, 0):
             raise FragmentsError(f"{where}: vLLM calls each module once per forward: no visit {location._visit}")
+        self._model._require_tap(location.name, where)
         for leaf in self._leaves(node, where, "edit"):
+            self._model._require_tap(leaf.name, where)  # read by a capture there (_python.py)
             invoke = getattr(leaf, "invoke", None)
             if invoke is not None and invoke >= len(self._invokes):
                 raise FragmentsError(f"{where}: {leaf!r} belongs to invoke {invoke}, which this trace does not have")

@@ -68,6 +68,7 @@ class WorkerState:
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
         self.saves: Dict[str, dict] = {}  # request key -> {"saves": {name: [tensors]}, "error": str|None}
         self.in_step = False
+        self.executing = False  # inside execute_model (a forward), not an ad-hoc module call (fragments_call)
         self.step_work: Optional[Dict[str, List[_Work]]] = None
         self.hooks: Dict[str, object] = {}  # location -> its hook's handle: only where a live plan acts
         self.compiled = not runner.model_config.enforce_eager
@@ -97,6 +98,7 @@ class WorkerState:
         follow: a location has a hook only while a live plan acts there, so a batch without plans runs
         vLLM's model untouched. Every rank sees the same scheduler output, so every rank hooks alike."""
         self.step_work = None
+        self.executing = True
         self.py_forward += 1
         changed, self._failed = self._failed, False
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
@@ -124,7 +126,7 @@ class WorkerState:
                                     module.register_forward_hook(self._post_hook(path), with_kwargs=True))
 
     def end_step(self):
-        self.in_step = False
+        self.in_step = self.executing = False
         self.step_work = None
 
     def _work(self) -> Dict[str, List[_Work]]:
@@ -298,7 +300,8 @@ class WorkerState:
     def tap_body(self, location: str, x) -> None:
         """fragments::tap's body, at run time inside the compiled forward: the eager hooks' work, the value
         edited in place."""
-        self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
+        if self.executing:  # a logit lens calling a tapped module after the forward is not a forward's call
+            self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
         if not self.in_step:
             return
         work = self._work().get(location)

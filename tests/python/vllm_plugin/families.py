@@ -84,6 +84,10 @@ class Reader:
                 out[f"{p}.mlp.experts.output"] = ("output", f"{p}.mlp")  # routed + gated shared, all-reduced
             else:
                 m = f"{p}.mlp"
+                if f == "gemma2":  # its four norms a layer (vLLM passes the residual through two of them: a tuple)
+                    for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                              "post_feedforward_layernorm"):
+                        out[f"{p}.{n}.output"] = ("output", f"{p}.{n}")
                 out[f"{m}.gate_up_proj.output"] = ("cat", [f"{m}.gate_proj", f"{m}.up_proj"])
                 out[f"{m}.down_proj.input"] = ("input", f"{m}.down_proj")
                 out[f"{m}.down_proj.output"] = ("output", f"{m}.down_proj")
@@ -136,3 +140,68 @@ def write_tokenizer(folder: str, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(folder)
+
+
+class Edit:
+    """The edit vllm_check.py and compiled_check.py make on prompt B, and its ground truth in transformers:
+    layer 0's last v head scaled by 0.5 (through "segment"/"heads"; with fewer kv heads than ranks that head
+    is replicated, and the edit must reach every copy) and `steer` added to layer 1's down projection input
+    at every step (Qwen2-MoE: the shared expert's), saving layer 1's q|k|v at the prefill and the logits at
+    every step."""
+
+    def __init__(self, family: str, cfg, g):
+        self.family, self.cfg = family, cfg
+        lp = Reader(family, cfg).layer_prefix
+        if family == "gpt_neox":
+            self.qkv0, self.qkv1 = f"{lp(0)}.attention.query_key_value", f"{lp(1)}.attention.query_key_value"
+            self.down1 = f"{lp(1)}.mlp.dense_4h_to_h"
+        else:
+            self.qkv0, self.qkv1 = f"{lp(0)}.self_attn.qkv_proj", f"{lp(1)}.self_attn.qkv_proj"
+            self.down1 = f"{lp(1)}.mlp.shared_expert.down_proj" if family == "qwen2_moe" else f"{lp(1)}.mlp.down_proj"
+        steer = (torch.randn(cfg.intermediate_size, generator=g) * 0.5).float()
+        self.steer = steer[:cfg.shared_expert_intermediate_size].contiguous() if family == "qwen2_moe" else steer
+        self.vhead = (cfg.num_attention_heads if family == "gpt_neox" else cfg.num_key_value_heads) - 1
+
+    def write(self, folder: str) -> str:
+        """Writes the steering vector (folder/steer.safetensors:v) for the plan; returns the folder."""
+        import os
+        from safetensors.torch import save_file
+        save_file({"v": self.steer}, os.path.join(folder, "steer.safetensors"))
+        return folder
+
+    def plan(self) -> list:
+        return [{"at": f"{self.qkv0}.output", "do": "scale", "by": 0.5, "segment": "v", "heads": [self.vhead]},
+                {"at": f"{self.down1}.input", "do": "add", "value": "steer.safetensors:v"},
+                {"at": f"{self.qkv1}.output", "do": "save", "as": "qkv1", "step": 0},
+                {"at": "logits_processor.output", "do": "save", "as": "final_logits"}]
+
+    def transformers(self, hf, prompt, max_tokens: int):
+        """transformers under the same edits (forward hooks): its greedy tokens after `prompt`, layer 1's whole
+        q|k|v over the prompt's rows and the logits at every step (one forward over the prompt plus the
+        tokens). Returns (tokens, qkv1, logits)."""
+        cfg, named = self.cfg, dict(hf.named_modules())
+        hs = cfg.hidden_size // cfg.num_attention_heads
+        vhead = self.vhead
+
+        def scale_v(m, a, out):
+            out = out.clone()
+            if self.family == "gpt_neox":  # HF's fused layout is per head [q k v]
+                out = out.view(*out.shape[:-1], cfg.num_attention_heads, 3, hs)
+                out[..., vhead, 2, :] *= 0.5
+                return out.flatten(-3)
+            out[..., vhead * hs:(vhead + 1) * hs] *= 0.5
+            return out
+        neox = self.family == "gpt_neox"
+        h1 = named[self.qkv0 if neox else self.qkv0.replace("qkv_proj", "v_proj")].register_forward_hook(scale_v)
+        h2 = named[self.down1].register_forward_pre_hook(lambda m, a: (a[0] + self.steer,))
+        q1 = [self.qkv1] if neox else [self.qkv1.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        try:
+            with torch.no_grad():
+                gen = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                cap, logits = capture(hf, q1, lambda: hf(gen[:, :-1]).logits[0])
+        finally:
+            h1.remove()
+            h2.remove()
+        qkv1 = Reader(self.family, cfg).read(("neox_qkv", self.qkv1) if neox else ("cat", q1), cap)[:len(prompt)]
+        return gen[0, len(prompt):].tolist(), qkv1, logits[len(prompt) - 1:]

@@ -8,8 +8,12 @@ GGUF's quantization_config dropped: the weights written are plain fp32), as tool
 it. One request saves every layer's whole values at the prefill (q|k|v in logical order, o_proj's input and
 output, gate|up, down_proj's input and output: 30 layers, and the embedding) and the logits at every step;
 each equals transformers' within 1e-5 relative (--tol: another bound), and the greedy tokens equal
-transformers'. Prints one line
-per check and a JSON line; exits non-zero on a failure.
+transformers'. Prints one line per check and a JSON line; exits non-zero on a failure.
+
+--compiled: the engine is compiled (enforce_eager=False, Inductor; compiled_check.py's engine settings and a
+fresh compile cache) with a tap at every saved location (declared by `layers.*` globs), and beside the same
+checks: plain compiled vLLM (a child process, no plugin, no taps) on the same batch [prompt plain, prompt with
+the read-only plan] has identical tokens and logprobs, exactly.
 """
 import argparse
 import copy
@@ -54,6 +58,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--tol", type=float, default=None, help="the bound for the layers' values (default 1e-5)")
     ap.add_argument("--values", default=None, help="write the saved values here (safetensors)")
+    ap.add_argument("--compiled", action="store_true", help="a compiled engine with taps (see the docstring)")
     args = ap.parse_args()
     from vllm_check import FAILED, TOL, check, plugin_dist, rel
     bound = args.tol or TOL
@@ -83,13 +88,27 @@ def main():
     plan = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
     plan.append({"at": "logits_processor.output", "do": "save", "as": "final_logits"})
 
-    t0 = time.time()
-    llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype="float32", max_model_len=128,
-              enable_prefix_caching=False, max_num_seqs=4, seed=0)
-    start_s = time.time() - t0
-    print(f"engine start {start_s:.1f} s", flush=True)
-    out = fv.generate(llm, [{"prompt_token_ids": prompt}], [{"interventions": plan}], max_tokens=args.max_tokens,
-                      temperature=0.0)[0]
+    if args.compiled:  # plain compiled vLLM first (its own process), then the tapped compiled engine
+        import compiled_check as cc
+        plain, _ = cc.plain_run(args.tp, folder, work, prompt)
+        cc.env_for(args.tp, work)
+        taps = cc.taps_for(locs, trace=False)
+        t0 = time.time()
+        llm = cc.engine(folder, args.tp, additional_config={"fragments_taps": taps})
+        start_s = time.time() - t0
+        check("inspect: a compiled engine, its taps the saved locations",
+              fv.inspect(llm)["taps"] == sorted(set(locs) | {"logits_processor.output"}))
+        r0, out = fv.generate(llm, [{"prompt_token_ids": prompt}] * 2, [None, {"interventions": plan}], **cc.SAMPLING)
+        cc.check_plain(plain, r0, out)
+        args.max_tokens = cc.SAMPLING["max_tokens"]
+    else:
+        t0 = time.time()
+        llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype="float32", max_model_len=128,
+                  enable_prefix_caching=False, max_num_seqs=4, seed=0)
+        start_s = time.time() - t0
+        out = fv.generate(llm, [{"prompt_token_ids": prompt}], [{"interventions": plan}], max_tokens=args.max_tokens,
+                          temperature=0.0)[0]
+    print(f"engine start {start_s:.1f} s{' (compiled)' if args.compiled else ''}", flush=True)
     check("no plan error", out.fragments_error is None, str(out.fragments_error))
     tokens = list(out.outputs[0].token_ids)
     llm.llm_engine.engine_core.shutdown()  # the engine's processes end here, not at exit
@@ -122,7 +141,7 @@ def main():
     check("logits at every step", e <= TOL, f"rel {e:.2e} shape {tuple(out.fragments['final_logits'].shape)}")
     hf_tokens = gen[0, n:].tolist()
     check("greedy tokens equal transformers'", tokens == hf_tokens, f"{tokens} vs {hf_tokens}")
-    print(json.dumps({"model": "SmolLM2-135M-Instruct", "tp": args.tp, "engine_start_s": round(start_s, 1),
+    print(json.dumps({"model": "SmolLM2-135M-Instruct", "tp": args.tp, "compiled": args.compiled, "engine_start_s": round(start_s, 1),
                       "locations": len(locs), "worst_rel": worst, "worst_at": where, "failed": FAILED}), flush=True)
     if args.folder is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -133,7 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
     args = ap.parse_args()
-    from vllm_check import FAILED, TOL, check, plugin_dist, rel
+    from vllm_check import FAILED, plugin_dist
     work = tempfile.mkdtemp(prefix=f"frag-vllm-trace-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
@@ -146,7 +146,6 @@ def main():
 
     import torch
     import families
-    from fragments import FragmentsError
     from fragments.vllm import VLLM
 
     folder = os.path.join(work, "model")
@@ -155,11 +154,24 @@ def main():
     g = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(1, cfg.vocab_size, (7,), generator=g).tolist()
     prompt_b = torch.randint(1, cfg.vocab_size, (5,), generator=g).tolist()
-    steer = (torch.randn(cfg.intermediate_size, generator=g) * 0.5).float()
-    hs = cfg.hidden_size // cfg.num_attention_heads
 
     model = VLLM(folder, tensor_parallel_size=args.tp, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
                  enable_prefix_caching=False, max_num_seqs=8, seed=0)
+    trace_checks(model, folder, cfg, prompt_a, prompt_b, g)
+    model.close()
+    print(f"{{\"tp\": {args.tp}, \"failed\": {FAILED}}}", flush=True)
+    return 1 if FAILED else 0
+
+
+def trace_checks(model, folder, cfg, prompt_a, prompt_b, g):
+    """Every check of this file's docstring on `model` (fragments.vllm.VLLM over the tiny Llama in `folder`;
+    eager, or compiled with taps at every location used here: compiled_check.py)."""
+    import torch
+    import families
+    from fragments import FragmentsError
+    from vllm_check import TOL, check, rel
+    steer = (torch.randn(cfg.intermediate_size, generator=g) * 0.5).float()
+    hs = cfg.hidden_size // cfg.num_attention_heads
     L = model.model.layers
 
     with model.trace(prompt_a) as tr:
@@ -272,9 +284,6 @@ def main():
         except FragmentsError as err:
             check(f"refused: {what}", says in str(err), str(err)[:160])
 
-    model.close()
-    print(f"{{\"tp\": {args.tp}, \"failed\": {FAILED}}}", flush=True)
-    return 1 if FAILED else 0
 
 
 if __name__ == "__main__":

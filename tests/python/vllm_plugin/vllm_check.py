@@ -60,6 +60,65 @@ def plugin_dist(folder):
     return folder
 
 
+def down0_input(locs, reader):
+    """Layer 0's MLP down projection input (every family's reader has one)."""
+    p = reader.layer_prefix(0)
+    return next(l for l in locs if l.startswith(p + ".") and l.endswith(("down_proj.input", "dense_4h_to_h.input")))
+
+
+def read_plan(locs, down0_in):
+    """The read-only plan: every location of `locs` at the prefill, the logits at every step and layer 0's
+    down projection input at every step."""
+    plan = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
+    return plan + [{"at": "logits_processor.output", "do": "save", "as": "final_logits"},
+                   {"at": down0_in, "do": "save", "as": "down0_all"}]
+
+
+def check_saves(hf, reader, locs, prompt, r, down0_in):
+    """The read-only plan's saves (`r.fragments`, read_plan) against transformers' forward hooks: every
+    whole value at the prefill, then the logits and the down projection input at every step (one forward
+    over the prompt plus the generated tokens). Returns the worst relative difference."""
+    import torch
+    import families
+    modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
+    tokens = list(r.outputs[0].token_ids)
+    with torch.no_grad():
+        captured, _ = families.capture(hf, modules, lambda: hf(torch.tensor([prompt])).logits[0])
+        cap_full, logits_full = families.capture(hf, modules,
+                                                 lambda: hf(torch.tensor([prompt + tokens[:-1]])).logits[0])
+    worst = 0.0
+    for loc, spec in locs.items():
+        got = r.fragments.get(loc)
+        e = rel(got, reader.read(spec, captured)) if got is not None else float("inf")
+        worst = max(worst, e)
+        check(f"whole value {loc}", e <= TOL, f"rel {e:.2e} shape {tuple(got.shape) if got is not None else None}")
+    for name, got, want in [("logits at every step (prefill + decode)", "final_logits", logits_full[len(prompt) - 1:]),
+                            ("decode steps: down projection input rows of every step", "down0_all",
+                             reader.read(locs[down0_in], cap_full))]:
+        value = r.fragments.get(got)
+        e = rel(value, want) if value is not None else float("inf")
+        worst = max(worst, e)
+        check(name, e <= TOL, f"rel {e:.2e} shape {tuple(value.shape) if value is not None else None}")
+    return worst
+
+
+def check_edit(hf, edit, prompt, r, max_tokens):
+    """The edit's request (`r`, families.Edit.plan) against transformers under the same edits: greedy tokens,
+    layer 1's q|k|v and the logits at every step. Returns the worst relative difference."""
+    import torch
+    hf_tokens, qkv1, logits = edit.transformers(hf, prompt, max_tokens)
+    tokens = list(r.outputs[0].token_ids)
+    check("edit: tokens equal transformers' greedy under the same edits", tokens == hf_tokens,
+          f"{tokens} vs {hf_tokens}")
+    worst = 0.0
+    for name, got, want in [("edit: downstream whole value equals transformers' under the same edits", "qkv1", qkv1),
+                            ("edit: logits at every step equal transformers'", "final_logits", logits)]:
+        e = rel(r.fragments.get(got, torch.empty(0)), want)
+        worst = max(worst, e)
+        check(name, e <= TOL, f"rel {e:.2e}")
+    return worst
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("family")
@@ -92,33 +151,12 @@ def main():
     g = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(1, cfg.vocab_size, (7,), generator=g).tolist()
     prompt_b = torch.randint(1, cfg.vocab_size, (5,), generator=g).tolist()
-    inter = cfg.intermediate_size
-    steer = (torch.randn(inter, generator=g) * 0.5).float()
-    save_file({"v": steer}, os.path.join(work, "steer.safetensors"))
-
-    lp = reader.layer_prefix
-    if args.family == "gpt_neox":
-        qkv0, qkv1 = f"{lp(0)}.attention.query_key_value", f"{lp(1)}.attention.query_key_value"
-        down1 = f"{lp(1)}.mlp.dense_4h_to_h"
-    elif args.family == "qwen2_moe":
-        qkv0, qkv1 = f"{lp(0)}.self_attn.qkv_proj", f"{lp(1)}.self_attn.qkv_proj"
-        down1 = f"{lp(1)}.mlp.shared_expert.down_proj"
-        steer = steer[:cfg.shared_expert_intermediate_size].contiguous()
-        save_file({"v": steer}, os.path.join(work, "steer.safetensors"))
-    else:
-        qkv0, qkv1 = f"{lp(0)}.self_attn.qkv_proj", f"{lp(1)}.self_attn.qkv_proj"
-        down1 = f"{lp(1)}.mlp.down_proj"
-    down0_in = [l for l in locs if l.startswith(lp(0)) and ("down_proj.input" in l or "dense_4h_to_h.input" in l)][0]
-
-    plan_read = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
-    plan_read += [{"at": "logits_processor.output", "do": "save", "as": "final_logits"},
-                  {"at": down0_in, "do": "save", "as": "down0_all"}]
-    # the last v head: with fewer kv heads than ranks it is replicated, and the edit must reach every copy
-    vhead = (cfg.num_attention_heads if args.family == "gpt_neox" else cfg.num_key_value_heads) - 1
-    plan_edit = [{"at": f"{qkv0}.output", "do": "scale", "by": 0.5, "segment": "v", "heads": [vhead]},
-                 {"at": f"{down1}.input", "do": "add", "value": "steer.safetensors:v"},
-                 {"at": f"{qkv1}.output", "do": "save", "as": "qkv1", "step": 0},
-                 {"at": "logits_processor.output", "do": "save", "as": "final_logits"}]
+    edit = families.Edit(args.family, cfg, g)
+    edit.write(work)
+    qkv0, down1 = edit.qkv0, edit.down1
+    down0_in = down0_input(locs, reader)
+    plan_read = read_plan(locs, down0_in)
+    plan_edit = edit.plan()
 
     t0 = time.time()
     llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype="float32", skip_tokenizer_init=True,
@@ -186,63 +224,9 @@ def main():
               (moe or not vllm_exact) and list(plain.outputs[0].token_ids) == t1_ids and g <= 1e-5,
               f"vLLM bit-reproducible across identical batches: {vllm_exact}; plan vs plain max |dlogprob| {g:.2e}")
 
-    # transformers, unedited, on prompt A (prefill) and on A + generated tokens (the decode rows)
     hf = families.hf_model(folder)
-    modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
-    ids = torch.tensor([prompt_a])
-    with torch.no_grad():
-        captured, logits = families.capture(hf, modules, lambda: hf(ids).logits[0])
-    worst = 0.0
-    for loc, spec in locs.items():
-        got = r1.fragments.get(loc)
-        want = reader.read(spec, captured)
-        e = rel(got, want) if got is not None else float("inf")
-        worst = max(worst, e)
-        check(f"whole value {loc}", e <= TOL, f"rel {e:.2e} shape {tuple(got.shape) if got is not None else None}")
-    full = torch.tensor([prompt_a + t1_ids[:-1]])
-    with torch.no_grad():
-        cap_full, logits_full = families.capture(hf, modules, lambda: hf(full).logits[0])
-    want_logits = logits_full[len(prompt_a) - 1:]
-    e = rel(r1.fragments["final_logits"], want_logits)
-    check("logits at every step (prefill + decode)", e <= TOL, f"rel {e:.2e} shape {tuple(r1.fragments['final_logits'].shape)}")
-    want_down = reader.read(locs[down0_in], cap_full)
-    e = rel(r1.fragments["down0_all"], want_down)
-    check("decode steps: down projection input rows of every step", e <= TOL,
-          f"rel {e:.2e} shape {tuple(r1.fragments['down0_all'].shape)}")
-
-    # transformers with the same edits
-    named = dict(hf.named_modules())
-    hs = cfg.hidden_size // cfg.num_attention_heads
-
-    def scale_v(m, a, out):
-        out = out.clone()
-        if args.family == "gpt_neox":  # per head [q k v]: kv heads = heads
-            out = out.view(*out.shape[:-1], cfg.num_attention_heads, 3, hs)
-            out[..., vhead, 2, :] *= 0.5
-            return out.flatten(-3)
-        out[..., vhead * hs:(vhead + 1) * hs] *= 0.5
-        return out
-    if args.family == "gpt_neox":
-        h1 = named[qkv0.replace("query_key_value", "query_key_value")].register_forward_hook(scale_v)
-    else:
-        h1 = named[qkv0.replace("qkv_proj", "v_proj")].register_forward_hook(scale_v)
-    h2 = named[down1].register_forward_pre_hook(lambda m, a: (a[0] + steer,))
-    q1 = [qkv1.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")] if args.family != "gpt_neox" else [qkv1]
-    with torch.no_grad():
-        gen = hf.generate(torch.tensor([prompt_b]), max_new_tokens=args.max_tokens, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt_b), dtype=torch.long))
-        hf_b = gen[0, len(prompt_b):].tolist()
-        cap_b, logits_b = families.capture(hf, q1, lambda: hf(gen[:, :-1]).logits[0])
-    h1.remove()
-    h2.remove()
-    t2_ids = list(r2.outputs[0].token_ids)
-    check("edit: tokens equal transformers' greedy under the same edits", t2_ids == hf_b, f"{t2_ids} vs {hf_b}")
-    spec = ("neox_qkv", qkv1) if args.family == "gpt_neox" else ("cat", q1)
-    want = reader.read(spec, cap_b)[:len(prompt_b)]
-    e = rel(r2.fragments["qkv1"], want)
-    check("edit: downstream whole value equals transformers' under the same edits", e <= TOL, f"rel {e:.2e}")
-    e = rel(r2.fragments["final_logits"], logits_b[len(prompt_b) - 1:])
-    check("edit: logits at every step equal transformers'", e <= TOL, f"rel {e:.2e}")
+    worst = check_saves(hf, reader, locs, prompt_a, r1, down0_in)
+    worst = max(worst, check_edit(hf, edit, prompt_b, r2, args.max_tokens))
 
     # a bad plan fails that request alone, before it runs
     refused = next(iter(info["refused"]), None) if args.tp > 1 else None
