@@ -36,6 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # holds fragkit/
 
 
+IDS = [1, 17, 300, 999, 42, 5, 64, 700, 128000, 9, 11, 4096]  # frag run's token ids (llama3's vocabulary)
+
+
 def drop_cache(folder: str) -> None:
     """Drop this folder's files from the page cache (and only them)."""
     os.sync()
@@ -85,6 +88,47 @@ def env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
 
 
+def reference_logits(ckpt: str, ids) -> "torch.Tensor":
+    """float32 logits of a Llama-family checkpoint by transformers' own layers (LlamaDecoderLayer, RMSNorm,
+    rotary), streamed: one decoder layer's weights in memory at a time, read from the safetensors shards and
+    widened to float32. The ground truth both frag runs are measured against: tp 1 and tp N each round in
+    bf16 in their own order, so their distance to each other means little without their distance to this."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+    from transformers.models.llama import modeling_llama as ml
+
+    cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    cfg._attn_implementation = "sdpa"
+    where = {}
+    for shard in shard_files(ckpt):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                where[name] = shard
+
+    def load(name):
+        with safe_open(where[name], "pt") as f:
+            return f.get_tensor(name).float()
+
+    def load_into(module, prefix):
+        module.load_state_dict({k: load(prefix + k) for k in module.state_dict()}, strict=True)
+        return module
+
+    with torch.no_grad():
+        ids = torch.tensor([ids])
+        x = load("model.embed_tokens.weight")[ids]
+        positions = torch.arange(ids.shape[1])[None]
+        cos_sin = ml.LlamaRotaryEmbedding(cfg)(x, positions)
+        for i in range(cfg.num_hidden_layers):
+            layer = load_into(ml.LlamaDecoderLayer(cfg, i).float(), "model.layers.%d." % i)
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            x = out[0] if isinstance(out, tuple) else out
+            del layer
+        x = load_into(ml.LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps), "model.norm.")(x)
+        head = "lm_head.weight" if "lm_head.weight" in where else "model.embed_tokens.weight"
+        return x @ load(head).T
+
+
 def frag_check(args, work, existing=None):
     """Logits of frag run at each --frag-tps against the first, on a --frag-layers deep checkpoint of the same
     widths (`existing`, the benchmark's own checkpoint, when it is that deep: 16 GB is not written twice)."""
@@ -98,9 +142,10 @@ def frag_check(args, work, existing=None):
                        stdout=subprocess.DEVNULL)
     ids = os.path.join(work, "ids.txt")
     with open(ids, "w") as f:
-        f.write("1 17 300 999 42 5 64 700 128000 9 11 4096\n")
+        f.write(" ".join(map(str, IDS)) + "\n")
     logits = {}
     tps = [int(t) for t in args.frag_tps.split(",")]
+    reference = None
     try:
         for tp in tps:
             out = os.path.join(work, "frag_tp%d" % tp)
@@ -117,6 +162,10 @@ def frag_check(args, work, existing=None):
             os.remove(result)
             print("frag run tp %d: %.1f s, logits %s %s" % (tp, time.time() - started, tuple(logits[tp].shape),
                                                             logits[tp].dtype), flush=True)
+        if args.reference:
+            started = time.time()
+            reference = reference_logits(ckpt, IDS).reshape(logits[tps[0]].shape)
+            print("float32 reference (transformers' layers, streamed): %.1f s" % (time.time() - started), flush=True)
     finally:
         if not existing:
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -133,7 +182,16 @@ def frag_check(args, work, existing=None):
                      "max_diff_in_bf16_spacings_at_max": float(diff.max()) / ulp,
                      "equal_fraction": float((diff == 0).float().mean()),
                      "argmax_equal": bool(torch.equal(a.argmax(-1), logits[tp].float().argmax(-1)))})
-    return {"layers": args.frag_layers, "rows": rows}
+    result = {"layers": args.frag_layers, "rows": rows}
+    if reference is not None:
+        # each tp's own bf16 error: its distance to the float32 forward, in bf16 spacings at the largest logit
+        result["against_float32"] = {
+            tp: {"max_abs_diff": float((logits[tp].float() - reference).abs().max()),
+                 "mean_abs_diff": float((logits[tp].float() - reference).abs().mean()),
+                 "max_diff_in_bf16_spacings_at_max": float((logits[tp].float() - reference).abs().max()) / ulp,
+                 "argmax_equal_fraction": float((logits[tp].float().argmax(-1) == reference.argmax(-1)).float().mean())}
+            for tp in tps}
+    return result
 
 
 def timed_copy(ckpt: str, copy: str):
@@ -171,6 +229,9 @@ def main():
     p.add_argument("--frag", default=None, help="the frag binary: also compare frag run at --frag-tps")
     p.add_argument("--frag-layers", type=int, default=4)
     p.add_argument("--frag-tps", default="1,4", help="tps of the frag run comparison, the first the reference")
+    p.add_argument("--reference", action="store_true",
+                   help="also a float32 forward by transformers' Llama layers (streamed a layer at a time), and "
+                        "each tp's distance to it (Llama-family checkpoints)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     sys.path.insert(0, ROOT)
@@ -212,7 +273,7 @@ def main():
         print("| tp | round | load avg (1 min) | cat s | import s | import/cat | cat CPU s | import CPU s | "
               "peak RSS GB | target GB | rank files GB | frag inspect rank0: peak RSS / file GB |", flush=True)
         print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-        for tp in [int(t) for t in args.tps.split(",")]:
+        for tp in [int(t) for t in args.tps.split(",") if t]:
             row = {"tp": tp, "rounds": [], "target_rss": 2e9 + big}
             for rnd in range(args.rounds):
                 load_before = os.getloadavg()[0]
