@@ -155,12 +155,13 @@ for _tp, _tol in SMOLLM2:
 # compiling the tiny model in ~1-2 min here.
 # Default tier: Llama at tp 2 with the Python trace API through the same compiled engine (--trace:
 # trace_check.py's checks), and Gemma 2 at tp 2 (its norms tapped too).
-# FRAG_SLOW=1 adds Qwen2, Qwen3, GPT-NeoX and Qwen2-MoE at tp 2, Llama and Qwen2-MoE at tp 1, and SmolLM2 (the
+# FRAG_SLOW=1 adds Qwen2, Qwen3, GPT-NeoX and Qwen2-MoE at tp 2, Llama and Qwen2-MoE at tp 1, Llama at tp 3
+# (6 heads, 3 kv heads), and SmolLM2 (the
 # real model, smollm2_check.py --compiled) at tp 1. Qwen2-MoE's plain compiled reference loads the plugin's fix
 # of vLLM 0.24's CPU MoE alone (compiled_check.plain_run): without it plain vLLM cannot run the model.
 COMPILED = [("llama", 2, ("--trace",)), ("gemma2", 2, ())]
 COMPILED_SLOW = [(f, 2, ()) for f in ("qwen2", "qwen3", "gpt_neox", "qwen2_moe")] + \
-    [("llama", 1, ()), ("qwen2_moe", 1, ())]
+    [("llama", 1, ()), ("qwen2_moe", 1, ()), ("llama", 3, ("--heads", 6, "--kv-heads", 3))]
 if os.environ.get("FRAG_SLOW") == "1":
     COMPILED += COMPILED_SLOW
 
