@@ -57,18 +57,22 @@ def write_model(folder):
                                          eos_token="w2").save_pretrained(folder)
 
 
-def cpu_seconds():
-    """User + system CPU seconds of this process and every process it started (vLLM's engine core and
-    workers): a rate per CPU second is far less sensitive to other load on a shared machine than wall time."""
+def cpu_seconds(pid=None):
+    """User + system CPU seconds of a process (default this one) and every process it started (vLLM's engine
+    core and workers): a rate per CPU second is far less sensitive to other load on a shared machine than wall
+    time."""
     import psutil
-    me = psutil.Process()
     total = 0.0
-    for p in [me] + me.children(recursive=True):
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
+    try:
+        root = psutil.Process(pid)
+        for p in [root] + root.children(recursive=True):
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # a process that ended meanwhile
+                pass
+    except psutil.Error:
+        pass
     return total
 
 
@@ -200,17 +204,8 @@ class Engine:
         print(f"{mode} engine ready in {self.start_s:.0f} s", flush=True)
 
     def cpu_seconds(self):
-        """User + system CPU seconds of this engine's processes (its child, vLLM's engine core, workers)."""
-        import psutil
-        total = 0.0
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root] + root.children(recursive=True):
-                t = p.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            pass
-        return total
+        """CPU seconds of this engine's processes (its child, vLLM's engine core, workers)."""
+        return cpu_seconds(self.proc.pid)
 
     def _answer(self):
         for line in self.proc.stdout:
