@@ -41,14 +41,23 @@ LOCATIONS = ("model.layers.0.self_attn.qkv_proj.output", "model.layers.1.mlp.dow
              "model.layers.2.output", "model.norm.output")
 
 
-def write_model(folder):
+def write_model(folder, gpu=False, layers=8):
+    """CPU: a small fp32 Llama with transformers' weights. GPU: an 8B-shaped Llama (hidden 4096, 32 heads / 8 kv
+    heads, MLP 14336, vocab 32000) of `layers` layers in bfloat16, its config only: every engine loads vLLM's
+    seeded random weights (load_format="dummy"), so no 4 GB checkpoint is written."""
     import torch
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                                   num_key_value_heads=4, intermediate_size=1536, max_position_embeddings=256,
-                                   torch_dtype="float32")
-    transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).save_pretrained(folder)
+    if gpu:
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, num_hidden_layers=layers,
+                                       num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                                       max_position_embeddings=1024, torch_dtype="bfloat16")
+        cfg.save_pretrained(folder)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                       num_key_value_heads=4, intermediate_size=1536, max_position_embeddings=256,
+                                       torch_dtype="float32")
+        transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).save_pretrained(folder)
     # a word-level tokenizer (w0 … w4095): nnsight's VLLM loads one; prompts are token ids
     from tokenizers import Tokenizer, models, pre_tokenizers
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
@@ -83,18 +92,32 @@ def timed(fn):
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
+def engine_settings(args, mode):
+    """LLM(...) settings every engine shares, and the plugin's taps. CPU: eager engines (fragments' hooks; plain
+    vLLM eager too), float32. GPU: vLLM's default CUDA graphs in every engine (FULL_AND_PIECEWISE), bfloat16,
+    random weights, a quarter of the GPU each (the engines stay up side by side); the plugin's engine taps the
+    four saved locations (compiled mode: docs/vllm.md)."""
+    common = dict(tensor_parallel_size=1, max_model_len=args.prompt_len + args.max_tokens + 8,
+                  enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0,
+                  enable_chunked_prefill=args.chunked_prefill == "on")
+    if not args.gpu:
+        return dict(common, enforce_eager=True, dtype="float32")
+    common.update(enforce_eager=False, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.25)
+    if mode == "plugin":
+        common["additional_config"] = {"fragments_taps": list(LOCATIONS)}
+    return common
+
+
 def prompts(n, length):
     import random
     rng = random.Random(0)
-    return [[rng.randrange(3, 4096) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(3, 4000) for _ in range(length)] for _ in range(n)]
 
 
 def vllm_runner(args, mode):
     """The plain or plugin engine: returns run(column) -> (tokens/s, tokens per CPU s, values saved)."""
     from vllm import LLM, SamplingParams
-    llm = LLM(args.model, tensor_parallel_size=1, enforce_eager=True, dtype="float32", max_model_len=256,
-              enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0,
-              enable_chunked_prefill=args.chunked_prefill == "on")
+    llm = LLM(args.model, **engine_settings(args, mode))
     ps = [{"prompt_token_ids": p} for p in prompts(args.prompts, args.prompt_len)]
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
@@ -115,7 +138,31 @@ def vllm_runner(args, mode):
         assert sum(len(o.outputs[0].token_ids) for o in outs) == tokens
         return saved
 
+    def step_rate(column):
+        """Batch-1 decode: one request, (t(1 + n new tokens) - t(1 new token)) / n per step (the prefill and the
+        engine's per-request cost cancel); steps per second."""
+        from fragments import vllm as fv
+        plan = [{"at": loc, "do": "save", "as": loc, "step": "all"} for loc in LOCATIONS] \
+            if column == "b1_quarter" else None
+
+        def once(n):
+            one = dict(sampling, max_tokens=n)
+            if plan is None:
+                return llm.generate(ps[:1], SamplingParams(**one), use_tqdm=False)
+            out = fv.generate(llm, ps[:1], [plan], **one)
+            assert out[0].fragments_error is None and len(out[0].fragments) == len(LOCATIONS)
+            return out
+        t0 = time.perf_counter()
+        once(1)
+        t1 = time.perf_counter()
+        once(1 + args.max_tokens)
+        t2 = time.perf_counter()
+        return args.max_tokens / ((t2 - t1) - (t1 - t0))
+
     def run(column):
+        if column.startswith("b1_"):
+            rate = step_rate(column)
+            return rate, rate, int(column == "b1_quarter") * len(LOCATIONS)
         out = {}
         wall, cpu = timed(lambda: out.setdefault("saved", generate(column)))
         return tokens / wall, tokens / cpu, out["saved"]
@@ -125,11 +172,14 @@ def vllm_runner(args, mode):
 def nnsight_runner(args):
     sys.path.insert(0, HERE)
     import nnsight
-    import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
     from nnsight.modeling.vllm import VLLM
-    model = VLLM(args.model, tensor_parallel_size=1, dtype="float32", dispatch=True, max_model_len=256,
-                 enable_prefix_caching=False, max_num_seqs=args.prompts, seed=0,
-                 enable_chunked_prefill=args.chunked_prefill == "on")
+    settings = engine_settings(args, "nnsight")
+    if args.gpu:  # nnsight's own GPU worker; CUDA graphs kept at its declared taps (vLLM's breakable graphs)
+        settings.pop("enforce_eager")
+        settings["taps"] = list(LOCATIONS)
+    else:
+        import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
+    model = VLLM(args.model, dispatch=True, **settings)
     from vllm.inputs import TokensPrompt
     ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_len)]
     tokens = args.prompts * args.max_tokens
@@ -196,12 +246,17 @@ class Engine:
             env["FRAGMENTS_VLLM"] = "0"  # belt and braces: no entry points on its path either
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--prompts",
                str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-               "--chunked-prefill", args.chunked_prefill]
+               "--chunked-prefill", args.chunked_prefill, "--gpu", "on" if args.gpu else "off"]
         self.mode, self.log = mode, os.path.join(log_dir, f"{mode}.log")
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True)
+        self.start_s = None
+
+    def ready(self):
+        """Waits for the engine to be up (engines start side by side: on a GPU each compiles and captures its
+        CUDA graphs for minutes)."""
         self.start_s = self._answer()["start_s"]
-        print(f"{mode} engine ready in {self.start_s:.0f} s", flush=True)
+        print(f"{self.mode} engine ready in {self.start_s:.0f} s", flush=True)
 
     def cpu_seconds(self):
         """CPU seconds of this engine's processes (its child, vLLM's engine core, workers)."""
@@ -230,8 +285,10 @@ class Engine:
 
 
 OWNER = {"plain": "plain", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",
-         "nnsight_quarter": "nnsight"}
+         "nnsight_quarter": "nnsight", "b1_plain": "plain", "b1_none": "plugin", "b1_quarter": "plugin"}
+BASE = {"b1_plain": "b1_plain", "b1_none": "b1_plain", "b1_quarter": "b1_plain"}  # batch-1 columns: × plain's batch 1
 GOALS = {"none": 0.97, "quarter": 0.85}  # issue 27: × plain vLLM's tokens/s
+GOALS_GPU = {"none": 0.98, "quarter": 0.90, "b1_none": 0.98}  # issue 39, CUDA graphs on in every engine
 
 
 def spread(values):
@@ -267,6 +324,11 @@ def run_pass(args, columns, started, site, work, start_s, index):
     try:
         for mode in started:
             engines[mode] = Engine(args, mode, site, work)
+            if not args.gpu:  # one engine starting at a time on 2 cores
+                engines[mode].ready()
+        for mode in started:
+            if engines[mode].start_s is None:
+                engines[mode].ready()
             start_s.setdefault(mode, []).append(engines[mode].start_s)
         for c in columns:  # warm-up
             engines[OWNER[c]].run(c)
@@ -274,8 +336,9 @@ def run_pass(args, columns, started, site, work, start_s, index):
         for r in range(args.rounds):
             order = columns[r % len(columns):] + columns[:r % len(columns)]
             rows = {c: run_settled(engines, c, args.settle) for c in order}
-            ratio = {c: rows[c]["tokens_per_s"] / rows["plain"]["tokens_per_s"] for c in columns}
-            ratio_cpu = {c: rows[c]["tokens_per_cpu_s"] / rows["plain"]["tokens_per_cpu_s"] for c in columns}
+            ratio = {c: rows[c]["tokens_per_s"] / rows[BASE.get(c, "plain")]["tokens_per_s"] for c in columns}
+            ratio_cpu = {c: rows[c]["tokens_per_cpu_s"] / rows[BASE.get(c, "plain")]["tokens_per_cpu_s"]
+                         for c in columns}
             rounds.append({"pass": index, "started": started, "order": order, "rows": rows, "ratio": ratio,
                            "ratio_per_cpu_s": ratio_cpu, "load": os.getloadavg()[0]})
             print(f"round {r + 1}/{args.rounds} ({' '.join(order)}): " +
@@ -313,9 +376,18 @@ def main():
                     help="every engine alike; nnsight's VLLM defaults to off (a traced prompt prefills in one "
                          "forward): use off for like-for-like with the nnsight columns")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "vllm_throughput_cpu.json"))
+    ap.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
+                    help="on: the GPU settings (engine_settings, write_model); auto: on where vLLM's platform is CUDA")
+    ap.add_argument("--layers", type=int, default=8, help="GPU: the 8B-shaped model's layers")
+    ap.add_argument("--batch1", action="store_true", help="also batch-1 decode per step (b1_* columns)")
     ap.add_argument("--child")
     ap.add_argument("--model")
     args = ap.parse_args()
+    if args.gpu == "auto":
+        sys.path.insert(0, os.path.join(ROOT, "tests", "python", "vllm_plugin"))
+        import engine_env
+        args.gpu = "on" if engine_env.GPU else "off"
+    args.gpu = args.gpu == "on"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -328,9 +400,10 @@ def main():
     from vllm_check import plugin_dist
     work = tempfile.mkdtemp(prefix="frag-vllm-bench-")
     args.model = os.path.join(work, "model")
-    write_model(args.model)
+    write_model(args.model, args.gpu, args.layers)
     site = plugin_dist(os.path.join(work, "site"))
-    columns = ["plain", "none", "quarter"] + (["nnsight_none", "nnsight_quarter"] if args.nnsight else [])
+    columns = ["plain", "none", "quarter"] + (["nnsight_none", "nnsight_quarter"] if args.nnsight else []) + \
+        (["b1_plain", "b1_none", "b1_quarter"] if args.batch1 else [])
     load_before = os.getloadavg()
     modes = list(dict.fromkeys(OWNER[c] for c in columns))
     rounds, start_s = [], {}
@@ -352,9 +425,15 @@ def main():
                       "ratio_balanced": bal, "ratio_median_per_pass": per_pass, "ratio_per_cpu_s_balanced": cbal,
                       "ratio_median": med, "ratio_min": lo, "ratio_max": hi, "ratio_iqr": iqr,
                       "ratio_per_cpu_s_median": cmed, "ratio_per_cpu_s_min": clo, "ratio_per_cpu_s_max": chi,
-                      "ratio_per_cpu_s_iqr": ciqr, "goal": GOALS.get(c)}
+                      "ratio_per_cpu_s_iqr": ciqr, "goal": (GOALS_GPU if args.gpu else GOALS).get(c)}
+    device = "cpu"
+    if args.gpu:
+        import torch
+        device = torch.cuda.get_device_name(0)
     report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds",
-                                                         "start_orders", "chunked_prefill", "settle")},
+                                                         "start_orders", "chunked_prefill", "settle", "gpu",
+                                                         "layers")},
+              "device": device,
               "engine_start_s": start_s,
               "load_before": load_before, "load_after": os.getloadavg(), "summary": summary, "rounds": rounds}
     print(f"\n{args.start_orders} pass(es) of {args.rounds} paired rounds (ratios to plain taken within each "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
@@ -42,9 +43,62 @@ def register() -> None:
         return
     if "FRAGMENTS_VLLM_DIR" not in os.environ:  # the first process; spawned workers inherit it
         os.environ["FRAGMENTS_VLLM_DIR"] = tempfile.mkdtemp(prefix="fragments-vllm-")
-    from . import _server, _worker
-    _worker.install()
+        _cpu_defaults()
+    from . import _install, _server
+    _install.install()
     _server.install_into_api_server()  # only in `vllm serve`'s API server process
+
+
+def _cpu_defaults() -> None:
+    """vLLM's CPU build stops at engine start, with a traceback, on two settings a new user does not know:
+    its workers bind to one NUMA node each (a machine with one node serves only tensor_parallel_size 1), and it
+    reserves --gpu-memory-utilization (0.9) of the node's memory, which a busy machine does not have. Where the
+    user left them unset, the first process (its children inherit the environment) sets what lets vLLM start
+    and says so in one line; docs/vllm.md "Install" names both."""
+    if os.environ.get("FRAGMENTS_VLLM_CPU_DEFAULTS", "1") == "0":
+        return
+    try:
+        from vllm.platforms import current_platform
+        if not current_platform.is_cpu():
+            return
+    except Exception:  # noqa: B902 - no platform: not our decision to make
+        return
+    notes = []
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and "VLLM_CPU_SIM_MULTI_NUMA" not in os.environ \
+            and _numa_nodes() <= 1:
+        os.environ["VLLM_CPU_SIM_MULTI_NUMA"] = "1"  # workers split the one node's cores among themselves
+        notes.append("one NUMA node: tensor-parallel workers share its cores (VLLM_CPU_SIM_MULTI_NUMA=1; "
+                     "VLLM_CPU_OMP_THREADS_BIND, e.g. '0-3|4-7', chooses them)")
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        total, available = _memory_gib()
+        if available < 0.9 * total:
+            space = max(1, int(available // 4))
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(space)
+            notes.append(f"{available:.1f} of {total:.1f} GiB free, less than vLLM's default reservation (0.9): "
+                         f"KV cache {space} GiB (VLLM_CPU_KVCACHE_SPACE chooses it)")
+    if notes:
+        print("fragments: vLLM CPU build: " + "; ".join(notes) + " (FRAGMENTS_VLLM_CPU_DEFAULTS=0: leave vLLM's "
+              "defaults)", file=sys.stderr, flush=True)
+
+
+def _numa_nodes() -> int:
+    try:
+        return max(1, len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")]))
+    except OSError:
+        return 1
+
+
+def _memory_gib():
+    """(total, available) GiB from /proc/meminfo (Linux; vLLM's CPU build runs there)."""
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                values[name] = int(rest.split()[0]) / (1 << 20)
+    except (OSError, ValueError, IndexError):
+        return 1.0, 1.0
+    return values.get("MemTotal", 1.0), values.get("MemAvailable", values.get("MemTotal", 1.0))
 
 
 def _model_record() -> Optional[dict]:

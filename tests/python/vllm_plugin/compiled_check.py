@@ -52,19 +52,19 @@ def taps_for(locs, trace):
 
 
 def env_for(tp, work):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cores = max(os.cpu_count() or 1, 1)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp)) \
-        if tp > 1 else f"0-{cores - 1}"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import engine_env
+    engine_env.setup(tp)
     # a fresh compile cache: the model is traced here (with its taps), not loaded from an earlier run
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(work, "vllm-cache")
 
 
-def engine(folder, tp, **kw):
+def engine(folder, tp, enforce_eager=False, **kw):
+    """A compiled engine with vLLM's default CUDA-graph mode on a GPU (FULL_AND_PIECEWISE in vLLM 0.24; at most 8
+    sequences: graphs of up to 8 tokens for decode batches, the capture sizes vLLM derives for the rest)."""
+    import engine_env
     from vllm import LLM
-    return LLM(folder, tensor_parallel_size=tp, enforce_eager=False, dtype="float32", skip_tokenizer_init=True,
-               max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **kw)
+    return LLM(folder, tensor_parallel_size=tp, enforce_eager=enforce_eager, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
+               max_model_len=128, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs(), **kw)
 
 
 def tokens_and_logprobs(r):
@@ -79,20 +79,21 @@ def child_plain(args):
     """Plain compiled vLLM (no plugin on the path): batch 1's prompts, printed as JSON."""
     from vllm import SamplingParams
     env_for(args.tp, args.work)
-    llm = engine(args.model, args.tp)
+    llm = engine(args.model, args.tp, enforce_eager=args.eager)
     prompt_a = json.loads(args.prompt)
+    sampling = dict(SAMPLING, max_tokens=args.max_tokens or SAMPLING["max_tokens"])
     # the batch twice: whether plain vLLM reproduces itself bit for bit (its CPU MoE may not: check_plain)
     runs = [[tokens_and_logprobs(r) for r in llm.generate([{"prompt_token_ids": prompt_a}] * 2,
-                                                          SamplingParams(**SAMPLING), use_tqdm=False)]
+                                                          SamplingParams(**sampling), use_tqdm=False)]
             for _ in range(2)]
     print("PLAIN " + json.dumps(runs[0] + [runs[0] == runs[1]]), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0
 
 
-def plain_run(tp, folder, work, prompt):
-    """Plain compiled vLLM on [prompt, prompt] (SAMPLING) in a child process without the plugin: its tokens and
-    logprobs (None if it failed: a failed check), and the seconds it took."""
+def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None):
+    """Plain vLLM (compiled, or eager) on [prompt, prompt] (SAMPLING) in a child process without the plugin: its
+    tokens and logprobs (None if it failed: a failed check), and the seconds it took."""
     from vllm_check import check
     env = dict(os.environ)
     env["FRAGMENTS_VLLM"] = "0"  # and no plugin dist on its path: vLLM as it comes, but for its CPU MoE bug:
@@ -104,22 +105,23 @@ def plain_run(tp, folder, work, prompt):
     with open(os.path.join(fix, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: fragments-moe-fix\nVersion: 0.1\n")
     with open(os.path.join(fix, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nfragments_moe_fix = fragments.vllm._worker:_cpu_moe_silu_workaround\n")
+        f.write("[vllm.general_plugins]\nfragments_moe_fix = fragments.vllm._install:_cpu_moe_silu_workaround\n")
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
              if p and not os.path.isdir(os.path.join(p, "fragments_vllm_plugin-0.1.dist-info"))]
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(fix)] + paths)
     t0 = time.time()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "llama", str(tp), "--child-plain",  # (any family)
-                           "--model", folder, "--work", os.path.join(work, "plain"), "--prompt", json.dumps(prompt)],
+                           "--model", folder, "--work", os.path.join(work, "plain"), "--prompt", json.dumps(prompt),
+                           "--max-tokens", str(max_tokens or 0)] + (["--eager"] if eager else []),
                           env=env, capture_output=True, text=True, timeout=900)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("PLAIN ")), None)
     seconds = time.time() - t0
-    check("plain compiled vLLM ran", proc.returncode == 0 and line is not None,
+    check(f"plain {'eager' if eager else 'compiled'} vLLM ran", proc.returncode == 0 and line is not None,
           f"{seconds:.0f} s" if line else proc.stderr[-3000:])
     return (json.loads(line[6:]) if line else None), seconds
 
 
-def check_plain(plain, r0, r1, moe=False):
+def check_plain(plain, r0, r1, moe=False, what="compiled"):
     """[plain request, read-only plan] on prompt A against plain compiled vLLM's same batch: exactly equal.
     MoE (as vllm_check.py): tokens equal and logprobs within 1e-5. vLLM's CPU experts group the tokens of every
     request in a step, and whether the two requests share a step depends on when they reach the engine-core
@@ -133,9 +135,9 @@ def check_plain(plain, r0, r1, moe=False):
 
     def gap(a, b):
         return max((abs(x[k] - y[k]) for x, y in zip(a["logprobs"], b["logprobs"]) for k in x if k in y), default=0.0)
-    for name, i in [("read-only plan: tokens and logprobs equal plain compiled vLLM's (no plugin, no taps; exactly"
+    for name, i in [(f"read-only plan: tokens and logprobs equal plain {what} vLLM's (no plugin, no taps; exactly"
                      f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 1),
-                    (f"taps without a plan: the plain row equals plain compiled vLLM's (exactly"
+                    (f"no plan: the plain row beside it equals plain {what} vLLM's (exactly"
                      f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 0)]:
         exact = got[i] == plain[i]
         ok = exact or (moe and got[i]["tokens"] == plain[i]["tokens"] and gap(got[i], plain[i]) <= 1e-5)
@@ -154,6 +156,8 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--work")
     ap.add_argument("--prompt")
+    ap.add_argument("--eager", action="store_true", help="--child-plain: an eager engine")
+    ap.add_argument("--max-tokens", type=int, default=0, help="--child-plain: tokens per request (0: SAMPLING's)")
     args = ap.parse_args()
     if args.child_plain:
         return child_plain(args)
@@ -190,9 +194,14 @@ def main():
     t0 = time.time()
     llm = engine(folder, args.tp, additional_config={"fragments_taps": taps})
     start_s = time.time() - t0
-    print(f"engine start {start_s:.1f} s (compiled, taps {taps})", flush=True)
+    import engine_env
+    print(f"engine start {start_s:.1f} s (compiled, {engine_env.describe()}, taps {taps})", flush=True)
 
     info = fv.inspect(llm)
+    print(f"runner {info.get('runner')}, graphs {info.get('graphs')}", flush=True)
+    if engine_env.GPU:
+        check("CUDA graphs kept: taps are splitting ops of vLLM's piecewise graphs", info.get("graphs") == "piecewise",
+              str(info.get("graphs")))
     want_taps = sorted(set(locs) | {"logits_processor.output"} | ({"model.norm.output"} if args.trace else set()))
     check("inspect: a compiled engine, its taps the declared locations", info["compiled"] and info["taps"] == want_taps,
           f"{info['compiled']} {info['taps']}")
@@ -263,11 +272,12 @@ def main():
               f"model {a['model_code']}; compiled meanwhile: {new}; vLLM {b['vllm_compiles']}->{a['vllm_compiles']}")
         forwards = a["forwards"] - b["forwards"]
         calls = {loc: a["tap_calls"][loc] - b["tap_calls"].get(loc, 0) for loc in a["tap_calls"]}
-        check(f"rank {rank}: every tap's body ran once per forward", forwards > 0 and
+        check(f"rank {rank}: every tap's body ran once per forward with a plan", forwards > 0 and
               set(calls) == set(want_taps) and all(n == forwards for n in calls.values()),
               f"{forwards} forwards; calls {sorted(set(calls.values()))}")
 
-    print(json.dumps({"family": args.family, "tp": args.tp, "engine_start_s": round(start_s, 1),
+    print(json.dumps({"family": args.family, "tp": args.tp, "platform": engine_env.describe(),
+                      "runner": info.get("runner"), "graphs": info.get("graphs"), "engine_start_s": round(start_s, 1),
                       "plain_engine_s": round(plain_s, 1), "worst_rel": worst, "failed": FAILED}), flush=True)
     # The engine's processes end here, not at exit: after the traces (--trace) its engine core outlived
     # os._exit, holding the caller's output pipes open (test_vllm_plugin's subprocess.run then never returned).

@@ -46,7 +46,16 @@ def write_checkpoint(family: str, folder: str, heads: int = 4, kv_heads: int = 2
 
 
 def hf_model(folder: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    """transformers' model of `folder` on the checks' device and dtype (engine_env: the GPU with vLLM's CUDA
+    build, else the CPU)."""
+    import engine_env
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, torch_dtype=engine_env.torch_dtype()).to(engine_env.DEVICE).eval()
+
+
+def ids(model, tokens) -> torch.Tensor:
+    """A [1, len] batch of token ids on `model`'s device."""
+    return torch.tensor([list(tokens)], device=next(model.parameters()).device)
 
 
 class Reader:
@@ -107,7 +116,7 @@ class Reader:
             return torch.cat([t[..., j, :].flatten(-2) for j in range(3)], -1)
         if kind == "gemma_embed":
             t = captured[(what, "output")]
-            return t / torch.tensor(self.cfg.hidden_size ** 0.5, dtype=t.dtype)
+            return t / torch.tensor(self.cfg.hidden_size ** 0.5, dtype=t.dtype, device=t.device)
         return captured[(what, kind)]
 
 
@@ -193,12 +202,12 @@ class Edit:
             return out
         neox = self.family == "gpt_neox"
         h1 = named[self.qkv0 if neox else self.qkv0.replace("qkv_proj", "v_proj")].register_forward_hook(scale_v)
-        h2 = named[self.down1].register_forward_pre_hook(lambda m, a: (a[0] + self.steer,))
+        h2 = named[self.down1].register_forward_pre_hook(lambda m, a: (a[0] + self.steer.to(a[0].device, a[0].dtype),))
         q1 = [self.qkv1] if neox else [self.qkv1.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
         try:
             with torch.no_grad():
-                gen = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                gen = hf.generate(ids(hf, prompt), max_new_tokens=max_tokens, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device))
                 cap, logits = capture(hf, q1, lambda: hf(gen[:, :-1]).logits[0])
         finally:
             h1.remove()

@@ -30,7 +30,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-TOL = 1e-5
+import engine_env
+
+TOL = engine_env.bound()  # 1e-5 in float32 (engine_env: the bound per dtype and why)
 FAILED = []
 
 
@@ -42,7 +44,7 @@ def check(name, ok, detail=""):
 
 def rel(a, b):
     import torch
-    a, b = a.double(), b.double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if a.shape != b.shape:
         return float("inf")
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -83,9 +85,9 @@ def check_saves(hf, reader, locs, prompt, r, down0_in):
     modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
     tokens = list(r.outputs[0].token_ids)
     with torch.no_grad():
-        captured, _ = families.capture(hf, modules, lambda: hf(torch.tensor([prompt])).logits[0])
+        captured, _ = families.capture(hf, modules, lambda: hf(families.ids(hf, prompt)).logits[0])
         cap_full, logits_full = families.capture(hf, modules,
-                                                 lambda: hf(torch.tensor([prompt + tokens[:-1]])).logits[0])
+                                                 lambda: hf(families.ids(hf, prompt + tokens[:-1])).logits[0])
     worst = 0.0
     for loc, spec in locs.items():
         got = r.fragments.get(loc)
@@ -132,10 +134,7 @@ def main():
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % max(os.cpu_count() or 1, 1)) for r in range(args.tp)) \
-        if args.tp > 1 else "0-%d" % (max((os.cpu_count() or 1) - 1, 0))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    engine_env.setup(args.tp)
 
     import torch
     from safetensors.torch import save_file
@@ -159,12 +158,16 @@ def main():
     plan_edit = edit.plan()
 
     t0 = time.time()
-    llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype="float32", skip_tokenizer_init=True,
-              max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0)
+    llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
+              max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs())
     start_s = time.time() - t0
-    print(f"engine start {start_s:.1f} s", flush=True)
+    print(f"engine start {start_s:.1f} s ({engine_env.describe()})", flush=True)
 
     info = fv.inspect(llm)
+    want_runner = {"v1": "V1", "v2": "V2"}.get(engine_env.RUNNER) if engine_env.GPU else "V1"
+    if want_runner:
+        check(f"the plugin serves the model runner vLLM chose ({want_runner})", info.get("runner") == want_runner,
+              str(info.get("runner")))
     expected_fragmented = args.tp > 1
     check("inspect: qkv fragmented" if expected_fragmented else "inspect: nothing fragmented at tp 1",
           (f"{qkv0}.output" in info["fragmented"]) == expected_fragmented, json.dumps(info["fragmented"])[:300])
@@ -239,7 +242,8 @@ def main():
     after = fv.generate(llm, [{"prompt_token_ids": prompt_a}], [None], **tokens)[0]
     check("engine unharmed after a bad plan", list(after.outputs[0].token_ids) == t0_ids)
 
-    print(json.dumps({"family": args.family, "tp": args.tp, "engine_start_s": round(start_s, 1),
+    print(json.dumps({"family": args.family, "tp": args.tp, "platform": engine_env.describe(),
+                      "runner": info.get("runner"), "engine_start_s": round(start_s, 1),
                       "worst_rel": worst, "failed": FAILED}), flush=True)
     return 1 if FAILED else 0
 

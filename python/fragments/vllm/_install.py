@@ -1,0 +1,151 @@
+"""fragments' place in vLLM's processes: vLLM's Worker wrapped (load_model, execute_model, sample_tokens) and
+the RPC methods the front end calls (collective_rpc "fragments_*").
+
+Wrapping vLLM's Worker, not a model runner class, serves every runner vLLM may pick (Model Runner V1 and V2 on
+GPUs, the CPU build's V1 subclass): the Worker holds whichever it built as `model_runner`, and _runner.adapt
+reads it (or refuses it, at engine start). A step is open from execute_model to the end of sample_tokens:
+Model Runner V2 computes the logits in sample_tokens, V1 in execute_model; vLLM's dummy runs (profiling,
+CUDA-graph capture) call the runner directly, never these, so no plan acts in them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import List, Optional
+
+from . import _worker
+
+log = logging.getLogger("fragments.vllm")
+_lock = threading.Lock()
+
+
+def state() -> Optional["_worker.WorkerState"]:
+    return _worker.current
+
+
+def _after_load(worker) -> None:
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    with _lock:
+        _worker.current = _worker.WorkerState(runner, model)
+    runner._fragments = _worker.current
+    directory = os.environ.get("FRAGMENTS_VLLM_DIR")
+    if directory and _worker.current.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".model.{os.getpid()}.json")
+        with open(tmp, "w") as f:
+            json.dump(_worker.current.model_record(), f)
+        os.replace(tmp, os.path.join(directory, "model.json"))
+
+
+def _wrap(cls, name, make):
+    original = cls.__dict__.get(name)
+    if original is None or getattr(original, "_fragments", False):
+        return
+    wrapped = make(original)
+    wrapped._fragments = True
+    wrapped.__wrapped__ = original
+    setattr(cls, name, wrapped)
+
+
+def install() -> None:
+    """Wraps vLLM's Worker and gives workers the RPC methods. Idempotent."""
+    from vllm.v1.worker import gpu_worker, worker_base
+
+    def load_model(original):
+        def load_model(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            _after_load(self)
+            return result
+        return load_model
+
+    def execute_model(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            s = getattr(self.model_runner, "_fragments", None)
+            if s is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            s.begin_step(scheduler_output)
+            ended = True
+            try:
+                out = original(self, scheduler_output, *args, **kwargs)
+                ended = out is not None  # None: sample_tokens follows and ends the step
+                return out
+            finally:
+                if ended:
+                    s.end_step()
+        return execute_model
+
+    def sample_tokens(original):
+        def sample_tokens(self, *args, **kwargs):
+            s = getattr(self.model_runner, "_fragments", None)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if s is not None:
+                    s.end_step()
+        return sample_tokens
+
+    _wrap(gpu_worker.Worker, "load_model", load_model)
+    _wrap(gpu_worker.Worker, "execute_model", execute_model)
+    _wrap(gpu_worker.Worker, "sample_tokens", sample_tokens)
+    _cpu_moe_silu_workaround()
+
+    # vLLM's collective_rpc finds worker methods by name (its worker_extension_cls does the same by
+    # inheritance); these are fragments' own.
+    for name in ("take_saves", "model_record", "call", "program", "compile_stats"):
+        setattr(worker_base.WorkerBase, f"fragments_{name}", _RPC[name])
+
+
+def _rpc_take_saves(self, keys: List[str]):
+    return _worker.current.take_saves(keys) if _worker.current is not None else None
+
+
+def _rpc_model_record(self):
+    return _worker.current.model_record() if _worker.current is not None else None
+
+
+def _rpc_call(self, modules, data):
+    return _worker.current.call(modules, data) if _worker.current is not None else None
+
+
+def _rpc_program(self, group, blob):
+    """A VLLM trace's Python steps (cloudpickle bytes) under its group id; blob None drops them."""
+    s = _worker.current
+    if s is None:
+        return None
+    if blob is None:
+        s.programs.pop(group, None)
+        for k in [k for k in s.py_live if k[0].startswith(group + ".")]:  # its captures
+            del s.py_live[k]
+    else:
+        import cloudpickle
+        s.programs[group] = cloudpickle.loads(blob)
+    return True
+
+
+def _rpc_compile_stats(self):
+    return _worker.current.compile_stats() if _worker.current is not None else None
+
+
+_RPC = {"take_saves": _rpc_take_saves, "model_record": _rpc_model_record, "call": _rpc_call,
+        "program": _rpc_program, "compile_stats": _rpc_compile_stats}
+
+
+def _cpu_moe_silu_workaround():
+    """vLLM 0.24's CPU MoE in float32 (its torch path, cpu_fused_moe.py) builds a SiluAndMul CustomOp at
+    every call, outside vLLM's config context, and fails ("Current vLLM config is not set"). The same
+    math (SiluAndMul.forward_native: silu(gate) * up) as a plain function; only that table entry changes."""
+    try:
+        import torch.nn.functional as F
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    except ImportError:
+        return
+    table = getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", None)
+    if isinstance(table, dict) and MoEActivation.SILU in table:
+        def silu_and_mul(x):
+            d = x.shape[-1] // 2
+            return F.silu(x[..., :d]) * x[..., d:]
+        table[MoEActivation.SILU] = silu_and_mul
