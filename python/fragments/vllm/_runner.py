@@ -11,9 +11,10 @@ Either way a forward's tokens are the batch's requests' rows back to back, and t
 row per request. `Rows` is that, per request, with the engine step it is at (0 = prefill, k = k-th decode step).
 
 CUDA graphs (compiled engines on GPUs; docs/vllm.md "CUDA graphs"): a captured graph replays kernels, never a
-Python body, so a step whose plans must act may not replay a FULL graph. `guard_graphs` makes the runner's
-dispatch choose its PIECEWISE graph (taps split it: they run between pieces) or no graph for such a step; steps
-without work keep vLLM's choice, FULL graphs included.
+Python body. A FULL graph's taps copy their values into slots (recorded at capture), which serves read-only
+plans; a step whose plans edit may not replay a FULL graph. `guard_graphs` makes the runner's dispatch choose
+its PIECEWISE graph (taps split it: they run between pieces) or no graph for such a step, and records whether
+the step replays a FULL graph (`full`); other steps keep vLLM's choice.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Runner:
     def __init__(self, runner):
         self.runner = runner
         self._guarded = False
+        self.full = False  # the step's forward replays a FULL CUDA graph (set by the dispatch guard)
         self._wants_taps: Optional[Callable[[], bool]] = None  # set by guard_graphs (compiled engines with taps)
 
     def rows(self) -> List[Row]:
@@ -59,6 +61,7 @@ class Runner:
         self._guard()
 
     def begin_step(self) -> None:
+        self.full = False
         if self._wants_taps is not None and not self._guarded:
             self._guard()
 
@@ -87,9 +90,11 @@ class V1(Runner):
         original = dispatcher.dispatch
 
         def dispatch(num_tokens, *args, invalid_modes=None, **kwargs):
-            if self._wants_taps():  # FULL graphs hold the taps' captured (empty) calls: not for this step
+            if self._wants_taps():  # FULL graphs replay the taps' slot copies only: not for a step that edits
                 invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
-            return original(num_tokens, *args, invalid_modes=invalid_modes, **kwargs)
+            mode, desc = original(num_tokens, *args, invalid_modes=invalid_modes, **kwargs)
+            self.full = mode == CUDAGraphMode.FULL
+            return mode, desc
         dispatcher.dispatch = dispatch
         self._guarded = True
 
@@ -129,12 +134,13 @@ class V2(Runner):
 
         def dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
             if not self._wants_taps():
-                return original(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-            # no uniform count: the decode (FULL) candidates do not match, the PIECEWISE one does
-            desc = original(num_reqs, num_tokens, None, *args, **kwargs)
-            if desc.cg_mode == CUDAGraphMode.FULL:  # FULL graphs for mixed batches too: run without a graph
-                desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs,
-                                                num_active_loras=desc.num_active_loras)
+                desc = original(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+            else:  # no uniform count: the decode (FULL) candidates do not match, the PIECEWISE one does
+                desc = original(num_reqs, num_tokens, None, *args, **kwargs)
+                if desc.cg_mode == CUDAGraphMode.FULL:  # FULL graphs for mixed batches too: run without a graph
+                    desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
+                                                    num_reqs=num_reqs, num_active_loras=desc.num_active_loras)
+            self.full = desc.cg_mode == CUDAGraphMode.FULL
             return desc
         manager.dispatch = dispatch
         self._guarded = True

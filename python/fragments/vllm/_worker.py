@@ -68,7 +68,9 @@ class WorkerState:
         self.saves: Dict[str, dict] = {}  # request key -> {"saves": {name: [tensors]}, "error": str|None}
         self.copies_pending = False  # saves copied to the host without waiting (GPU)
         self.in_step = False
-        self.acting = False  # compiled: a live plan acts at this step (taps must run: no FULL CUDA graph)
+        self.acting = False  # compiled: a live plan acts at this step
+        self.editing = False  # compiled: ... and edits (its taps must run between graph pieces: no FULL graph)
+        self.slots: Dict[str, torch.Tensor] = {}  # FULL CUDA graphs: location -> the buffer their replays copy to
         self.executing = False  # inside execute_model (a forward), not an ad-hoc module call (fragments_call)
         self.step_work: Optional[Dict[str, List[_Work]]] = None
         self.logits_done: set = set()  # logits locations acted at in this step (V2 may compute logits twice)
@@ -117,17 +119,18 @@ class WorkerState:
             self._sync_hooks()
         self.in_step = bool(self.hooks)
         if self.compiled:  # taps are always in the graph; their bodies act only while a live plan acts
-            self.acting = self._acting(scheduler_output)
+            self.acting, self.editing = self._acting(scheduler_output)
             self.in_step = self.acting
             self.forwards += int(self.acting)
 
-    def _acting(self, scheduler_output) -> bool:
-        """Whether a request scheduled in this step has a live plan (read before vLLM picks a CUDA graph: a FULL
-        graph would replay the taps' empty captured calls). Per request, not per plan step: which step a request
-        is at is the runner's count (_runner.Row.step), known only once its batch is built, and a tap must never
-        be skipped where a step runs."""
+    def _acting(self, scheduler_output) -> Tuple[bool, bool]:
+        """(whether a request scheduled in this step has a live plan, whether one of those edits), read before
+        vLLM picks a CUDA graph: a FULL graph serves read-only plans (its taps copy their values into slots), not
+        edits. Per request, not per plan step: which step a request is at is the runner's count (_runner.Row),
+        known only once its batch is built, and a tap must never be skipped where a step runs."""
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        return any(p is not None and not p.error and r in scheduled for r, p in self.plans.items())
+        live = [p for r, p in self.plans.items() if p is not None and not p.error and r in scheduled]
+        return bool(live), any(s.do != "save" for p in live for s in p.steps)
 
     def _sync_hooks(self):
         wanted = set() if self.compiled else \
@@ -142,7 +145,9 @@ class WorkerState:
                                     module.register_forward_hook(self._post_hook(path), with_kwargs=True))
 
     def end_step(self):
-        self.in_step = self.executing = self.acting = False
+        if self.in_step and self.view.full:  # a FULL CUDA graph ran: the taps' values are in their slots
+            self._drain_slots()
+        self.in_step = self.executing = self.acting = self.editing = False
         self.step_work = None
 
     def _work(self) -> Dict[str, List[_Work]]:
@@ -333,14 +338,18 @@ class WorkerState:
         candidates -= {f"{p}.input" for p in self.logits_modules}  # vLLM passes the LM head module there
         self.taps = _tap.select(patterns, candidates, self.refused)
         self.graphs = _tap.arrange_graphs(self.runner.vllm_config.compilation_config)
-        self.view.guard_graphs(lambda: self.acting)
+        self.view.guard_graphs(lambda: self.editing)
         self.tap_calls = {loc: 0 for loc in self.taps}
         _tap.place(self.modules, self.taps)
         _tap.body = self.tap_body
 
     def tap_body(self, location: str, x) -> None:
         """fragments::tap's body, at run time inside the compiled forward (between CUDA-graph pieces on a GPU):
-        the eager hooks' work, the value edited in place."""
+        the eager hooks' work, the value edited in place. While vLLM captures a FULL CUDA graph it records a copy
+        of the value into the location's slot instead, which every replay of that graph makes (_drain_slots)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._slot_copy(location, x)
+            return
         work = self._live_work(location)
         if self.in_step and self.executing:  # a logit lens calling a tapped module is not a forward's call
             self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
@@ -349,6 +358,29 @@ class WorkerState:
         acted = self._act(location, x, work)
         if acted is not None:
             _write(x, *acted)
+
+    def _slot_copy(self, location: str, x) -> None:
+        """In a FULL graph being captured: x copied into the location's slot (one buffer for every graph: vLLM
+        captures the largest first, the others use its first rows)."""
+        slot = self.slots.get(location)
+        if slot is None:
+            slot = self.slots[location] = torch.empty_like(x)
+        elif slot.shape[0] < x.shape[0] or slot.shape[1:] != x.shape[1:] or slot.dtype != x.dtype:
+            raise RuntimeError(f"fragments: a FULL CUDA graph of {x.shape[0]} tokens captured after one of "
+                               f"{slot.shape[0]} at {location}: its slot cannot serve both (vLLM captures the "
+                               "largest first); set compilation_config cudagraph_mode PIECEWISE")
+        slot[:x.shape[0]].copy_(x)
+
+    def _drain_slots(self) -> None:
+        """After a FULL graph's replay with read-only plans in the step: each tapped location's work on the value
+        its slot holds (as the tap's body would have done between pieces)."""
+        work = self._work()
+        for location in self.taps:
+            if location not in self.slots:
+                continue  # not in the compiled forward (the logits processor): its tap ran eagerly
+            self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
+            if work.get(location):
+                self._act(location, self.slots[location], work[location])
 
     def compile_stats(self) -> dict:
         from . import _compile

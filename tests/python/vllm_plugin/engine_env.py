@@ -65,6 +65,12 @@ def setup(tp: int) -> None:
         return
     if DTYPE == "float32" and not tf32_attention():
         os.environ["TRITON_F32_DEFAULT"] = "ieee"  # vLLM's Triton attention in float32, not TF32
+    # vLLM's GPU kernels give a row other bits in another batch, and which requests share a step is decided by
+    # when they reach the engine-core process (seen: plain vLLM not bit-reproducible across identical batches).
+    # In this process the core steps only once every request of a generate call is in: the same batches in the
+    # runs a read-only check compares (the plugin's engine and plain vLLM alike).
+    if tp == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if RUNNER in ("v1", "v2"):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if RUNNER == "v2" else "0"
 

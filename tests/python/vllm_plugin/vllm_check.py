@@ -4,7 +4,7 @@
 
 Writes a tiny checkpoint of FAMILY with transformers' save_pretrained, starts vLLM at tensor_parallel_size
 TP with the plugin loaded through its real entry points (a dist-info on PYTHONPATH naming
-fragments.vllm:register and fragments.vllm:FragmentsPlanValidator), submits in ONE batch:
+fragments.vllm:register), submits in ONE batch:
   R0 plain request on prompt A (no plan)
   R1 a read-only plan on prompt A: every location of families.Reader saved at prefill (step 0), the
      logits at every step and layer 0's down projection input at every step
@@ -57,8 +57,7 @@ def plugin_dist(folder):
     with open(os.path.join(dist, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: fragments-vllm-plugin\nVersion: 0.1\n")
     with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nfragments = fragments.vllm:register\n\n"
-                "[vllm.logits_processors]\nfragments = fragments.vllm:FragmentsPlanValidator\n")
+        f.write("[vllm.general_plugins]\nfragments = fragments.vllm:register\n")
     return folder
 
 
