@@ -102,7 +102,8 @@ def engine_settings(args, mode):
                   enable_chunked_prefill=args.chunked_prefill == "on")
     if not args.gpu:
         return dict(common, enforce_eager=True, dtype="float32")
-    common.update(enforce_eager=False, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.25)
+    common.update(enforce_eager=False, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.25,
+                  kv_cache_memory_bytes=8 << 30)  # fixed: engines starting side by side would profile each other
     if mode == "plugin":
         common["additional_config"] = {"fragments_taps": list(LOCATIONS)}
     return common
@@ -240,7 +241,9 @@ class Engine:
 
     def __init__(self, args, mode, site, log_dir):
         env = dict(os.environ)
-        paths = [os.path.join(ROOT, "python")] + ([site] if mode == "plugin" else [])
+        import glob  # the checkout's package where its extension is built beside it (else the PYTHONPATH one)
+        own = [os.path.join(ROOT, "python")] if glob.glob(os.path.join(ROOT, "python", "fragments", "_C*.so")) else []
+        paths = own + ([site] if mode == "plugin" else [])
         env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
         if mode != "plugin":
             env["FRAGMENTS_VLLM"] = "0"  # belt and braces: no entry points on its path either

@@ -276,9 +276,14 @@ class WorkerState:
                 whole = _C.whole_from_pieces(rule_json, list(gathered.unbind(0)))
         position = {r: k for k, r in enumerate(rows)}
         edited = False
+        # read-only work here: one host copy of the rows for every request's saves (their rows are views of it)
+        host = self._host_copy(whole) if not edits else None
         for w in work:
             view = whole[position[w.start]:position[w.stop - 1] + 1]
             s = w.step
+            if host is not None and not s.index:
+                self._keep(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1])
+                continue
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
                     (whole[position[x.start]:position[x.stop - 1] + 1] for x in work if x.key == key), None))
@@ -298,8 +303,7 @@ class WorkerState:
         """One JSON plan step on the request's rows `view` of the whole; returns whether it edited them."""
         if s.do == "save":
             part = _C.index_view(s.index, view, location) if s.index else view
-            record = self.saves.setdefault(w.key, {"saves": {}, "error": None})
-            record["saves"].setdefault(s.as_, []).append(self._host_copy(part))
+            self._keep(w.key, s.as_, self._host_copy(part))
             return False
         target = _C.index_view(s.index, view, location) if s.index else view
         if s.do == "add":
@@ -314,6 +318,10 @@ class WorkerState:
             raise ValueError(f"value of shape {tuple(s.value.shape)} does not fit {tuple(target.shape)}")
         target.copy_(update)
         return True
+
+    def _keep(self, key: str, name: str, rows: torch.Tensor) -> None:
+        record = self.saves.setdefault(key, {"saves": {}, "error": None})
+        record["saves"].setdefault(name, []).append(rows)
 
     def _host_copy(self, part: torch.Tensor) -> torch.Tensor:
         """A save's copy in host memory. From a GPU: into pinned memory, without waiting (the copy is ordered on

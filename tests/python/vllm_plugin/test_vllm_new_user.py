@@ -1,0 +1,64 @@
+"""The README's quick start as a new user runs it on vLLM's CPU build: `LLM(model_dir, tensor_parallel_size=2,
+enforce_eager=True)` with neither VLLM_CPU_OMP_THREADS_BIND nor VLLM_CPU_KVCACHE_SPACE set (this machine: one
+NUMA node, 2 cores). vLLM alone stops at engine start there (one node cannot bind two workers; 0.9 of the
+memory is not free on a busy machine); the plugin sets what lets it start and says so in one line.
+
+    python new_user_check.py
+
+Asserts: the plugin's one line is printed once (the first process only), the engine starts, and a save of
+layer 0's q|k|v comes back whole. (With FRAGMENTS_VLLM_CPU_DEFAULTS=0 the same script stops at engine start.)
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def child():
+    import families
+    from fragments import vllm as fv
+    from vllm import LLM
+    folder = os.path.join(os.environ["FRAG_WORK"], "model")
+    families.write_checkpoint("llama", folder)
+    llm = LLM(folder, tensor_parallel_size=2, enforce_eager=True, skip_tokenizer_init=True, max_model_len=64)
+    out = fv.generate(llm, [{"prompt_token_ids": [5, 17, 200]}],
+                      [[{"at": "model.layers.0.self_attn.qkv_proj.output", "do": "save", "as": "qkv", "step": 0}]],
+                      max_tokens=2, temperature=0)[0]
+    print(f"SAVED {tuple(out.fragments['qkv'].shape)} {out.fragments_error}", flush=True)
+
+
+class NewUserTest(unittest.TestCase):
+    def test_quick_start_on_the_cpu_build(self):
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            print("SKIPPED new-user quick start: vllm is not installed (tools/install_deps.sh)", file=sys.stderr)
+            self.skipTest("vllm is not installed")
+        import engine_env
+        if engine_env.GPU:
+            self.skipTest("the CPU build's settings: this vLLM is the CUDA build")
+        from vllm_check import plugin_dist
+        work = tempfile.mkdtemp(prefix="frag-vllm-new-user-")
+        site = plugin_dist(os.path.join(work, "site"))
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_SIM_MULTI_NUMA",
+                            "FRAGMENTS_VLLM_DIR", "FRAGMENTS_VLLM_CPU_DEFAULTS")}
+        env.update(FRAG_WORK=work, PYTHONPATH=os.pathsep.join([site, env.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True,
+                              text=True, timeout=600)
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("fragments: vLLM CPU build:")]
+        saved = next((l for l in proc.stdout.splitlines() if l.startswith("SAVED ")), None)
+        print("\n".join(lines + [str(saved)]))
+        self.assertEqual(len(lines), 1, "the plugin says what it set, in one line, once")
+        self.assertEqual(saved, "SAVED (3, 512) None", proc.stderr[-3000:])
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        child()
+        sys.stdout.flush()
+        os._exit(0)
+    unittest.main(verbosity=2)

@@ -1,0 +1,132 @@
+"""fragments/vllm/_runner.py without an engine: how the plugin reads Model Runner V1's and V2's batches, refuses
+a runner it cannot read, and steers CUDA-graph dispatch (FULL graphs kept for steps without edits; the
+PIECEWISE candidate, or no graph, for steps that edit). vLLM's own classes where they import on this machine
+(CUDAGraphMode, V2's BatchExecutionDescriptor and CudaGraphManager.dispatch), and stand-ins of the runners'
+attributes as vLLM 0.24 lays them out (gpu_model_runner.py, gpu/model_runner.py, gpu/input_batch.py). The GPU
+machine runs the real thing: gpu_suite.py.
+
+    PYTHONPATH=python python tests/python/vllm_plugin/test_vllm_runner.py
+"""
+import importlib.util
+import sys
+import types
+import unittest
+
+import numpy as np
+
+MISSING = None if importlib.util.find_spec("vllm") else "vllm is not installed (tools/install_deps.sh installs it)"
+if MISSING:
+    print(f"SKIPPED vLLM runner tests: {MISSING}", file=sys.stderr)
+
+
+def ns(**kw):
+    return types.SimpleNamespace(**kw)
+
+
+def v1_runner():
+    """A V1 runner mid-step: three requests, a decode (prompt 5, 5 computed), a 4-token prefill chunk of a
+    10-token prompt, and a 3-token prompt's whole prefill."""
+    batch = ns(req_ids=["a", "b", "c"], num_computed_tokens_cpu=np.array([5, 0, 0]),
+               num_prompt_tokens=np.array([5, 10, 3]))
+    return ns(input_batch=batch, query_start_loc=ns(np=np.array([0, 1, 5, 8])), vllm_config=ns(),
+              requests={"a": ns(sampling_params="params of a")})
+
+
+class _Manager:
+    """V2's CudaGraphManager.dispatch over a FULL decode candidate and a PIECEWISE one (vLLM's own method)."""
+
+    def __init__(self, mixed):
+        from vllm.config import CUDAGraphMode
+        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
+        full = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8, uniform_token_count=1)
+        other = BatchExecutionDescriptor(cg_mode=mixed, num_tokens=8, num_reqs=None if mixed != CUDAGraphMode.FULL
+                                         else 8)
+        self._candidates = {(n, 0): [full, other] for n in range(9)}
+        self._graphs_captured = True
+        self._lora_dispatch_map = {}
+        self.dispatch = types.MethodType(CudaGraphManager.dispatch, self)
+
+    def _resolve_effective_loras(self, n):
+        return n
+
+
+@unittest.skipIf(MISSING, MISSING)
+class RunnerTest(unittest.TestCase):
+    def test_v1_rows_steps_and_logits_rows(self):
+        from fragments.vllm import _runner
+        view = _runner.adapt(v1_runner())
+        self.assertEqual(view.kind, "V1")
+        rows = view.rows()
+        self.assertEqual([(r.req_id, r.index, r.start, r.stop, r.step, r.samples) for r in rows],
+                         [("a", 0, 0, 1, 1, True), ("b", 1, 1, 5, 0, False), ("c", 2, 5, 8, 0, True)])
+        self.assertEqual(view.sampling_params("a"), "params of a")
+        self.assertIsNone(view.sampling_params("z"))
+
+    def test_v2_reads_the_batch_prepare_inputs_built(self):
+        from fragments.vllm import _runner
+        built = ns(req_ids=["d", "p"], query_start_loc_np=np.array([0, 1, 7]), num_computed_tokens_np=np.array([9, 0]),
+                   idx_mapping_np=np.array([3, 0]))
+        runner = ns(req_states=ns(prompt_len=ns(np=np.array([6, 0, 0, 7]))), vllm_config=ns(),
+                    prepare_inputs=lambda scheduler_output, desc: built)
+        view = _runner.adapt(runner)
+        self.assertEqual(view.kind, "V2")
+        view.begin_step()
+        self.assertEqual(view.rows(), [])  # before vLLM builds this step's batch: no rows, no work
+        self.assertIs(runner.prepare_inputs("sched", "desc"), built)  # vLLM's call, through the plugin's wrapper
+        self.assertEqual([(r.req_id, r.start, r.stop, r.step) for r in view.rows()], [("d", 0, 1, 3), ("p", 1, 7, 0)])
+
+    def test_a_runner_it_cannot_read_is_refused_in_one_line(self):
+        from fragments.vllm import _runner
+        with self.assertRaises(RuntimeError) as e:
+            _runner.adapt(ns(vllm_config=ns()))
+        self.assertIn("neither Model Runner V1 nor V2", str(e.exception))
+        self.assertNotIn("\n", str(e.exception))
+        with self.assertRaises(RuntimeError) as e:
+            _runner.adapt(ns(vllm_config=ns(speculative_config=object()), input_batch=1, query_start_loc=1))
+        self.assertIn("speculative decoding", str(e.exception))
+
+    def test_v1_dispatch_guard(self):
+        from vllm.config import CUDAGraphMode
+        from fragments.vllm import _runner
+        seen = []
+
+        def dispatch(num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0, valid_modes=None,
+                     invalid_modes=None):
+            seen.append(invalid_modes)
+            mode = CUDAGraphMode.PIECEWISE if invalid_modes and CUDAGraphMode.FULL in invalid_modes else \
+                CUDAGraphMode.FULL
+            return mode, f"desc {num_tokens}"
+        runner = v1_runner()
+        runner.cudagraph_dispatcher = ns(dispatch=dispatch)
+        view = _runner.adapt(runner)
+        editing = [False]
+        view.guard_graphs(lambda: editing[0])
+        view.begin_step()
+        self.assertEqual(runner.cudagraph_dispatcher.dispatch(8, uniform_decode=True), (CUDAGraphMode.FULL, "desc 8"))
+        self.assertTrue(view.full)  # a read-only step keeps vLLM's FULL graph: the taps' slots serve it
+        editing[0] = True
+        self.assertEqual(runner.cudagraph_dispatcher.dispatch(8, uniform_decode=True)[0], CUDAGraphMode.PIECEWISE)
+        self.assertEqual(seen[-1], {CUDAGraphMode.FULL})
+        self.assertFalse(view.full)
+
+    def test_v2_dispatch_guard(self):
+        from vllm.config import CUDAGraphMode
+        from fragments.vllm import _runner
+        for mixed, editing_mode in ((CUDAGraphMode.PIECEWISE, CUDAGraphMode.PIECEWISE),
+                                    (CUDAGraphMode.FULL, CUDAGraphMode.NONE)):
+            runner = ns(req_states=ns(), vllm_config=ns(), prepare_inputs=lambda *a: None, cudagraph_manager=None)
+            view = _runner.adapt(runner)
+            editing = [False]
+            view.guard_graphs(lambda: editing[0])
+            runner.cudagraph_manager = _Manager(mixed)  # vLLM makes it with the KV cache, after load_model
+            view.begin_step()
+            self.assertEqual(runner.cudagraph_manager.dispatch(4, 4, 1, num_active_loras=0).cg_mode, CUDAGraphMode.FULL)
+            self.assertTrue(view.full)
+            editing[0] = True
+            desc = runner.cudagraph_manager.dispatch(4, 4, 1, num_active_loras=0)
+            self.assertEqual(desc.cg_mode, editing_mode, mixed)
+            self.assertFalse(view.full)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
