@@ -54,6 +54,15 @@ class NewUserTest(unittest.TestCase):
         print("\n".join(lines + [str(saved)]))
         self.assertEqual(len(lines), 1, "the plugin says what it set, in one line, once")
         self.assertEqual(saved, "SAVED (3, 512) None", proc.stderr[-3000:])
+        from fragments.vllm import _numa_nodes
+        if _numa_nodes() > 1:
+            return  # vLLM's own binding can serve tp 2 here: nothing to contrast
+        # the same without the plugin's settings: vLLM stops at engine start, as a new user saw it
+        env["FRAGMENTS_VLLM_CPU_DEFAULTS"] = "0"
+        off = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True,
+                             text=True, timeout=600)
+        self.assertIsNone(next((l for l in off.stdout.splitlines() if l.startswith("SAVED ")), None))
+        self.assertIn("Not enough allowed NUMA nodes", off.stderr, off.stderr[-2000:])
 
 
 if __name__ == "__main__":

