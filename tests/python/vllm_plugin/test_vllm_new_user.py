@@ -29,6 +29,7 @@ def child():
                       [[{"at": "model.layers.0.self_attn.qkv_proj.output", "do": "save", "as": "qkv", "step": 0}]],
                       max_tokens=2, temperature=0)[0]
     print(f"SAVED {tuple(out.fragments['qkv'].shape)} {out.fragments_error}", flush=True)
+    llm.llm_engine.engine_core.shutdown()  # its processes end here: they would outlive os._exit
 
 
 class NewUserTest(unittest.TestCase):
