@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from . import _layers, _plan, _python
+from . import _layers, _plan, _python, _saves
 
 log = logging.getLogger("fragments.vllm")
 
@@ -66,7 +66,7 @@ class WorkerState:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
-        self.saves: Dict[str, dict] = {}  # request key -> {"saves": {name: [tensors]}, "error": str|None}
+        self.saves = _saves.SavesStore(keep=self.rank == 0)  # request key -> its saves and error, bounded
         self.in_step = False
         self.executing = False  # inside execute_model (a forward), not an ad-hoc module call (fragments_call)
         self.step_work: Optional[Dict[str, List[_Work]]] = None
@@ -90,7 +90,8 @@ class WorkerState:
                 "table": self.table, "qkv_attributes": self.qkv_attributes,
                 "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
                 "refused": self.refused, "modules": sorted(p for p in self.modules if p),
-                "logits_modules": self.logits_modules, "taps": self.taps}
+                "logits_modules": self.logits_modules, "taps": self.taps,
+                "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
 
     # ---- the step -----------------------------------------------------------------------------------
     def begin_step(self, scheduler_output):
@@ -101,8 +102,11 @@ class WorkerState:
         self.executing = True
         self.py_forward += 1
         changed, self._failed = self._failed, False
-        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            changed |= self.plans.pop(req_id, None) is not None
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():  # done or aborted
+            plan = self.plans.pop(req_id, None)
+            if plan is not None:
+                self.saves.finish(plan.key)  # its saves now wait only for their caller (or expire)
+                changed = True
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             if new.req_id not in self.plans:
                 changed |= self._plan_of(new.req_id, new.sampling_params) is not None
@@ -173,8 +177,7 @@ class WorkerState:
                 self._record = self.model_record()
             plan = _plan.RequestPlan.parse(spec, req_id, self._record, set(self.modules))
             _python.attach(self, plan, spec)  # a VLLM trace's Python steps (.apply, edits read from locations)
-            record = self.saves.setdefault(plan.key, {"saves": {}, "error": None})
-            record["error"] = plan.error
+            self.saves.open(plan.key, plan.error)
         self.plans[req_id] = plan
         return plan
 
@@ -255,8 +258,7 @@ class WorkerState:
             try:
                 if s.do == "save":
                     part = _C.index_view(s.index, view, location) if s.index else view
-                    record = self.saves.setdefault(w.key, {"saves": {}, "error": None})
-                    record["saves"].setdefault(s.as_, []).append(part.detach().to("cpu", copy=True))
+                    self.saves.add(w.key, s.as_, part)  # copied to the CPU if the store keeps it
                     continue
                 target = _C.index_view(s.index, view, location) if s.index else view
                 if s.do == "add":
@@ -328,29 +330,17 @@ class WorkerState:
                                                                     "num_inductor_compiles")}}
 
     def _fail(self, key: str, message: str) -> None:
-        record = self.saves.setdefault(key, {"saves": {}, "error": None})
-        record["error"] = record["error"] or f"fragments plan of request {key}: {message}"
+        error = self.saves.fail(key, f"fragments plan of request {key}: {message}")
         for plan in self.plans.values():  # no further steps for that request
             if plan is not None and plan.key == key:
-                plan.error = record["error"]
+                plan.error = error
                 self._failed = True
 
     # ---- RPC ----------------------------------------------------------------------------------------
-    def take_saves(self, keys: List[str]) -> Optional[Dict[str, bytes]]:
-        """Rank 0: each key's saves as safetensors bytes (a step's rows concatenated in step order) and
-        its error, if any; the other ranks drop theirs and answer None."""
-        from safetensors.torch import save
-        out = {}
-        for key in keys:
-            record = self.saves.pop(key, None)
-            if self.rank != 0:
-                continue
-            if record is None:
-                out[key] = {"error": None, "data": None}
-                continue
-            tensors = {name: torch.cat(parts, 0).contiguous() if parts[0].dim() > 0 else torch.stack(parts)
-                       for name, parts in record["saves"].items()}
-            out[key] = {"error": record["error"], "data": save(tensors) if tensors else None}
+    def take_saves(self, keys: List[str]) -> Optional[Dict[str, dict]]:
+        """Rank 0: each key's saves (_saves.SavesStore.take: "status", "error", "data" as safetensors bytes, a
+        step's rows concatenated in step order); the other ranks drop theirs and answer None."""
+        out = {key: self.saves.take(key) for key in keys}
         return out if self.rank == 0 else None
 
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:
