@@ -50,6 +50,7 @@ from vllm_check import check, FAILED, plugin_dist, rel, TOL  # noqa: E402
 
 MAX_TOKENS = 5
 CAP = 65536
+TTL = 20  # seconds unfetched saves wait (FRAGMENTS_VLLM_SAVES_TTL): the short load run leaves some
 
 
 def write_model(folder, vocab):
@@ -324,16 +325,21 @@ def run_checks(client, prompts, vocab, work):
     return alone, jobs
 
 
-def misuse_checks(client, server_pid, alone, jobs):
-    """G-J (server_limits.py): auth, hostile bodies, clients that leave, /metrics."""
+def misuse_checks(served, client, alone, jobs):
+    """G-J (server_limits.py): auth, hostile bodies, clients that leave, /metrics; then K, the short versions
+    of the fuzz run (server_fuzz.py: 300 bodies) and the load run (server_load.py: 16 clients, 20 s)."""
+    import server_fuzz
     import server_limits
+    import server_load
     server_limits.check_auth(client)
-    server_limits.check_hostile(client, server_pid)
+    server_limits.check_hostile(client, served.proc.pid)
     after = client.complete(jobs[0][0])
     check("H a plain request after the hostile bodies equals its answer before", same(after, alone[0])[0],
           same(after, alone[0])[1])
     server_limits.check_leaving(client, jobs[1][0])
     server_limits.check_metrics(client)
+    print("K", json.dumps(server_fuzz.run(client, served.proc.pid, 300, 1, 8, served.vocab))[:400], flush=True)
+    print("K", json.dumps(server_load.load(served, 16, 1 / 3, TTL))[:400], flush=True)
 
 
 class Served:
@@ -412,12 +418,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
     args = ap.parse_args()
-    served = Served(args.tp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP),
+    served = Served(args.tp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), FRAGMENTS_VLLM_SAVES_TTL=str(TTL),
                                       FRAGMENTS_VLLM_MAX_BODY_BYTES=str(8 << 20)))
     try:
         client = served.client()
         alone, jobs = run_checks(client, served.prompts, served.vocab, served.work)
-        misuse_checks(client, served.proc.pid, alone, jobs)
+        misuse_checks(served, client, alone, jobs)
     finally:
         served.done(FAILED)
     print(json.dumps({"tp": args.tp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
