@@ -135,7 +135,7 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
             raise ValueError(f'{where}: "call" (ad-hoc module calls, logit lens) is not supported inside vLLM yet')
         if d["visit"] not in (None, 0):
             raise ValueError(f'{where}: "visit" {d["visit"]}: vLLM calls each module once per forward; use 0')
-        if d["do"] in ("add", "set") and isinstance(d["value"], torch.Tensor):
+        if d["index"] or isinstance(d["value"], torch.Tensor):
             _check_fits(d, (record.get("widths") or {}).get(at), where, named[i])
         steps.append(Step(d, step_sets[i], path in record.get("logits_modules", ())))
     return steps
@@ -149,9 +149,10 @@ def _did_you_mean(at: str, modules) -> str:
 
 
 def _check_fits(d: dict, width: Optional[int], where: str, named) -> None:
-    """A value that cannot fit its location, refused at submission where the location's width is known
-    (record["widths"]) and the index, if any, keeps the rows whole ("...,a:b", "segment"/"heads"): its last
-    dims must broadcast to the target's (the rows, unknown until it runs, must be 1 or match)."""
+    """An index or a value that cannot fit its location, refused at submission where the location's width is
+    known (record["widths"]) and the index, if any, keeps the rows whole ("...,a:b", "segment"/"heads"): the
+    index must select within the width, and a value's last dims must broadcast to the target's (the rows,
+    unknown until it runs, must be 1 or match)."""
     index = d["index"]
     if width is None or (index and not index.lstrip().startswith("...")):
         return
@@ -160,6 +161,8 @@ def _check_fits(d: dict, width: Optional[int], where: str, named) -> None:
         target = _C.index_view(index, probe, d["at"]) if index else probe
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{where}: index {index}: {e}") from None
+    if d["do"] not in ("add", "set") or not isinstance(d["value"], torch.Tensor):
+        return
     value = tuple(d["value"].shape)
     fits = len(value) <= len(target.shape) and all(
         v in (1, t) for v, t in zip(value[::-1], target.shape[1:][::-1]))

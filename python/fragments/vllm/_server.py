@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import re
 import secrets
@@ -40,6 +41,8 @@ from .. import _C
 from . import _plan, _saves
 from ._metrics import metrics
 from ._plan import EXTRA_KEY, RequestPlan, registered_vectors
+
+log = logging.getLogger("fragments.vllm")
 
 PLAN_PATHS = ("/v1/completions", "/v1/chat/completions")
 SAVES_PATH = re.compile(r"^/v1/fragments/saves/([A-Za-z0-9_.-]{1,128})$")
@@ -173,9 +176,10 @@ def check_saves_floor(plan: RequestPlan, payload: dict, record: dict, config) ->
     caching = bool(getattr(getattr(config, "cache_config", None), "enable_prefix_caching", False))
     rows0 = len(prompt) if isinstance(prompt, list) and prompt and not caching else 1
     most = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    runs_to_end = payload.get("ignore_eos") and isinstance(most, int) and not payload.get("stop") \
+    least = payload.get("min_tokens")
+    runs_to_end = payload.get("ignore_eos") is True and isinstance(most, int) and not payload.get("stop") \
         and not payload.get("stop_token_ids")
-    decode = (most if runs_to_end else int(payload.get("min_tokens") or 0)) - 1
+    decode = (most if runs_to_end else least if isinstance(least, int) else 0) - 1  # vLLM checks the types
     itemsize = torch.empty((), dtype=getattr(config.model_config, "dtype", torch.float32)).element_size()
     floor = 0
     for s in plan.steps:
@@ -183,7 +187,10 @@ def check_saves_floor(plan: RequestPlan, payload: dict, record: dict, config) ->
         if s.do != "save" or width is None or (s.index and not s.index.lstrip().startswith("...")):
             continue
         if s.index:
-            width = _C.index_view(s.index, torch.empty((1, width), device="meta"), s.at).shape[1:].numel()
+            try:
+                width = _C.index_view(s.index, torch.empty((1, width), device="meta"), s.at).shape[1:].numel()
+            except (RuntimeError, ValueError):  # the index fails when it runs, with its message
+                continue
         rows = (1 if s.logits else rows0) if s.runs_at(0) else 0
         if isinstance(s.steps, frozenset):  # one row per decode step it saves at
             rows += sum(1 <= k <= decode for k in s.steps)
@@ -290,6 +297,11 @@ class FragmentsServer:
         except BadPlan as e:
             metrics().refused_for(e.reason)
             return await _respond(send, 400, error_body(str(e)))
+        except Exception as e:  # a check that should have said what is wrong did not: the client still hears
+            log.exception("fragments: checking a plan failed")  # it in one line, the log keeps the trace
+            metrics().refused_for("internal")
+            return await _respond(send, 400, error_body(f"fragments: internal error while checking the plan "
+                                                        f"({type(e).__name__}: {str(e)[:200]}); please report it"))
         xargs[EXTRA_KEY] = text
         body = json.dumps(payload).encode()
         metrics().plans.labels(route=path).inc()

@@ -382,7 +382,9 @@ class Served:
     def start(self):
         """(Re)starts the server; returns the seconds until /health answered."""
         self.log = open(os.path.join(self.work, "serve.log"), "a")
+        import psutil
         self.proc, self.start_s = start_server(self.folder, self.tp, self.port, self.env, self.log, self.args)
+        self.tree = psutil.Process(self.proc.pid).children(recursive=True)  # the engine and workers it started
         print(f"engine start {self.start_s:.1f} s (log {self.log.name})", flush=True)
         return self.start_s
 
@@ -398,6 +400,7 @@ class Served:
             children = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             children = []
+        children += [p for p in self.tree if p.pid not in {c.pid for c in children}]  # orphans of a dead server
         self.proc.terminate()
         try:
             self.proc.wait(60)
