@@ -349,14 +349,17 @@ class FragmentsServer:
                 status = message["status"]
                 message = dict(message)
                 message["headers"] = list(message.get("headers", [])) + [(b"x-fragments-key", key.encode())]
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last:  # the client may ask for the saves as soon as it has this message
+                self.streams.set(key, "done" if status == 200 else None)
             await send(message)
-            ended |= message["type"] == "http.response.body" and not message.get("more_body", False)
+            ended |= last
         self.streams.set(key, "running")
         try:
             await self.app(scope, _replay([_message(body)], receive), relay)
         finally:
-            self.streams.set(key, "done" if ended and status == 200 else None)
             if not ended:
+                self.streams.set(key, None)
                 task = asyncio.ensure_future(self._drop(scope["app"], key))  # not awaited: we may be cancelled
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)

@@ -11,8 +11,9 @@ from a seed and mutated with a seeded random.Random:
           character string, a deep list), a field dropped or added, a list repeated, the plan sent as text
           or as an object
   body    the body's own fields mutated: prompts of every type (a batch, nested lists, negative ids), n,
-          stream, max_tokens, min_tokens, stop, ignore_eos, beam search, vllm_xargs of the wrong type (not
-          "logprobs": vLLM 0.24 mishandles it with or without a plan, bench/README.md)
+          stream, max_tokens, ignore_eos, beam search, vllm_xargs of the wrong type
+and afterwards, each on its own connection, bad values of fields vLLM itself mishandles (VLLM_FIELDS:
+logprobs, min_tokens, stop, stop_token_ids) with a plan and without: the same status both ways.
   bytes   a body's JSON text cut short or with random bytes written into it
 Every answer must come within 120 s and be below 500 (a valid plan's 200 carries its "fragments" object; a
 stream is read to its end); afterwards the engine must serve a plain request as before, /health must be
@@ -126,16 +127,44 @@ def body_of(rng, model, vocab, locations, seeds):
     if rng.random() < 0.2:
         body["stream"] = True
     if kind == "body":
-        # not "logprobs": vLLM 0.24 itself fails on a non-number there (TypeError in check_logprobs, answered
-        # and then the connection dropped), with or without a plan; bench/README.md shows it
-        field = rng.choice(["prompt", "n", "stream", "max_tokens", "vllm_xargs", "use_beam_search", "ignore_eos",
-                            "min_tokens", "stop", "stop_token_ids"])
+        # not VLLM_FIELDS: vLLM itself answers some values there from its generic exception handler and then
+        # drops the connection, plan or not; vllm_fields() shows the plan changes nothing there
+        field = rng.choice(["prompt", "n", "stream", "max_tokens", "vllm_xargs", "use_beam_search", "ignore_eos"])
         body[field] = rng.choice([random_value(rng), [[1, 2], [3]], [-1, 5], "text prompt", 2, 0, {"fragments": 5}])
     text = json.dumps(body).encode()
     if kind == "bytes" and text:
         at = rng.randrange(len(text))
         text = text[:at] if rng.random() < 0.5 else text[:at] + bytes(rng.randrange(256) for _ in range(4)) + text[at + 4:]
     return kind, text
+
+
+# Fields whose bad values vLLM 0.24 answers from its generic exception handler (a plain ValueError or TypeError
+# in its sampling-parameter checks), after which uvicorn closes the kept-alive connection: a client's next
+# request on it breaks, with or without a plan (docs/vllm.md, Limits).
+VLLM_FIELDS = {"logprobs": [[1], {"a": 1}, "2"], "min_tokens": [5, -2 ** 63], "stop": ["", [""], [[1]], 5],
+               "stop_token_ids": [["x"], 7]}
+
+
+def vllm_fields(port, key, model):
+    """Each bad value of VLLM_FIELDS with a plan and without, each on a fresh connection: {field=value:
+    (status with a plan, status without)}. fragments' checks must not change vLLM's answer."""
+    import httpx
+    plan = json.dumps([{"at": "model.norm.output", "do": "save", "as": "n"}])
+    out = {}
+    for field, values in VLLM_FIELDS.items():
+        for value in values:
+            statuses = []
+            for with_plan in (True, False):
+                body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2, field: value}
+                if with_plan:
+                    body["vllm_xargs"] = {"fragments": plan}
+                try:
+                    statuses.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120,
+                                               headers={"Authorization": f"Bearer {key}"}).status_code)
+                except httpx.HTTPError as e:
+                    statuses.append(type(e).__name__)
+            out[f"{field}={json.dumps(value)}"] = statuses
+    return out
 
 
 async def send_all(port, key, bodies, concurrency, timeout=120.0):
@@ -197,6 +226,10 @@ def run(client, served_pid, n, seed, concurrency, vocab, quiet=False):
                "problems": [(k, s, p, b.decode(errors="replace")[:300]) for k, s, _, p, b in bad[:10]]}
     check(f"fuzz: {len(results)} bodies answered, none 5xx, none lost or over 120 s ({took:.0f} s)",
           len(results) == n and not bad, json.dumps(summary["problems"])[:1500])
+    fields = vllm_fields(client.port, client.api_key, client.model)
+    summary["vllm_fields"] = fields
+    check("fuzz: vLLM's own fields with bad values: the same answer with a plan as without, none 5xx",
+          all(a == b and isinstance(a, int) and a < 500 for a, b in fields.values()), json.dumps(fields))
     after = client.complete([5, 6, 7])
     check("fuzz: the engine serves a plain request afterwards, as before", after["tokens"] == before["tokens"],
           f"{after['tokens']} vs {before['tokens']}")
