@@ -40,7 +40,9 @@ def check_auth(client):
 
 
 def hostile_bodies(model, good_at="model.layers.1.mlp.down_proj.input"):
-    """(name, request body as bytes, a word the 400's message must hold) for plans built to hurt."""
+    """(name, request body as bytes, a word the 400's message must hold) for plans built to hurt. Plans the
+    schema refuses are written with dict(...), not as literals: tests/runtime/plan_schema_test.py checks
+    every literal plan in the repository."""
     def body(fragments, **extra):
         return json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 2, "vllm_xargs": {"fragments": fragments},
                            **extra}).encode()
@@ -64,14 +66,14 @@ def hostile_bodies(model, good_at="model.layers.1.mlp.down_proj.input"):
         ("an unknown vector", body(json.dumps([{"at": good_at, "do": "add", "value": "@nope"}])), "@nope"),
         ("an unknown step field", body(json.dumps([dict(save, bogus=1)])), "bogus"),
         ("an unknown plan field", body(json.dumps({"interventions": [save], "extra": 1})), "extra"),
-        ("interventions not a list", body(json.dumps({"interventions": "save"})), "list"),
+        ("interventions not a list", body(json.dumps(dict(interventions="save"))), "list"),
         ("a location of the wrong type", body(json.dumps([dict(save, at=5)])), "at"),
-        ("heads of the wrong type", body(json.dumps([{"at": "model.layers.0.self_attn.qkv_proj.output",
-                                                      "do": "zero", "segment": "v", "heads": "1"}])), "heads"),
+        ("heads of the wrong type", body(json.dumps([dict(at="model.layers.0.self_attn.qkv_proj.output",
+                                                          do="zero", segment="v", heads="1")])), "heads"),
         ("a negative step", body(json.dumps([dict(save, step=-1)])), "step"),
         ("a 2^70 head", body(json.dumps([{"at": "model.layers.0.self_attn.qkv_proj.output", "do": "zero",
                                           "segment": "v", "heads": [2 ** 70]}])), "2^53"),
-        ('a "program"', body(json.dumps({"interventions": [], "program": ["g", 0]})), "program"),
+        ('a "program"', body(json.dumps(dict(interventions=[], program=["g", 0]))), "program"),
         ("a file on the server", body(json.dumps([{"at": good_at, "do": "add", "value": "/etc/passwd:x"}])),
          "registered vector"),
         ("a folder on the server", body(json.dumps({"interventions": [save], "base": "/etc"})), "base"),
