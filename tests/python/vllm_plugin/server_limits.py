@@ -3,7 +3,9 @@
   G  auth: with `--api-key`, every fragments route (GET /v1/fragments/saves/KEY, /model, /vectors, an
      unknown one) and a completion with a plan refuse a missing and a wrong key (401) and answer the right one
   H  hostile bodies (hostile_bodies below): each answered 400 in one line, naming what is wrong, within
-     5 s, the API server's memory within 64 MB of before; then a plain request is served as before
+     5 s, the API server's memory within 64 MB of before; a plan in a body too large to read or under a
+     JSON-escaped key (which the middleware does not see) refused by vLLM's validator, never run; then a
+     plain request is served as before
   I  clients that leave: streams closed after their first chunk and completions given up after 0.3 s,
      beside a request with a plan that runs through: that request's answer equals its answer alone; then
      no plan, no hook and no saves are left in any worker (the server's /metrics, read by prometheus_client's
@@ -113,6 +115,13 @@ def check_hostile(client, proc_pid):
         r = http.post(url, content=big, headers=headers)
         check("H a plan in a body over FRAGMENTS_VLLM_MAX_BODY_BYTES: 400 from vLLM's validator",
               r.status_code == 400 and "did not pass the server's checks" in r.text, f"{r.status_code} {r.text[:200]}")
+        # the key spelled with a JSON escape: the middleware's byte scan misses it, vLLM's parser does not
+        hidden = ('{"model": %s, "prompt": [5, 6], "max_tokens": 1, "vllm_xargs": {"\\u0066ragments": %s}}'
+                  % (json.dumps(client.model), json.dumps(json.dumps([{"at": "model.norm.output", "do": "save",
+                                                                        "as": "n"}])))).encode()
+        r = http.post(url, content=hidden, headers=headers)
+        check("H a plan under an escaped key: 400 from vLLM's validator", r.status_code == 400 and
+              "did not pass the server's checks" in r.text, f"{r.status_code} {r.text[:200]}")
     grown = (server.memory_info().rss - before) / 2 ** 20
     check(f"H the API server's memory after the hostile bodies: {grown:+.0f} MB", grown < 64, f"worst {worst:.2f} s")
 
