@@ -86,12 +86,16 @@ class HFFolder(Source):
         with open(config_path) as f:
             try:
                 self.config = json.load(f)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError("%s: not JSON: %s" % (config_path, e)) from None
         index_path = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index_path):
             with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map")
+                try:
+                    index = json.load(f)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise CheckpointError("%s: not JSON: %s" % (index_path, e)) from None
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError("%s: expected a \"weight_map\" of tensor name -> file" % index_path)
             files = sorted(set(weight_map.values()))

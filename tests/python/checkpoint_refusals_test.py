@@ -65,6 +65,17 @@ class Refusals(Case):
         self.assertIn("model.safetensors.index.json maps tensor ", message)
         self.assertIn("to %s, which is not in the folder" % shard, message)
 
+    def test_an_index_that_is_not_json_names_the_file(self):
+        model, _ = hf_model("llama")
+        folder = save_hf(model, self.path("hf"))
+        index = os.path.join(folder, "model.safetensors.index.json")
+        for text in (b"{not json", b"\xff\xfe binary", b"[1, 2]"):
+            with open(index, "wb") as f:
+                f.write(text)
+            message = self.refused(folder)
+            self.assertIn(index, message)
+            self.assertTrue("not JSON" in message or "weight_map" in message, message)
+
     def test_a_tensor_whose_dtype_disagrees_with_the_config(self):
         from safetensors.torch import load_file, save_file
 

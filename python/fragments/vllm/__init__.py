@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ._plan import EXTRA_KEY, RequestPlan
 
 __all__ = ["register", "validate_request", "sampling_params", "generate", "take_saves", "inspect",
-           "EXTRA_KEY", "VLLM"]
+           "EXTRA_KEY", "Refused", "VLLM"]
 
 
 def __getattr__(name):
@@ -44,8 +44,9 @@ def register() -> None:
     if "FRAGMENTS_VLLM_DIR" not in os.environ:  # the first process; spawned workers inherit it
         os.environ["FRAGMENTS_VLLM_DIR"] = tempfile.mkdtemp(prefix="fragments-vllm-")
         _cpu_defaults()
-    from . import _install, _server
+    from . import _install, _saves, _server
     _install.install()
+    _saves.install_rpc()
     _server.install_into_api_server()  # only in `vllm serve`'s API server process
 
 
@@ -112,22 +113,34 @@ def _model_record() -> Optional[dict]:
         return None
 
 
+try:
+    from vllm.exceptions import VLLMValidationError as _ValidationError  # a ValueError
+except ImportError:  # pragma: no cover - vLLM not installed: no request to check
+    _ValidationError = ValueError  # type: ignore
+
+
 def validate_request(sampling_params) -> None:
     """Checks a request's plan when it is submitted, in vLLM's front end (_install.py wraps vLLM's input
-    processor's parameter check): a ValueError fails that request alone (LLM raises it, the OpenAI server
-    answers 400) before any worker sees it. (Not a logits-processor plugin: in vLLM 0.24 any entry point of
-    that group turns Model Runner V2 off, "custom logits processors".)"""
+    processor's parameter check): a ValueError (vLLM's VLLMValidationError) fails that request alone (LLM raises
+    it, the OpenAI server answers 400 and keeps the connection) before any worker sees it. In `vllm serve` it
+    also refuses a plan that did not pass fragments' middleware. (Not a logits-processor plugin: in vLLM 0.24 any
+    entry point of that group turns Model Runner V2 off, "custom logits processors".)"""
     extra = getattr(sampling_params, "extra_args", None) or {}
     if EXTRA_KEY not in extra:
         return
     record = _model_record()
     if record is None:
-        raise ValueError("fragments: this request has a plan but fragments' plugin is not active in vLLM's "
-                         "workers (no model record in FRAGMENTS_VLLM_DIR); load the plugin "
-                         "(VLLM_PLUGINS unset or listing 'fragments')")
-    plan = RequestPlan.parse(extra[EXTRA_KEY], "<request>", record)
-    if plan.error:
-        raise ValueError(plan.error)
+        raise _ValidationError("fragments: this request has a plan but fragments' plugin is not active in "
+                               "vLLM's workers (no model record in FRAGMENTS_VLLM_DIR); load the plugin "
+                               "(VLLM_PLUGINS unset or listing 'fragments')")
+    from . import _server
+    try:
+        _server.check_issued(extra[EXTRA_KEY])  # in `vllm serve`: only plans its middleware checked
+        plan = RequestPlan.parse(extra[EXTRA_KEY], "<request>", record)
+        if plan.error:
+            raise ValueError(plan.error)
+    except ValueError as e:  # vLLM's own validation error: the server answers 400 and keeps the connection
+        raise _ValidationError(str(e)) from None
 
 
 def sampling_params(plan: Any = None, key: Optional[str] = None, base: Optional[str] = None, **kwargs):
@@ -154,22 +167,41 @@ def take_saves(llm, keys: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     return {key: {"error": v["error"], "saves": load(v["data"]) if v["data"] else {}} for key, v in first.items()}
 
 
+class Refused:
+    """generate's output for a prompt whose plan was refused at submission: no tokens, the reason in
+    `fragments_error` (as the OpenAI server answers that request 400 and serves the others)."""
+
+    def __init__(self, prompt, error: str):
+        self.prompt, self.outputs, self.finished = prompt, [], True
+        self.fragments, self.fragments_error = {}, error
+
+    def __repr__(self):
+        return f"Refused({self.fragments_error!r})"
+
+
 def generate(llm, prompts, plans: Optional[List[Any]] = None, use_tqdm: bool = False, **sampling_kwargs):
     """llm.generate with one plan per prompt (None: no plan); each RequestOutput gets `.fragments` (name ->
-    tensor) and `.fragments_error`."""
+    tensor) and `.fragments_error`. A prompt whose plan is refused at submission (an unknown location, a
+    value that does not fit) gets a `Refused` in its place, and the others run."""
     prompts = list(prompts) if not isinstance(prompts, (str, dict)) else [prompts]
     plans = list(plans) if plans is not None else [None] * len(prompts)
     if len(plans) != len(prompts):
         raise ValueError(f"fragments: {len(plans)} plans for {len(prompts)} prompts")
     params = [sampling_params(p, **sampling_kwargs) for p in plans]
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    keys = [p.extra_args[EXTRA_KEY]["key"] for p in params if p.extra_args and EXTRA_KEY in p.extra_args]
+    specs = [p.extra_args.get(EXTRA_KEY) if p.extra_args else None for p in params]
+    record = inspect(llm) if any(specs) else None  # this engine's locations and widths
+    refused = {i: RequestPlan.parse(spec, spec["key"], record).error for i, spec in enumerate(specs) if spec}
+    refused = {i: error for i, error in refused.items() if error}
+    run = [i for i in range(len(prompts)) if i not in refused]
+    ran = llm.generate([prompts[i] for i in run], [params[i] for i in run], use_tqdm=use_tqdm) if run else []
+    keys = [specs[i]["key"] for i in run if specs[i]]
     saved = take_saves(llm, keys) if keys else {}
-    for out, p in zip(outputs, params):
-        key = p.extra_args[EXTRA_KEY]["key"] if p.extra_args and EXTRA_KEY in p.extra_args else None
-        entry = saved.get(key, {"error": None, "saves": {}}) if key else {"error": None, "saves": {}}
+    outputs: List[Any] = [Refused(prompts[i], refused[i]) if i in refused else None for i in range(len(prompts))]
+    for i, out in zip(run, ran):
+        entry = saved.get(specs[i]["key"], {"error": None, "saves": {}}) if specs[i] else {"error": None, "saves": {}}
         out.fragments = entry["saves"]
         out.fragments_error = entry["error"]
+        outputs[i] = out
     return outputs
 
 

@@ -159,3 +159,37 @@ def locations(model: nn.Module, table: dict) -> Tuple[Dict[str, dict], Dict[str,
                                             f"later by the enclosing block; read {p}.output (gathered by "
                                             f"all-reduce) instead")
     return fragmented, refused
+
+
+def widths(modules: Dict[str, nn.Module], hidden_size: int) -> Dict[str, int]:
+    """The whole width (last dim) of the locations whose width the module's config fixes, so a plan's value
+    that cannot fit is refused at submission (_plan.py): linear layers' inputs and outputs (vLLM's
+    input_size/output_size are whole; q|k|v from head counts, since output_size counts replicated kv heads),
+    the embedding's and the logits' outputs, norms, and decoder layers' outputs (the hidden state; vLLM's
+    layers return it first). Other locations are left out: a value there is checked when it runs."""
+    from vllm.model_executor.layers import layernorm, linear, logits_processor, vocab_parallel_embedding as vpe
+    out: Dict[str, int] = {}
+    for path, m in modules.items():
+        if not path:
+            continue
+        sides = ()
+        if isinstance(m, linear.QKVParallelLinear):
+            sides = ((m.input_size, m.total_num_heads * m.head_size
+                      + m.total_num_kv_heads * (m.head_size + getattr(m, "v_head_size", m.head_size))),)
+        elif isinstance(m, linear.LinearBase):
+            sides = ((m.input_size, m.output_size),)
+        elif isinstance(m, vpe.VocabParallelEmbedding) and not isinstance(m, vpe.ParallelLMHead):
+            sides = ((None, m.embedding_dim),)
+        elif isinstance(m, logits_processor.LogitsProcessor):
+            sides = ((None, m.org_vocab_size),)
+        elif isinstance(m, (layernorm.RMSNorm, layernorm.GemmaRMSNorm)) and m.weight.dim() == 1:
+            sides = ((m.weight.shape[0], m.weight.shape[0]),)
+        elif isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+            sides = ((m.normalized_shape[0], m.normalized_shape[0]),)
+        elif type(m).__name__.endswith("DecoderLayer"):
+            sides = ((None, hidden_size),)
+        for width_in, width_out in sides:
+            if width_in is not None:
+                out[f"{path}.input"] = int(width_in)
+            out[f"{path}.output"] = int(width_out)
+    return out

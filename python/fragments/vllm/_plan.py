@@ -23,9 +23,13 @@ the C++ parser loads it as "file:name"). Every vLLM process inherits the variabl
 from __future__ import annotations
 
 import copy
+import difflib
 import json
+import math
 import os
 from typing import Dict, List, Optional
+
+import torch
 
 from .. import _C
 
@@ -100,6 +104,7 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         step_sets.append(_steps(item.pop("step", "all"), i))
         stripped.append(item)
     base = spec.get("base") or os.getcwd()
+    named = [item.get("value") for item in stripped]  # as the user wrote them ("@steer", not its file)
     for i, item in enumerate(stripped):
         if isinstance(item.get("value"), str) and item["value"].startswith("@"):
             item["value"] = vector_value(item["value"][1:], i)
@@ -116,7 +121,7 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         where = f"intervention {i} at {at}"
         if side not in ("input", "output") or path not in module_set:
             raise ValueError(f"{where}: no such location; expected <module path>.input or .output of this vLLM "
-                             f"model (e.g. model.layers.0.mlp.down_proj.input)")
+                             f"model (e.g. model.layers.0.mlp.down_proj.input){_did_you_mean(at, module_set)}")
         if side == "input" and path in record.get("logits_modules", ()):
             raise ValueError(f"{where}: vLLM's logits processor takes the LM head module first, not a tensor; "
                              "the hidden states it reads are the final norm's output (e.g. model.norm.output)")
@@ -130,8 +135,41 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
             raise ValueError(f'{where}: "call" (ad-hoc module calls, logit lens) is not supported inside vLLM yet')
         if d["visit"] not in (None, 0):
             raise ValueError(f'{where}: "visit" {d["visit"]}: vLLM calls each module once per forward; use 0')
+        if d["index"] or isinstance(d["value"], torch.Tensor):
+            _check_fits(d, (record.get("widths") or {}).get(at), where, named[i])
         steps.append(Step(d, step_sets[i], path in record.get("logits_modules", ())))
     return steps
+
+
+def _did_you_mean(at: str, modules) -> str:
+    """The closest locations to a typo, as frag run's and LanguageModel's messages give them."""
+    close = difflib.get_close_matches(at[:300], [f"{p}.{s}" for p in modules for s in ("input", "output")], n=3,
+                                      cutoff=0.8)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def _check_fits(d: dict, width: Optional[int], where: str, named) -> None:
+    """An index or a value that cannot fit its location, refused at submission where the location's width is
+    known (record["widths"]) and the index, if any, keeps the rows whole ("...,a:b", "segment"/"heads"): the
+    index must select within the width, and a value's last dims must broadcast to the target's (the rows,
+    unknown until it runs, must be 1 or match)."""
+    index = d["index"]
+    if width is None or (index and not index.lstrip().startswith("...")):
+        return
+    probe = torch.empty((1, width), device="meta")
+    try:
+        target = _C.index_view(index, probe, d["at"]) if index else probe
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{where}: index {index}: {e}") from None
+    if d["do"] not in ("add", "set") or not isinstance(d["value"], torch.Tensor):
+        return
+    value = tuple(d["value"].shape)
+    fits = len(value) <= len(target.shape) and all(
+        v in (1, t) for v, t in zip(value[::-1], target.shape[1:][::-1]))
+    if not fits:
+        into = f"its index {index} selects [rows, {', '.join(map(str, target.shape[1:]))}]" if index else \
+            f"it holds [rows, {width}]"
+        raise ValueError(f"{where}: the value of shape {list(value)} ({named}) does not fit: {into}")
 
 
 def _steps(value, i):
@@ -181,3 +219,87 @@ def vector_value(name: str, i: int) -> str:
         raise ValueError(f'intervention {i}: "value" "@{name}": no steering vector of that name; registered: '
                          f"{known}")
     return vectors[name]
+
+
+# ---- plans from untrusted clients (the OpenAI server's bodies) ------------------------------------------
+# Checked before the C++ parser or the engine sees them, so that any body costs the server a bounded time and
+# memory and gets one line back. A valid plan is far inside every bound.
+UNTRUSTED_SETTINGS = {
+    "FRAGMENTS_VLLM_MAX_PLAN_BYTES": (256 << 10, "bytes of a plan's JSON text"),
+    "FRAGMENTS_VLLM_MAX_PLAN_STEPS": (1024, "interventions in one plan"),
+}
+PLAN_DEPTH = 4  # plan object > "interventions" > a step > its list of "heads" or "step"
+MAX_TEXT = 1024  # characters of one string (a location, an index, a name)
+MAX_ITEMS = 4096  # items of a step's list ("heads", "step"), fields of an object
+MAX_SCALE = 1e4  # |"by"|: a larger factor overflows half-precision activations (65504) from 6.6 up
+MAX_INT = 1 << 53  # integers a double holds exactly (the C++ parser's JSON numbers)
+
+
+def untrusted_setting(name: str) -> int:
+    default, what = UNTRUSTED_SETTINGS[name]
+    text = os.environ.get(name) or str(default)
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"{name}={text!r}: expected a positive whole number ({what}; default {default})")
+    return int(text)
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a JSON number; plans hold finite numbers only")
+
+
+def load_untrusted(spec) -> dict:
+    """A plan as a client's body carries it (its JSON text, or the object the body's JSON held) -> the plan
+    object, within the bounds above. Raises ValueError with the one line the client gets."""
+    if isinstance(spec, str):
+        limit = untrusted_setting("FRAGMENTS_VLLM_MAX_PLAN_BYTES")
+        if len(spec) > limit:
+            raise ValueError(f"the plan is {len(spec)} bytes of JSON, over the server's {limit} "
+                             "(FRAGMENTS_VLLM_MAX_PLAN_BYTES)")
+        try:
+            spec = json.loads(spec, parse_constant=_no_constant)
+        except RecursionError:
+            raise ValueError(f"the plan is nested deeper than JSON can be read here; a plan nests at most "
+                             f"{PLAN_DEPTH} levels (plan, interventions, step, a list of heads or steps)") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"expected a plan (JSON object or list), found invalid JSON: {e}") from None
+    _bounded(spec)
+    if isinstance(spec, list):
+        spec = {"interventions": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f"expected a plan object or list, found {type(spec).__name__}")
+    steps = spec.get("interventions")
+    limit = untrusted_setting("FRAGMENTS_VLLM_MAX_PLAN_STEPS")
+    if isinstance(steps, list) and len(steps) > limit:
+        raise ValueError(f"the plan has {len(steps)} interventions, over the server's {limit} "
+                         "(FRAGMENTS_VLLM_MAX_PLAN_STEPS)")
+    for i, step in enumerate(steps if isinstance(steps, list) else ()):
+        by = step.get("by") if isinstance(step, dict) else None
+        if isinstance(by, (int, float)) and not isinstance(by, bool) and abs(by) > MAX_SCALE:
+            raise ValueError(f'intervention {i}: "by" {by:g} is larger than {MAX_SCALE:g} in size (it would '
+                             "overflow half-precision activations); scale by less")
+    return spec
+
+
+def _bounded(value) -> None:
+    """Depth, sizes and numbers of a parsed plan, walked without recursion."""
+    stack = [(value, 0, "the plan")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= PLAN_DEPTH:
+                raise ValueError(f"{where} nests deeper than a plan can: a plan nests at most {PLAN_DEPTH} levels "
+                                 "(plan, interventions, step, a list of heads or steps)")
+            items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+            if len(items) > MAX_ITEMS and depth > 0:
+                raise ValueError(f"{where} has {len(items)} items; at most {MAX_ITEMS}")
+            for k, item in items:
+                if isinstance(k, str) and len(k) > MAX_TEXT:
+                    raise ValueError(f"{where} has a field name of {len(k)} characters; at most {MAX_TEXT}")
+                stack.append((item, depth + 1, f"{where}[{json.dumps(k) if isinstance(k, str) else k}]"[:200]))
+        elif isinstance(v, str) and len(v) > MAX_TEXT:
+            raise ValueError(f"{where} is a string of {len(v)} characters; at most {MAX_TEXT}")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{where} is {v}; plans hold finite numbers only")
+        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+            raise ValueError(f"{where} is an integer of {v.bit_length()} bits; at most 2^53 in size")
+

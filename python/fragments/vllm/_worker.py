@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from . import _layers, _plan, _python, _runner
+from . import _layers, _plan, _python, _runner, _saves
 
 log = logging.getLogger("fragments.vllm")
 
@@ -65,7 +65,7 @@ class WorkerState:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
-        self.saves: Dict[str, dict] = {}  # request key -> {"saves": {name: [tensors]}, "error": str|None}
+        self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies)
         self.copies_pending = False  # saves copied to the host without waiting (GPU)
         self.in_step = False
         self.acting = False  # compiled: a live plan acts at this step
@@ -97,7 +97,8 @@ class WorkerState:
                 "table": self.table, "qkv_attributes": self.qkv_attributes,
                 "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
                 "refused": self.refused, "modules": sorted(p for p in self.modules if p),
-                "logits_modules": self.logits_modules, "taps": self.taps}
+                "logits_modules": self.logits_modules, "taps": self.taps,
+                "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
 
     # ---- the step -----------------------------------------------------------------------------------
     def begin_step(self, scheduler_output):
@@ -110,8 +111,11 @@ class WorkerState:
         self.py_forward += 1
         self.view.begin_step()
         changed, self._failed = self._failed, False
-        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            changed |= self.plans.pop(req_id, None) is not None
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():  # done or aborted
+            plan = self.plans.pop(req_id, None)
+            if plan is not None:
+                self.saves.finish(plan.key)  # its saves now wait only for their caller (or expire)
+                changed = True
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             if new.req_id not in self.plans:
                 changed |= self._plan_of(new.req_id, new.sampling_params) is not None
@@ -187,8 +191,7 @@ class WorkerState:
             for s in plan.steps:  # values (files, registered vectors) onto the model's device, once
                 if isinstance(getattr(s, "value", None), torch.Tensor):
                     s.value = s.value.to(self.device)
-            record = self.saves.setdefault(plan.key, {"saves": {}, "error": None})
-            record["error"] = plan.error
+            self.saves.open(plan.key, plan.error)
         self.plans[req_id] = plan
         return plan
 
@@ -276,13 +279,14 @@ class WorkerState:
                 whole = _C.whole_from_pieces(rule_json, list(gathered.unbind(0)))
         position = {r: k for k, r in enumerate(rows)}
         edited = False
-        # read-only work here: one host copy of the rows for every request's saves (their rows are views of it)
-        host = self._host_copy(whole) if not edits else None
+        # read-only work here: one host copy of the rows for every request's saves (their rows are views of it);
+        # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
+        host = self._host_copy(whole) if not edits and self.saves.keep else None
         for w in work:
             view = whole[position[w.start]:position[w.stop - 1] + 1]
             s = w.step
             if host is not None and not s.index:
-                self._keep(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1])
+                self.saves.add(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1], copied=True)
                 continue
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
@@ -303,7 +307,7 @@ class WorkerState:
         """One JSON plan step on the request's rows `view` of the whole; returns whether it edited them."""
         if s.do == "save":
             part = _C.index_view(s.index, view, location) if s.index else view
-            self._keep(w.key, s.as_, self._host_copy(part))
+            self.saves.add(w.key, s.as_, part)  # copied to the host if the store keeps it
             return False
         target = _C.index_view(s.index, view, location) if s.index else view
         if s.do == "add":
@@ -319,10 +323,6 @@ class WorkerState:
         target.copy_(update)
         return True
 
-    def _keep(self, key: str, name: str, rows: torch.Tensor) -> None:
-        record = self.saves.setdefault(key, {"saves": {}, "error": None})
-        record["saves"].setdefault(name, []).append(rows)
-
     def _host_copy(self, part: torch.Tensor) -> torch.Tensor:
         """A save's copy in host memory. From a GPU: into pinned memory, without waiting (the copy is ordered on
         the stream after the value is made and before anything overwrites it); take_saves waits once."""
@@ -332,6 +332,12 @@ class WorkerState:
         host.copy_(part.detach(), non_blocking=True)
         self.copies_pending = True
         return host
+
+    def _wait_copies(self) -> None:
+        """Before saves leave the store: the host copies made without waiting are done."""
+        if self.copies_pending:
+            torch.cuda.synchronize(self.device)
+            self.copies_pending = False
 
     # ---- compiled mode (fragments/vllm/_tap.py) ------------------------------------------------------
     def _place_taps(self):
@@ -395,32 +401,17 @@ class WorkerState:
         return _compile.stats(self)
 
     def _fail(self, key: str, message: str) -> None:
-        record = self.saves.setdefault(key, {"saves": {}, "error": None})
-        record["error"] = record["error"] or f"fragments plan of request {key}: {message}"
+        error = self.saves.fail(key, f"fragments plan of request {key}: {message}")
         for plan in self.plans.values():  # no further steps for that request
             if plan is not None and plan.key == key:
-                plan.error = record["error"]
+                plan.error = error
                 self._failed = True
 
     # ---- RPC ----------------------------------------------------------------------------------------
-    def take_saves(self, keys: List[str]) -> Optional[Dict[str, bytes]]:
-        """Rank 0: each key's saves as safetensors bytes (a step's rows concatenated in step order) and
-        its error, if any; the other ranks drop theirs and answer None."""
-        from safetensors.torch import save
-        if self.copies_pending:  # the saves' host copies were made without waiting
-            torch.cuda.synchronize(self.device)
-            self.copies_pending = False
-        out = {}
-        for key in keys:
-            record = self.saves.pop(key, None)
-            if self.rank != 0:
-                continue
-            if record is None:
-                out[key] = {"error": None, "data": None}
-                continue
-            tensors = {name: torch.cat(parts, 0).contiguous() if parts[0].dim() > 0 else torch.stack(parts)
-                       for name, parts in record["saves"].items()}
-            out[key] = {"error": record["error"], "data": save(tensors) if tensors else None}
+    def take_saves(self, keys: List[str]) -> Optional[Dict[str, dict]]:
+        """Rank 0: each key's saves (_saves.SavesStore.take: "status", "error", "data" as safetensors bytes, a
+        step's rows concatenated in step order); the other ranks drop theirs and answer None."""
+        out = {key: self.saves.take(key) for key in keys}
         return out if self.rank == 0 else None
 
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:

@@ -248,13 +248,10 @@ def main():
                   "model.layers.0.output is not tapped" in str(err) and "fragments_taps" in str(err), str(err)[:300])
 
     # a plan at an untapped location: refused at submission, alone
-    try:
-        fv.generate(llm, [{"prompt_token_ids": prompt_a}], [[{"at": untapped, "do": "save", "as": "x"}]],
-                    max_tokens=2, temperature=0.0)
-        check("untapped location refused at submission", False, "no error")
-    except ValueError as err:
-        check("untapped location refused at submission", untapped in str(err) and "fragments_taps" in str(err),
-              str(err)[:300])
+    err = fv.generate(llm, [{"prompt_token_ids": prompt_a}], [[{"at": untapped, "do": "save", "as": "x"}]],
+                      max_tokens=2, temperature=0.0)[0]
+    check("untapped location refused at submission", isinstance(err, fv.Refused) and untapped in err.fragments_error
+          and "fragments_taps" in err.fragments_error, repr(err)[:300])
     # batch 3: yet another plan (decode steps only), then the stats
     down1_out = down0_in.replace(f"{reader.layer_prefix(0)}.", f"{reader.layer_prefix(1)}.").replace(".input", ".output")
     r4 = fv.generate(llm, [{"prompt_token_ids": prompt_b}], [[{"at": down1_out, "do": "save", "as": "d", "step": "decode"}]],

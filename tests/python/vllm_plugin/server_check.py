@@ -31,6 +31,7 @@ on any failure:
 """
 import argparse
 import base64
+import re
 import concurrent.futures as futures
 import json
 import os
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,6 +50,7 @@ from vllm_check import check, FAILED, plugin_dist, rel, TOL  # noqa: E402
 
 MAX_TOKENS = 5
 CAP = 65536
+TTL = 20  # seconds unfetched saves wait (FRAGMENTS_VLLM_SAVES_TTL): the short load run leaves some
 
 
 def write_model(folder, vocab):
@@ -74,9 +77,11 @@ def vllm_command():
     return os.path.join(os.path.dirname(sys.executable), "vllm")
 
 
-def start_server(folder, tp, port, env, log):
+def start_server(folder, tp, port, env, log, args=()):
+    """`vllm serve` with the checks' settings (flags in `args` come last: later ones win)."""
     cmd = [vllm_command(), "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager", "--dtype", "float32",
-           "--max-model-len", "64", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
+           "--max-model-len", "128", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0",
+           "--api-key", API_KEY, *args]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     t0 = time.time()
     while time.time() - t0 < 900:
@@ -114,11 +119,14 @@ def plans(vocab):
     ]
 
 
+API_KEY = "sk-fragments-test-" + "0123456789abcdef"  # the server's --api-key
+
+
 class Client:
-    def __init__(self, port, model):
+    def __init__(self, port, model, api_key=API_KEY):
         import openai
-        self.port, self.model = port, model
-        self.api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        self.port, self.model, self.api_key = port, model, api_key
+        self.api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0)
 
     def complete(self, prompt, plan=None, **extra):
         body = {"return_token_ids": True, "ignore_eos": True}
@@ -151,14 +159,27 @@ class Client:
     def curl(self, body, *extra):
         out = subprocess.run(["curl", "-s", "-o", "-", "-w", "\n%{http_code}", *extra,
                               f"http://127.0.0.1:{self.port}/v1/completions", "-H", "Content-Type: application/json",
+                              "-H", f"Authorization: Bearer {self.api_key}",
                               "-d", json.dumps(dict(model=self.model, max_tokens=MAX_TOKENS, temperature=0.0, **body))],
                              capture_output=True, text=True, timeout=300).stdout
         text, _, code = out.rpartition("\n")
         return int(code), text
 
     def get(self, path):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=60) as r:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                         headers={"Authorization": f"Bearer {self.api_key}"})
+        with urllib.request.urlopen(request, timeout=60) as r:
             return json.loads(r.read())
+
+    def status(self, path, key=None):
+        """(HTTP status, JSON body) of GET `path` with `key` as the bearer token (None: no header)."""
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                                               headers=headers), timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
 
 
 def decode(frag):
@@ -214,8 +235,11 @@ def run_checks(client, prompts, vocab, work):
         bad_program = pool.submit(client.curl, {"prompt": prompts[0], "vllm_xargs": {"fragments": json.dumps(
             with_program)}})
         bad_n = pool.submit(client.curl, {"prompt": prompts[0], "n": 2, "vllm_xargs": {"fragments": json.dumps(P[0])}})
-        short = pool.submit(client.complete, prompts[2],
-                            [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@short"}])
+        short = pool.submit(client.curl, {"prompt": prompts[2], "vllm_xargs": {"fragments": json.dumps(
+            [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@short"}])}})
+        late = pool.submit(client.complete, prompts[2],  # row 50 of a short prompt: fails when it runs
+                           [{"at": "model.layers.1.mlp.down_proj.input", "do": "add", "value": "@steer",
+                             "index": "50,..."}])
         together = [f.result() for f in together]
     code, text = bad.result()
     check("B bad plan: HTTP 400 naming the location", code == 400 and "model.layers.9.mlp.down_proj.input" in text,
@@ -226,10 +250,14 @@ def run_checks(client, prompts, vocab, work):
     check("B a plan naming a Python program refused: 400", code == 400 and "program" in text, f"{code} {text[:120]}")
     code, text = bad_n.result()
     check("B n = 2 with a plan: 400", code == 400 and "n = 1" in text, f"{code} {text[:120]}")
-    sr = short.result()
-    check("B a vector that does not fit fails its request alone (200, error named)",
-          sr["fragments"] and "model.layers.1.mlp.down_proj.input" in (sr["fragments"]["error"] or ""),
-          str(sr["fragments"] and sr["fragments"]["error"])[:160])
+    code, text = short.result()
+    check("B a vector that does not fit its location: 400 at submission, naming both",
+          code == 400 and "model.layers.1.mlp.down_proj.input" in text and "@short" in text and "does not fit" in text,
+          f"{code} {text[:200]}")
+    lr = late.result()
+    check("B a step that fails when it runs fails its request alone (200, error named)",
+          lr["fragments"] and "model.layers.1.mlp.down_proj.input (add)" in (lr["fragments"]["error"] or ""),
+          str(lr["fragments"] and lr["fragments"]["error"])[:160])
     for i, (a, b) in enumerate(zip(alone, together)):
         ok, why = same(a, b)
         check(f"B request {i} ({'plan ' + str(i // 2) if i % 2 else 'plain'}) at once == alone", ok, why)
@@ -241,12 +269,20 @@ def run_checks(client, prompts, vocab, work):
     check("C @steer adds the registered vector", rel(diff, steer.expand_as(diff)) < 1e-5,
           f"rel {rel(diff, steer.expand_as(diff)):.2e}")
 
-    big = [{"at": f"model.layers.{l}.{m}.output", "do": "save", "as": f"{l}{m}"} for l in (0, 1)
-           for m in ("self_attn.qkv_proj", "mlp.gate_up_proj")]
-    r = client.complete(prompts[0], big)
-    check("D saves over the cap: null with the reason", r["fragments"]["safetensors"] is None and
-          "FRAGMENTS_VLLM_MAX_SAVE_BYTES" in (r["fragments"]["error"] or "") and r["fragments"]["bytes"] > CAP,
-          str(r["fragments"]["error"])[:160])
+    # 6 KiB a row a layer (q|k|v 512, gate|up 512, o_proj and down_proj inputs 256 each, float32): prompt 0's
+    # 4 tokens and 4 decode steps are 96 KiB, over the cap of 64
+    big = [{"at": f"model.layers.{l}.{m}", "do": "save", "as": f"{l}{m}"} for l in (0, 1)
+           for m in ("self_attn.qkv_proj.output", "mlp.gate_up_proj.output", "self_attn.o_proj.input",
+                     "mlp.down_proj.input")]
+    code, text = client.curl({"prompt": prompts[0], "ignore_eos": True, "vllm_xargs": {"fragments": json.dumps(big)}})
+    check("D saves that must pass the cap (token ids, ignore_eos): 400 up front naming the cap", code == 400 and
+          "FRAGMENTS_VLLM_MAX_SAVE_BYTES" in text, f"{code} {text[:200]}")
+    r = client.complete(prompts[0], big, stop=["no-such-word"])  # a stop string: may stop early, so it runs
+    kept = r["saves"] or {}
+    check("D saves that pass the cap when run: truncated, the reason given", r["fragments"]["safetensors"] and
+          "FRAGMENTS_VLLM_MAX_SAVE_BYTES" in (r["fragments"]["error"] or "") and 0 < r["fragments"]["bytes"] <= CAP + 4096
+          and sum(t.numel() * 4 for t in kept.values()) <= CAP, f"{r['fragments']['bytes']} bytes; "
+          f"{ {k: tuple(v.shape) for k, v in kept.items()} }; {str(r['fragments']['error'])[:160]}")
 
     code, text = client.curl({"prompt": jobs[1][0], "stream": True, "logprobs": 1, "ignore_eos": True,
                               "vllm_xargs": {"fragments": json.dumps(jobs[1][1])}}, "-D", os.path.join(work, "h.txt"))
@@ -256,6 +292,14 @@ def run_checks(client, prompts, vocab, work):
     saves = decode(streamed)
     check("E stream: key in the header, saves by id equal the unstreamed request's", code == 200 and saves is not None
           and all(bool((saves[n] == alone[1]["saves"][n]).all()) for n in alone[1]["saves"]), f"{code} key {key}")
+    again, text = client.status(f"/v1/fragments/saves/{key}", client.api_key)
+    check("E a second fetch of the same key: 410, saying they were taken", again == 410 and b"already fetched" in text,
+          f"{again} {text[:160]}")
+    unknown, text = client.status("/v1/fragments/saves/frag-" + "0" * 32, client.api_key)
+    check("E an unknown key: 404", unknown == 404 and b"no saves under" in text, f"{unknown} {text[:160]}")
+    check("E keys are unguessable: frag- and 32 hex digits (128 random bits), all different",
+          key and re.fullmatch(r"frag-[0-9a-f]{32}", key) and len({r["fragments"]["key"] for r in alone if r["fragments"]})
+          == 8, str(key))
     # F  chat completions: each plan of A through client.chat.completions.create(extra_body={"vllm_xargs":
     # ...}) on the same prompt equals that completion served alone; a bad plan is a 400 there too.
     for i in (1, 3, 5, 7):
@@ -278,52 +322,114 @@ def run_checks(client, prompts, vocab, work):
     record = client.get("/v1/fragments/model")
     check("E GET /v1/fragments/model lists locations", "model.layers.0.mlp.down_proj" in record["modules"])
     check("E GET /v1/fragments/vectors", client.get("/v1/fragments/vectors") == {"steer": [256], "short": [7]})
+    return alone, jobs
+
+
+def misuse_checks(served, client, alone, jobs):
+    """G-J (server_limits.py): auth, hostile bodies, clients that leave, /metrics; then K, the short versions
+    of the fuzz run (server_fuzz.py: 300 bodies) and the load run (server_load.py: 16 clients, 20 s)."""
+    import server_fuzz
+    import server_limits
+    import server_load
+    server_limits.check_auth(client)
+    server_limits.check_hostile(client, served.proc.pid)
+    after = client.complete(jobs[0][0])
+    check("H a plain request after the hostile bodies equals its answer before", same(after, alone[0])[0],
+          same(after, alone[0])[1])
+    server_limits.check_leaving(client, jobs[1][0])
+    server_limits.check_metrics(client)
+    print("K", json.dumps(server_fuzz.run(client, served.proc.pid, 300, 1, 8, served.vocab))[:400], flush=True)
+    print("K", json.dumps(server_load.load(served, 16, 1 / 3, TTL))[:400], flush=True)
+
+
+class Served:
+    """A tiny Llama (write_model), its steering vectors ("steer" fits layer 1's down-projection input,
+    "short" fits nothing) and `vllm serve` on it at tensor_parallel_size `tp`, on a free 127.0.0.1 port, in a
+    fresh folder: `env` adds settings, `args` flags. server_fuzz.py, server_load.py and server_faults.py start
+    theirs the same way."""
+
+    def __init__(self, tp, name="serve", env=None, args=(), port=None):
+        import torch
+        from safetensors.torch import save_file
+        import families
+        self.tp = tp
+        self.work = tempfile.mkdtemp(prefix=f"frag-vllm-{name}-tp{tp}-")
+        self.folder = os.path.join(self.work, "model")
+        self.vocab = families.config("llama").vocab_size
+        write_model(self.folder, self.vocab)
+        g = torch.Generator().manual_seed(3)
+        self.vectors = os.path.join(self.work, "vectors.safetensors")
+        save_file({"steer": torch.randn(256, generator=g) * 0.5, "short": torch.ones(7)}, self.vectors)
+        # token ids (the completions API takes them): the checks do not depend on how the tokenizer splits text
+        self.prompts = [torch.randint(3, self.vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
+        site = plugin_dist(os.path.join(self.work, "site"))
+        self.env = dict(os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.join(HERE, "..", "..", "..", "python"),
+                                                  self.env.get("PYTHONPATH", "")])
+        cores = os.cpu_count() or 1
+        self.env.update(VLLM_CPU_KVCACHE_SPACE="1", FRAGMENTS_VLLM_VECTORS=self.vectors, HF_HUB_OFFLINE="1",
+                        VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(tp)) if tp > 1
+                        else f"0-{cores - 1}", **(env or {}))
+        self.args = list(args)
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.proc = None
+        self.start()
+
+    def start(self):
+        """(Re)starts the server; returns the seconds until /health answered."""
+        self.log = open(os.path.join(self.work, "serve.log"), "a")
+        import psutil
+        self.proc, self.start_s = start_server(self.folder, self.tp, self.port, self.env, self.log, self.args)
+        self.tree = psutil.Process(self.proc.pid).children(recursive=True)  # the engine and workers it started
+        print(f"engine start {self.start_s:.1f} s (log {self.log.name})", flush=True)
+        return self.start_s
+
+    def client(self):
+        return Client(self.port, self.folder)
+
+    def stop(self):
+        """Ends the server and every process it started (vLLM's engine and workers)."""
+        import psutil
+        if self.proc is None:
+            return
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        children += [p for p in self.tree if p.pid not in {c.pid for c in children}]  # orphans of a dead server
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        for child in psutil.wait_procs(children, timeout=30)[1]:  # still alive after the server went
+            child.kill()
+        self.proc = None
+
+    def done(self, failed):
+        self.stop()
+        if not failed:
+            shutil.rmtree(self.work, ignore_errors=True)  # kept on failure: the server's log is in it
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
     args = ap.parse_args()
-    import torch
-    from safetensors.torch import save_file
-    import families
-
-    work = tempfile.mkdtemp(prefix=f"frag-vllm-serve-tp{args.tp}-")
-    folder = os.path.join(work, "model")
-    vocab = families.config("llama").vocab_size
-    write_model(folder, vocab)
-    g = torch.Generator().manual_seed(3)
-    save_file({"steer": torch.randn(256, generator=g) * 0.5, "short": torch.ones(7)},
-              os.path.join(work, "vectors.safetensors"))
-    # token ids (the completions API takes them): the test does not depend on how the tokenizer splits text
-    prompts = [torch.randint(3, vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
-
-    site = plugin_dist(os.path.join(work, "site"))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([site, os.path.join(HERE, "..", "..", "..", "python"),
-                                         env.get("PYTHONPATH", "")])
-    cores = os.cpu_count() or 1
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", FRAGMENTS_VLLM_VECTORS=os.path.join(work, "vectors.safetensors"),
-               FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(args.tp)) if args.tp > 1
-               else f"0-{cores - 1}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.path.join(work, "serve.log"), "w")
-    proc, start_s = start_server(folder, args.tp, port, env, log)
-    print(f"engine start {start_s:.1f} s (log {log.name})", flush=True)
+    served = Served(args.tp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), FRAGMENTS_VLLM_SAVES_TTL=str(TTL),
+                                      FRAGMENTS_VLLM_MAX_BODY_BYTES=str(8 << 20)))
     try:
-        run_checks(Client(port, folder), prompts, vocab, work)
+        client = served.client()
+        alone, jobs = run_checks(client, served.prompts, served.vocab, served.work)
+        misuse_checks(served, client, alone, jobs)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    print(json.dumps({"tp": args.tp, "engine_start_s": round(start_s, 1), "failed": FAILED}))
-    if not FAILED:
-        shutil.rmtree(work, ignore_errors=True)  # kept on failure: the server's log is in it
+        served.done(FAILED)
+    print(json.dumps({"tp": args.tp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
     sys.exit(1 if FAILED else 0)
 
 

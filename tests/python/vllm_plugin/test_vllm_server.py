@@ -1,8 +1,10 @@
 """fragments through vLLM's OpenAI server on vLLM's CPU build (server_check.py: one `vllm serve DIR
 --tensor-parallel-size N` per case; the official openai client and curl, 127.0.0.1 only).
 
-Default tier (CI): a tiny Llama at tp 1 (one engine start, ~2-3 min on 2 shared cores). FRAG_SLOW=1 adds
-tp 2. Skipped, loudly, where vLLM, the openai client, curl or the extension is missing.
+Default tier (CI): a tiny Llama at tp 1 (one engine start, ~2 min on 2 shared cores, 109-119 s measured with
+issue 40's stages: the api key on every fragments route, hostile bodies, clients that leave, /metrics, 300
+fuzzed bodies, 16 clients for 20 s). FRAG_SLOW=1 adds tp 2. Skipped, loudly, where vLLM, the openai client,
+curl or the extension is missing. The long runs: test_vllm_server_stress.py (slow tier).
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_server.py
 """

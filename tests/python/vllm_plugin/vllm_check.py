@@ -12,14 +12,15 @@ fragments.vllm:register), submits in ONE batch:
   R2 an editing plan on prompt B: v head 1 of layer 0 scaled by 0.5 ("segment"/"heads"), a vector added
      to layer 1's MLP down-projection input at every step; saves layer 1's qkv output at prefill and the
      logits at every step
-and R3, a plan whose value does not fit its location (it fails in the workers, alone), then a request
-whose plan names a rank-local location (refused at submission, the engine unharmed) and
-a last plain request. It checks, printing one line per check and exiting non-zero on any failure:
+and R3, a plan whose index is out of range at run time (it fails in the workers, alone), then a request
+whose plan names a rank-local location and one whose value does not fit its location's width (each refused
+at submission, alone, the prompt beside it served; the engine unharmed) and a last plain request. It checks, printing one line per check and exiting non-zero on any failure:
   every saved whole value equals transformers' within 1e-5 relative (max abs diff / max abs value);
   R1's tokens and logprobs equal R0's exactly; decode-step rows equal transformers' forward over the
   prompt plus the generated tokens; R2's tokens equal transformers' greedy generation under the same
-  edits and its saves equal the hooked transformers values; the bad plan raised ValueError and a later
-  request still ran.
+  edits and its saves equal the hooked transformers values; every saved value's width is the model record's
+  ("widths": what the submission check holds values to); the bad plans were refused and a later request
+  still ran.
 """
 import argparse
 import json
@@ -176,10 +177,10 @@ def main():
               any(".attn." in k or k.endswith(".attn.output") for k in info["refused"]), str(list(info["refused"])[:4]))
 
     tokens = {"max_tokens": args.max_tokens, "temperature": 0.0, "logprobs": 2}
-    # R3: a plan that passes the submission check but cannot run (its value does not fit the location):
-    # it fails in the workers, that request alone, on every rank alike.
+    # R3: a plan that passes the submission check but cannot run (row 50 of a 5-token prompt): it fails in
+    # the workers, that request alone, on every rank alike.
     save_file({"w": torch.ones(7)}, os.path.join(work, "bad.safetensors"))
-    plan_unfit = [{"at": f"{down1}.input", "do": "add", "value": "bad.safetensors:w"}]
+    plan_unfit = [{"at": f"{down1}.input", "do": "add", "value": "bad.safetensors:w", "index": "50,..."}]
     outs = fv.generate(llm, [{"prompt_token_ids": prompt_a}, {"prompt_token_ids": prompt_a},
                              {"prompt_token_ids": prompt_b}, {"prompt_token_ids": prompt_b}],
                        [None, {"interventions": plan_read}, {"interventions": plan_edit, "base": work},
@@ -231,14 +232,27 @@ def main():
     worst = check_saves(hf, reader, locs, prompt_a, r1, down0_in)
     worst = max(worst, check_edit(hf, edit, prompt_b, r2, args.max_tokens))
 
-    # a bad plan fails that request alone, before it runs
+    # a bad plan fails that request alone, before it runs; the prompt beside it runs
     refused = next(iter(info["refused"]), None) if args.tp > 1 else None
     bad = [{"at": refused or "model.no_such_module.output", "do": "save", "as": "x"}]
-    try:
-        fv.generate(llm, [{"prompt_token_ids": prompt_a}], [bad], max_tokens=2, temperature=0.0)
-        check("bad plan refused at submission", False, "no error")
+    unfit = {"interventions": [{"at": f"{down1}.input", "do": "add", "value": "bad.safetensors:w"}], "base": work}
+    out = fv.generate(llm, [{"prompt_token_ids": prompt_a}] * 3, [bad, None, unfit], **tokens)
+    check("bad plan refused at submission, alone", isinstance(out[0], fv.Refused) and "fragments plan" in
+          out[0].fragments_error and list(out[1].outputs[0].token_ids) == t0_ids, repr(out[0])[:200])
+    check("a value that does not fit its location refused at submission", isinstance(out[2], fv.Refused) and
+          "does not fit" in out[2].fragments_error, repr(out[2])[:200])
+    widths = info.get("widths", {})
+    at = {**{name: name for name in r1.fragments}, "final_logits": "logits_processor.output", "down0_all": down0_in}
+    known = {name: at[name] for name in r1.fragments if at[name] in widths}
+    off = {name: (widths[loc], tuple(r1.fragments[name].shape)) for name, loc in known.items()
+           if r1.fragments[name].shape[-1] != widths[loc]}
+    check("every saved value's width is the model record's", not off and len(known) >= 5,
+          f"{len(known)} of {len(r1.fragments)} saves have a known width; off: {str(off)[:300]}")
+    try:  # vLLM's own validator refuses it too (LLM.generate without the helper)
+        llm.generate([{"prompt_token_ids": prompt_a}], fv.sampling_params(bad, max_tokens=2), use_tqdm=False)
+        check("bad plan refused by vLLM's validator", False, "no error")
     except ValueError as e:
-        check("bad plan refused at submission", "fragments plan" in str(e), str(e)[:200])
+        check("bad plan refused by vLLM's validator", "fragments plan" in str(e), str(e)[:200])
     after = fv.generate(llm, [{"prompt_token_ids": prompt_a}], [None], **tokens)[0]
     check("engine unharmed after a bad plan", list(after.outputs[0].token_ids) == t0_ids)
 

@@ -1,0 +1,259 @@
+"""Saves waiting in a vLLM worker for their caller, bounded in bytes, count and time (docs/vllm.md).
+
+A request's saves are kept per key from the moment its plan first runs (`open`) and leave the store in one
+of five ways, each once:
+  take(key)        the caller fetches them: the server's answer, GET /v1/fragments/saves/{key},
+                   fragments.vllm.take_saves; a second fetch is told they were taken
+  drop(key, why)   the server gives them up (a client that disconnected mid-stream)
+  expiry           not fetched FRAGMENTS_VLLM_SAVES_TTL seconds after the request finished
+  eviction         a new save or request would pass FRAGMENTS_VLLM_SAVES_MAX_BYTES or
+                   FRAGMENTS_VLLM_SAVES_MAX_REQUESTS: finished requests' saves go first, oldest first
+A request whose saves would pass FRAGMENTS_VLLM_MAX_SAVE_BYTES keeps what it saved before (truncated, the
+reason in its error). What left without being taken is remembered by key (a bounded list), so a later
+fetch says why (the server answers 410) instead of looking like a request that saved nothing; each drop is
+logged and counted by reason.
+
+Rank 0 answers the caller; the other ranks' saves are equal copies nobody reads, so their stores keep
+the bookkeeping (keys, errors) and no tensors (keep=False).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from typing import Callable, Dict, List, Optional
+
+log = logging.getLogger("fragments.vllm")
+
+# name -> (default, what it bounds); docs/vllm.md lists them beside the server's other settings
+SETTINGS = {
+    "FRAGMENTS_VLLM_MAX_SAVE_BYTES": (16 << 20, "bytes of tensors one request may save"),
+    "FRAGMENTS_VLLM_SAVES_MAX_BYTES": (256 << 20, "bytes of saves the server holds for all requests"),
+    "FRAGMENTS_VLLM_SAVES_MAX_REQUESTS": (1024, "requests whose saves the server holds"),
+    "FRAGMENTS_VLLM_SAVES_TTL": (300, "seconds a finished request's saves wait to be fetched"),
+}
+
+# Drop reasons, the label of the saves-dropped counter (fragments:saves_dropped_total{reason})
+EXPIRED, STORE_FULL, TOO_MANY, REQUEST_CAP, DISCONNECTED = \
+    "expired", "store_full", "too_many_requests", "request_cap", "disconnected"
+
+
+def setting(name: str) -> int:
+    """A positive integer setting from the environment, or its default; ValueError in one line naming it."""
+    default, what = SETTINGS[name]
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name}={text!r}: expected a positive whole number ({what}; default {default})")
+    return value
+
+
+class _Record:
+    __slots__ = ("saves", "error", "bytes", "truncated")
+
+    def __init__(self, error: Optional[str]):
+        self.saves: Dict[str, list] = {}
+        self.error, self.truncated, self.bytes = error, None, 0
+
+
+class SavesStore:
+    """The saves of one worker's requests, by key (module docstring)."""
+
+    def __init__(self, keep: bool = True, clock: Callable[[], float] = time.monotonic,
+                 copy: Optional[Callable] = None, wait: Optional[Callable[[], None]] = None):
+        self.keep = keep
+        # how a kept save leaves the device (the worker's: a GPU value into pinned memory without waiting), and
+        # what take waits for before the copies are read
+        self._copy = copy or (lambda t: t.detach().to("cpu", copy=True))
+        self._wait = wait
+        self.request_bytes = setting("FRAGMENTS_VLLM_MAX_SAVE_BYTES")
+        self.max_bytes = setting("FRAGMENTS_VLLM_SAVES_MAX_BYTES")
+        self.max_requests = setting("FRAGMENTS_VLLM_SAVES_MAX_REQUESTS")
+        self.ttl = setting("FRAGMENTS_VLLM_SAVES_TTL")
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: Dict[str, _Record] = {}
+        self._finished: "OrderedDict[str, float]" = OrderedDict()  # key -> when it finished, oldest first
+        self._gone: "OrderedDict[str, tuple]" = OrderedDict()  # key -> (status, why): taken or dropped
+        self.bytes = 0
+        self.dropped: Counter = Counter()  # reason -> requests whose saves were dropped or truncated
+        self.dropped_bytes = 0
+
+    # ---- what the worker's steps call ----------------------------------------------------------------
+    def open(self, key: str, error: Optional[str] = None) -> None:
+        """A request with a plan appeared (its first step). A key taken before starts afresh (fragments.vllm's
+        callers may reuse keys); a dropped one stays dropped (a request aborted before it first ran)."""
+        with self._lock:
+            self._expire()
+            if key in self._records or self._gone.get(key, ("",))[0] == "dropped":
+                return
+            self._gone.pop(key, None)
+            if len(self._records) >= self.max_requests:
+                self._evict(lambda: len(self._records) < self.max_requests, TOO_MANY)
+            if len(self._records) >= self.max_requests:  # all held requests are running: this one keeps nothing
+                self._forget(key, TOO_MANY, 0,
+                             f"the server already holds the saves of {self.max_requests} running requests "
+                             "(FRAGMENTS_VLLM_SAVES_MAX_REQUESTS)")
+                return
+            self._records[key] = _Record(error)
+
+    def add(self, key: str, name: str, tensor, copied: bool = False) -> None:
+        """One step's rows of a save (this rank's whole value); copied to the host when kept (`copied`: the
+        tensor is that copy already, e.g. a view of one copy made for several requests' rows)."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:  # taken, dropped or never opened: a late step of an aborted request
+                return
+            if not self.keep or record.truncated:
+                return
+            size = tensor.numel() * tensor.element_size()
+            if record.bytes + size > self.request_bytes:
+                self._truncate(key, record, REQUEST_CAP,
+                               f"saves truncated: {name} would bring them past {self.request_bytes} bytes "
+                               "(FRAGMENTS_VLLM_MAX_SAVE_BYTES); the rows of later steps were not kept")
+                return
+            if self.bytes + size > self.max_bytes:
+                self._evict(lambda: self.bytes + size <= self.max_bytes, STORE_FULL, spare=key)
+            if self.bytes + size > self.max_bytes:
+                self._truncate(key, record, STORE_FULL,
+                               f"saves truncated: the server's saves store is full ({self.max_bytes} bytes, "
+                               "FRAGMENTS_VLLM_SAVES_MAX_BYTES); the rows of later steps were not kept")
+                return
+            record.saves.setdefault(name, []).append(tensor if copied else self._copy(tensor))
+            record.bytes += size
+            self.bytes += size
+
+    def fail(self, key: str, message: str) -> str:
+        """A step of the request failed: the first failure is its error. Returns that error."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:
+                return message
+            record.error = record.error or message
+            return record.error
+
+    def finish(self, key: str) -> None:
+        """The request finished in the engine (done or aborted): its saves now only wait for the caller."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is not None and key not in self._finished:
+                self._finished[key] = self._clock()
+
+    # ---- what the caller calls (RPC) -----------------------------------------------------------------
+    def take(self, key: str) -> dict:
+        """{"status": "ok" | "taken" | "dropped" | "unknown", "error", "data": safetensors bytes or None,
+        "bytes": tensor bytes}. A key fetches its saves once."""
+        with self._lock:
+            self._expire()
+            record = self._pop(key)
+            if record is None:
+                status, why = self._gone.get(key, ("unknown", None))
+                return {"status": status, "error": why, "data": None, "bytes": 0}
+            if self._wait is not None and record.saves:
+                self._wait()
+            self._remember(key, "taken", f"the saves of {key} were already fetched (a key fetches its saves once)")
+        return {"status": "ok", "error": "; ".join(filter(None, (record.error, record.truncated))) or None,
+                "data": _serialize(record.saves) if self.keep else None, "bytes": record.bytes}
+
+    def drop(self, key: str, reason: str, why: str) -> None:
+        """The server gives up the saves of `key` (e.g. its client disconnected); later steps keep nothing,
+        also when the request has not run yet."""
+        with self._lock:
+            record = self._pop(key)
+            self._forget(key, reason, record.bytes if record is not None else 0, why)
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._expire()
+            return {"requests": len(self._records), "running": len(self._records) - len(self._finished),
+                    "bytes": self.bytes, "dropped": dict(self.dropped), "dropped_bytes": self.dropped_bytes,
+                    "remembered": len(self._gone)}
+
+    # ---- inside (the lock held) ----------------------------------------------------------------------
+    def _pop(self, key: str) -> Optional[_Record]:
+        record = self._records.pop(key, None)
+        if record is not None:
+            self._finished.pop(key, None)
+            self.bytes -= record.bytes
+        return record
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._finished:
+            key, finished = next(iter(self._finished.items()))
+            if now - finished < self.ttl:
+                break
+            record = self._pop(key)
+            self._forget(key, EXPIRED, record.bytes,
+                         f"the saves of {key} expired: not fetched within {self.ttl} s of the request's end "
+                         "(FRAGMENTS_VLLM_SAVES_TTL)")
+
+    def _evict(self, enough: Callable[[], bool], reason: str, spare: Optional[str] = None) -> None:
+        """Drops finished requests' saves, oldest first, until enough() holds."""
+        for key in [k for k in self._finished if k != spare]:
+            if enough():
+                return
+            record = self._pop(key)
+            why = (f"the saves of {key} were dropped unfetched to make room: the server holds at most "
+                   + (f"{self.max_bytes} bytes of saves (FRAGMENTS_VLLM_SAVES_MAX_BYTES)" if reason == STORE_FULL
+                      else f"{self.max_requests} requests' saves (FRAGMENTS_VLLM_SAVES_MAX_REQUESTS)"))
+            self._forget(key, reason, record.bytes, why)
+
+    def _truncate(self, key: str, record: _Record, reason: str, why: str) -> None:
+        record.truncated = why
+        self.dropped[reason] += 1
+        if self.keep:
+            log.warning("fragments: %s: %s", key, why)
+
+    def _forget(self, key: str, reason: str, size: int, why: str) -> None:
+        self.dropped[reason] += 1
+        self.dropped_bytes += size
+        self._remember(key, "dropped", why)
+        if self.keep:
+            log.warning("fragments: %s (%d bytes)", why, size)
+
+    def _remember(self, key: str, status: str, why: str) -> None:
+        self._gone[key] = (status, why)
+        self._gone.move_to_end(key)
+        while len(self._gone) > 4 * self.max_requests:
+            self._gone.popitem(last=False)
+
+
+def _serialize(saves: Dict[str, List]) -> Optional[bytes]:
+    """name -> its parts in step order, as one safetensors file (rows concatenated; scalars stacked)."""
+    import torch
+    from safetensors.torch import save
+    if not saves:
+        return None
+    return save({name: torch.cat(parts, 0).contiguous() if parts[0].dim() > 0 else torch.stack(parts)
+                 for name, parts in saves.items()})
+
+
+def install_rpc() -> None:
+    """Gives vLLM's workers `fragments_saves` (collective_rpc finds worker methods by name): "drop" gives up
+    keys' saves (the server's disconnected streams), "stats" reports this rank's store and its live plans
+    and hooks (the server's /metrics and the tests read them). Idempotent."""
+    from vllm.v1.worker import worker_base
+
+    def fragments_saves(self, op: str, keys=(), reason: str = DISCONNECTED, why: str = ""):
+        from . import _worker
+        state = _worker.current
+        if state is None:
+            return None
+        if op == "drop":
+            for key in keys:
+                state.saves.drop(key, reason, why)
+            return True
+        if op == "stats":
+            plans = getattr(state, "plans", {})
+            return {"rank": state.rank, **state.saves.stats(),
+                    "plans": sum(p is not None for p in plans.values()), "hooks": len(getattr(state, "hooks", ()))}
+        raise ValueError(f"fragments_saves: unknown op {op!r}")
+    worker_base.WorkerBase.fragments_saves = fragments_saves
