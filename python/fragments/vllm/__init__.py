@@ -160,8 +160,9 @@ def take_saves(llm, keys: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     """The saves of finished requests, by key (rank 0's copy; every rank drops its own). Each entry is
     {"error": str|None, "saves": {name: tensor}}."""
     from safetensors.torch import load
+    from ._stages import merge_takes
     answers = llm.collective_rpc("fragments_take_saves", args=(list(keys),))
-    first = next((a for a in answers if a is not None), None)
+    first = merge_takes(answers, keys) if any(a is not None for a in answers) else None  # every stage's
     if first is None:
         raise RuntimeError("fragments: no worker answered fragments_take_saves; is the plugin loaded?")
     return {key: {"error": v["error"], "saves": load(v["data"]) if v["data"] else {}} for key, v in first.items()}

@@ -32,12 +32,17 @@ def _after_load(worker) -> None:
         _worker.current = _worker.WorkerState(runner, model)
     runner._fragments = _worker.current
     directory = os.environ.get("FRAGMENTS_VLLM_DIR")
-    if directory and _worker.current.rank == 0:
+    if directory and _global_rank() == 0:  # one writer: its record holds every pipeline stage's locations
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".model.{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(_worker.current.model_record(), f)
         os.replace(tmp, os.path.join(directory, "model.json"))
+
+
+def _global_rank() -> int:
+    from vllm.distributed import get_world_group
+    return get_world_group().rank_in_group
 
 
 def _wrap(cls, name, make):

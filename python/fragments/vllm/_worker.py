@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from . import _layers, _plan, _python, _runner, _saves
+from . import _layers, _plan, _python, _runner, _saves, _stages
 
 log = logging.getLogger("fragments.vllm")
 
@@ -57,6 +57,8 @@ class WorkerState:
         self.tp = get_tp_group()
         self.rank = self.tp.rank_in_group
         self.world = self.tp.world_size
+        self.pp = _stages.pp_group()  # None at pipeline_parallel_size 1
+        self.stage = self.pp.rank_in_group if self.pp is not None else 0
         described = _layers.describe(model)
         self.table = json.loads(_C.classify_layers(described, "vLLM model"))
         self.qkv_attributes = _layers.qkv_attributes(described)
@@ -89,16 +91,34 @@ class WorkerState:
             self._place_taps()
             from . import _compile
             _compile.watch_dynamo()
+        # every stage's locations (a collective over the pipeline group at pp > 1: _stages.exchange)
+        local = self._local_record()
+        if self.pp is not None:  # module order: which stage calls a module every stage holds (_stages.stage_of)
+            local["order"] = [p for p in self.modules if p in set(local["modules"])]
+        self._record = _stages.exchange(local)
+        self.stage_of: Dict[str, int] = self._record.get("stage", {})
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
+        return self._record
+
+    def _local_record(self) -> dict:
+        """This stage's locations (at pp > 1 only the modules it really holds: _stages.owned)."""
+        owned = _stages.owned(self.model) if self.pp is not None else set(self.modules)
         return {"format": "fragments.vllm/1", "tp_size": self.world, "compiled": self.compiled,
                 "runner": self.view.kind, "device": str(self.device), "graphs": self.graphs,
                 "table": self.table, "qkv_attributes": self.qkv_attributes,
-                "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
-                "refused": self.refused, "modules": sorted(p for p in self.modules if p),
-                "logits_modules": self.logits_modules, "taps": self.taps,
-                "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
+                "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()
+                               if loc.rpartition(".")[0] in owned},
+                "refused": {loc: why for loc, why in self.refused.items() if loc.rpartition(".")[0] in owned},
+                "modules": sorted(p for p in owned if p),
+                "logits_modules": [p for p in self.logits_modules if p in owned], "taps": self.taps,
+                "widths": _layers.widths({p: m for p, m in self.modules.items() if p in owned},
+                                         self.runner.model_config.get_hidden_size())}
+
+    def here(self, location: str) -> bool:
+        """Whether this worker's stage acts at `location` (always at pipeline_parallel_size 1)."""
+        return self.stage_of.get(location, self.stage) == self.stage
 
     # ---- the step -----------------------------------------------------------------------------------
     def begin_step(self, scheduler_output):
@@ -138,7 +158,7 @@ class WorkerState:
 
     def _sync_hooks(self):
         wanted = set() if self.compiled else \
-            {s.at for p in self.plans.values() if p is not None and not p.error for s in p.steps}
+            {s.at for p in self.plans.values() if p is not None and not p.error for s in p.steps if self.here(s.at)}
         for location in set(self.hooks) - wanted:
             self.hooks.pop(location).remove()
         for location in wanted - set(self.hooks):
@@ -165,7 +185,7 @@ class WorkerState:
                 continue
             step = row.step
             for s in plan.steps:
-                if not s.runs_at(step):
+                if not s.runs_at(step) or not self.here(s.at):
                     continue
                 if s.logits:  # the logits processor sees one row per request: its sampled position
                     if row.samples:
@@ -184,9 +204,9 @@ class WorkerState:
         spec = extra.get(_plan.EXTRA_KEY)
         plan = None
         if spec is not None:
-            if self._record is None:
-                self._record = self.model_record()
-            plan = _plan.RequestPlan.parse(spec, req_id, self._record, set(self.modules))
+            # checked against every stage's locations (the front end's record), acted on at this stage's
+            plan = _plan.RequestPlan.parse(spec, req_id, self._record,
+                                           None if self.pp is not None else set(self.modules))
             _python.attach(self, plan, spec)  # a VLLM trace's Python steps (.apply, edits read from locations)
             for s in plan.steps:  # values (files, registered vectors) onto the model's device, once
                 if isinstance(getattr(s, "value", None), torch.Tensor):
@@ -417,11 +437,19 @@ class WorkerState:
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:
         """Runs `modules` in turn on a whole tensor (safetensors bytes, "x") after a forward: the logit lens
         of fragments.vllm.VLLM. Replicated modules run as they are; the LM head through the model's logits
-        processor (vLLM's own gather and scaling). Every rank runs it (the head's collective); rank 0
-        answers {"error", "data"} ("y"), the others None."""
+        processor (vLLM's own gather and scaling). Every rank of the stage holding the modules runs it (the
+        head's collective; at pp > 1 the caller's value was sent to every worker and the last stage's run
+        the lens); that stage's rank 0 answers {"error", "data"} ("y"), the others None."""
         from safetensors.torch import load, save
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        stages = {self.stage_of.get(f"{p}.output", self.stage) for p in modules}
+        if len(stages) > 1:  # every rank of every stage answers the same refusal
+            answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): these modules sit on different "
+                      f"pipeline stages ({sorted(stages)}); call each stage's modules on its own", "data": None}
+            return answer if self.rank == 0 else None
+        if stages and stages != {self.stage}:  # pp > 1: the stage holding the modules runs and answers
+            return None
         try:
             x = load(data)["x"].to(self.device)
             with torch.no_grad(), set_current_vllm_config(self.runner.vllm_config):

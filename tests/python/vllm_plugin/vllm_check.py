@@ -129,13 +129,14 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (vLLM's mp executor)")
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix=f"frag-vllm-{args.family}-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    engine_env.setup(args.tp)
+    engine_env.setup(args.tp * args.pp)
 
     import torch
     from safetensors.torch import save_file
@@ -159,7 +160,7 @@ def main():
     plan_edit = edit.plan()
 
     t0 = time.time()
-    llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
+    llm = LLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, enforce_eager=True, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
               max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs())
     start_s = time.time() - t0
     print(f"engine start {start_s:.1f} s ({engine_env.describe()})", flush=True)
