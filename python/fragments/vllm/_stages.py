@@ -133,13 +133,17 @@ def agree(record: dict) -> None:
                            f"stages (digest per global rank: {digests}); every rank must classify alike")
 
 
-def merge_takes(answers, keys) -> Dict[str, dict]:
+def merge_takes(answers, keys, cap: Optional[int] = None) -> Dict[str, dict]:
     """fragments_take_saves' answers (one per rank; None from ranks that keep no tensors) merged per key: at
-    pipeline_parallel_size > 1 each stage's tensor-parallel rank 0 answers with its own stage's saves."""
+    pipeline_parallel_size > 1 each stage's tensor-parallel rank 0 answers with its own stage's saves. Each stage
+    holds at most FRAGMENTS_VLLM_MAX_SAVE_BYTES of a request (`cap`); together they may pass it, so whole saves
+    are kept in stage order up to the cap and the others dropped, the reason in the request's error."""
     from safetensors.torch import load, save
+    from ._saves import setting
     answers = [a for a in answers if a is not None]
     if len(answers) <= 1:
         return answers[0] if answers else {}
+    cap = cap if cap is not None else setting("FRAGMENTS_VLLM_MAX_SAVE_BYTES")
     out: Dict[str, dict] = {}
     for key in keys:
         entries = [a[key] for a in answers if key in a]
@@ -147,11 +151,19 @@ def merge_takes(answers, keys) -> Dict[str, dict]:
         if not ok:
             out[key] = entries[0]
             continue
-        tensors = {}
+        tensors, size, dropped = {}, 0, []
         for e in ok:
-            if e["data"]:
-                tensors.update(load(e["data"]))
+            for name, t in (load(e["data"]) if e["data"] else {}).items():
+                n = t.numel() * t.element_size()
+                if size + n > cap:
+                    dropped.append(name)
+                    continue
+                tensors[name] = t
+                size += n
         errors = [e["error"] for e in entries if e["error"]]
+        if dropped:
+            errors.append(f"saves truncated: the pipeline stages' saves together would pass {cap} bytes "
+                          f"(FRAGMENTS_VLLM_MAX_SAVE_BYTES); {', '.join(dropped)} not kept")
         out[key] = {"status": "ok", "error": "; ".join(dict.fromkeys(errors)) or None,
-                    "data": save(tensors) if tensors else None, "bytes": sum(e["bytes"] for e in ok)}
+                    "data": save(tensors) if tensors else None, "bytes": size}
     return out

@@ -87,16 +87,17 @@ class WorkerState:
         self.graphs = "none"  # compiled mode: how taps meet CUDA graphs (_tap.arrange_graphs)
         self.tap_calls: Dict[str, int] = {}
         self.forwards = 0  # compiled mode: forwards in which a plan acted
-        if self.compiled:
-            self._place_taps()
-            from . import _compile
-            _compile.watch_dynamo()
         # every stage's locations (a collective over the pipeline group at pp > 1: _stages.exchange)
         local = self._local_record()
         if self.pp is not None:  # module order: which stage calls a module every stage holds (_stages.stage_of)
             local["order"] = [p for p in self.modules if p in set(local["modules"])]
         self._record = _stages.exchange(local)
         self.stage_of: Dict[str, int] = self._record.get("stage", {})
+        if self.compiled:  # taps chosen over every stage's locations (the same on every rank), placed at its own
+            self._place_taps()
+            self._record.update(taps=self.taps, graphs=self.graphs)
+            from . import _compile
+            _compile.watch_dynamo()
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
@@ -368,13 +369,14 @@ class WorkerState:
         patterns = extra.get(_tap.TAPS_KEY, []) if isinstance(extra, dict) else []
         if not patterns:
             return
-        candidates = {f"{p}.{side}" if p else side for p in self.modules for side in ("input", "output")}
-        candidates -= {f"{p}.input" for p in self.logits_modules}  # vLLM passes the LM head module there
-        self.taps = _tap.select(patterns, candidates, self.refused)
+        modules = self._record["modules"] if self.pp is not None else self.modules  # every stage's
+        candidates = {f"{p}.{side}" if p else side for p in modules for side in ("input", "output")}
+        candidates -= {f"{p}.input" for p in self._record["logits_modules"]}  # vLLM passes the LM head module there
+        self.taps = _tap.select(patterns, candidates, self._record["refused"])
         self.graphs = _tap.arrange_graphs(self.runner.vllm_config.compilation_config)
         self.view.guard_graphs(lambda: self.editing)
         self.tap_calls = {loc: 0 for loc in self.taps}
-        _tap.place(self.modules, self.taps)
+        _tap.place(self.modules, [t for t in self.taps if self.here(t)])
         _tap.body = self.tap_body
 
     def tap_body(self, location: str, x) -> None:

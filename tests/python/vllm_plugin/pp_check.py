@@ -3,6 +3,11 @@ executor) against transformers' hooks, through fragments.vllm.VLLM (tracing) and
 
     python pp_check.py TP PP [--nnodes 2]
 
+--nnodes 2: the engine spread over two "nodes" on this machine through vLLM's own multi-node mp executor: node 1
+is `vllm serve DIR --headless --nnodes 2 --node-rank 1 --master-addr 127.0.0.1` (its workers only), node 0 this
+process's LLM(..., nnodes=2, node_rank=0); with TP 2 PP 1 the tensor-parallel group spans the nodes, with TP 1
+PP 2 each stage is a node.
+
 A tiny 4-layer Llama (transformers' save_pretrained), fp32, eager, at tensor_parallel_size TP and
 pipeline_parallel_size PP (at PP 2: layers 0-1 on stage 0, 2-3 on stage 1):
   inspect: every location's stage ("stage"), the stages' layer spans, the embedding on the first stage and the
@@ -68,12 +73,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
     ap.add_argument("pp", type=int)
+    ap.add_argument("--nnodes", type=int, default=1)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix=f"frag-vllm-pp{args.pp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    engine_env.setup(args.tp * args.pp)
+    engine_env.setup(args.tp * args.pp // args.nnodes)
 
     import torch
     import families
@@ -85,8 +91,13 @@ def main():
     cfg = write_llama(folder)
     prompt = torch.randint(1, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
     t0 = time.time()
+    engine = dict(max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0)
+    node1 = None
+    if args.nnodes > 1:
+        node1, nodes = start_node1(folder, args, engine, work)
+        engine.update(nodes)
     model = VLLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, skip_tokenizer_init=True,
-                 max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0)
+                 **engine)
     print(f"engine start {time.time() - t0:.1f} s (tp {args.tp} pp {args.pp})", flush=True)
     info = fv.inspect(model.llm)
     check_inspect(info, args.pp)
@@ -133,8 +144,47 @@ def main():
     answer = next(a for a in answers if a is not None)
     check("a module call spanning stages is refused with one line", args.pp == 1 or (
         answer["error"] and "different pipeline stages" in answer["error"]), str(answer["error"])[:200])
-    print(json.dumps({"tp": args.tp, "pp": args.pp, "failed": FAILED}), flush=True)
+    print(json.dumps({"tp": args.tp, "pp": args.pp, "nnodes": args.nnodes, "failed": FAILED}), flush=True)
+    if node1 is not None:
+        stop(node1)
     return 1 if FAILED else 0
+
+
+def start_node1(folder, args, engine, work):
+    """The second node's workers: vLLM's own headless command (its mp executor, no API server), on one core of
+    its own (node 0's workers take the other). Returns (process, LLM kwargs of node 0)."""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = dict(nnodes=args.nnodes, node_rank=0, master_addr="127.0.0.1", master_port=port,
+                 distributed_executor_backend="mp")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", folder, "--headless", "--nnodes",
+           str(args.nnodes), "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--tensor-parallel-size", str(args.tp), "--pipeline-parallel-size", str(args.pp), "--enforce-eager",
+           "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", str(engine["max_model_len"]),
+           "--no-enable-prefix-caching", "--max-num-seqs", str(engine["max_num_seqs"]), "--seed", "0",
+           "--distributed-executor-backend", "mp"]
+    cores = os.cpu_count() or 1
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str((cores - 1) if cores > 1 else 0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    log = open(os.path.join(work, "node1.log"), "w")
+    print(f"node 1: {' '.join(cmd[1:4])} ... (log {log.name})", flush=True)
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), nodes
+
+
+def stop(proc):
+    """Ends node 1's command and the workers it started (SIGTERM: vLLM's headless mode shuts down on it)."""
+    import psutil
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except Exception:  # noqa: B902 - still there: killed below
+        proc.kill()
+    for child in psutil.wait_procs(children, timeout=15)[1]:
+        child.kill()
 
 
 def lens_cost(model, h):

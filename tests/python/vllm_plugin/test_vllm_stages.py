@@ -55,6 +55,9 @@ class StagesTest(unittest.TestCase):
         self.assertEqual((merged["status"], merged["error"], merged["bytes"]), ("ok", "stage 1 failed", 48))
         gone = _stages.merge_takes([answer("a", "taken", "taken"), answer("b", "taken", "taken")], ["k"])["k"]
         self.assertEqual(gone["status"], "taken")
+        capped = _stages.merge_takes([answer("a"), answer("b")], ["k"], cap=30)["k"]  # one 24-byte save fits
+        self.assertEqual((sorted(load(capped["data"])), capped["bytes"]), (["a"], 24))
+        self.assertIn("FRAGMENTS_VLLM_MAX_SAVE_BYTES", capped["error"])
         one = answer("a")
         self.assertIs(_stages.merge_takes([one, None], ["k"]), one)  # pp 1: rank 0's answer as it is
 
