@@ -1,8 +1,9 @@
 """Pipeline stages (docs/vllm.md "Stages and nodes"): one vLLM engine at pipeline_parallel_size PP (vLLM's mp
 executor) against transformers' hooks, through fragments.vllm.VLLM (tracing) and fv.inspect.
 
-    python pp_check.py TP PP [--nnodes 2]
+    python pp_check.py TP PP [--nnodes 2] [--compiled]
 
+--compiled: enforce_eager=False (torch.compile), the trace's locations tapped at start by globs over every stage.
 --nnodes 2: the engine spread over two "nodes" on this machine through vLLM's own multi-node mp executor: node 1
 is `vllm serve DIR --headless --nnodes 2 --node-rank 1 --master-addr 127.0.0.1` (its workers only), node 0 this
 process's LLM(..., nnodes=2, node_rank=0); with TP 2 PP 1 the tensor-parallel group spans the nodes, with TP 1
@@ -17,7 +18,8 @@ pipeline_parallel_size PP (at PP 2: layers 0-1 on stage 0, 2-3 on stage 1):
     equal transformers' norm + head on the same values; the logits (model.output);
   an edit on stage 0 (layer 1's MLP output += 0.25) carries into stage 1: layer 3's q|k|v and the logits equal
     transformers' under the same edit;
-  a module call spanning stages is refused with one line.
+  activation patching within a stage (a Python step) equals transformers'; one reading across stages fails
+    with the reason; a module call spanning stages is refused with one line.
 Prints one line per check (and the lens's cost); exits non-zero on a failure (tolerance 1e-5 relative).
 """
 import argparse
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("tp", type=int)
     ap.add_argument("pp", type=int)
     ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--compiled", action="store_true")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix=f"frag-vllm-pp{args.pp}-")
     site = plugin_dist(os.path.join(work, "site"))
@@ -92,15 +95,23 @@ def main():
     prompt = torch.randint(1, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
     t0 = time.time()
     engine = dict(max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0)
+    if args.compiled:  # every location the checks name, on both stages
+        engine["taps"] = ["model.layers.*.output", "model.layers.*.self_attn.qkv_proj.output",
+                          "model.layers.*.mlp.down_proj.output", "logits_processor.output"]
     node1 = None
     if args.nnodes > 1:
         node1, nodes = start_node1(folder, args, engine, work)
         engine.update(nodes)
     model = VLLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, skip_tokenizer_init=True,
                  **engine)
-    print(f"engine start {time.time() - t0:.1f} s (tp {args.tp} pp {args.pp})", flush=True)
+    print(f"engine start {time.time() - t0:.1f} s (tp {args.tp} pp {args.pp}"
+          f"{', compiled' if args.compiled else ''})", flush=True)
     info = fv.inspect(model.llm)
     check_inspect(info, args.pp)
+    if args.compiled:
+        check("compiled: every stage's taps in the record", info.get("compiled") and
+              f"model.layers.{LAYERS - 1}.output" in info["taps"] and "model.layers.0.output" in info["taps"],
+              str(info.get("taps"))[:200])
 
     L = model.model.layers
     with model.trace(prompt):
@@ -139,15 +150,52 @@ def main():
     e = max(rel(qkv3.value, want_qkv), rel(logits_e.value, hf_logits_e[-1:]))
     check("an edit on stage 0 carries into stage 1 (layer 3's q|k|v, the logits)", e <= TOL, f"rel {e:.2e}")
 
+    check_python_steps(model, hf, prompt, args.pp)
     answers = model.llm.collective_rpc("fragments_call", args=(["model.layers.0.mlp.down_proj", "lm_head"],
                                                                 save({"x": torch.zeros(1, 256)})))
     answer = next(a for a in answers if a is not None)
     check("a module call spanning stages is refused with one line", args.pp == 1 or (
         answer["error"] and "different pipeline stages" in answer["error"]), str(answer["error"])[:200])
-    print(json.dumps({"tp": args.tp, "pp": args.pp, "nnodes": args.nnodes, "failed": FAILED}), flush=True)
+    if args.compiled:
+        stats = model.llm.collective_rpc("fragments_compile_stats")
+        print(f"compile stats per rank: {json.dumps(stats)[:600]}", flush=True)
+    print(json.dumps({"tp": args.tp, "pp": args.pp, "nnodes": args.nnodes, "compiled": args.compiled,
+                      "failed": FAILED}), flush=True)
     if node1 is not None:
         stop(node1)
     return 1 if FAILED else 0
+
+
+def check_python_steps(model, hf, prompt, pp):
+    """Activation patching within one stage (layer 1's MLP output set to half layer 0's, both on stage 0) equals
+    transformers' hooks doing the same; a read across stages (layer 3 from layer 0) fails with the reason."""
+    import torch
+    import families
+    from fragments import FragmentsError
+    L = model.model.layers
+    with model.trace(prompt):
+        L[1].mlp.down_proj.output[...] = L[0].mlp.down_proj.output * 0.5
+        logits = model.output.save()
+    named = dict(hf.named_modules())
+    kept = {}
+    hooks = [named["model.layers.0.mlp.down_proj"].register_forward_hook(lambda m, i, o: kept.update(h=o)),
+             named["model.layers.1.mlp.down_proj"].register_forward_hook(lambda m, i, o: kept["h"] * 0.5)]
+    try:
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, -1:]
+    finally:
+        for h in hooks:
+            h.remove()
+    e = rel(logits.value, want)
+    check("patching within a stage (a Python step) equals transformers'", e <= TOL, f"rel {e:.2e}")
+    if pp < 2:
+        return
+    try:
+        with model.trace(prompt):
+            L[LAYERS - 1].mlp.down_proj.output[...] = L[0].mlp.down_proj.output * 0.5
+        check("patching across stages fails with the reason", False, "no error")
+    except FragmentsError as err:
+        check("patching across stages fails with the reason", "pipeline stage" in str(err), str(err)[:200])
 
 
 def start_node1(folder, args, engine, work):
