@@ -56,6 +56,7 @@ def child(args):
                 planned.append(q)
     print(json.dumps({"start_s": start, "plain_ms": 1e3 * statistics.median(plain),
                       "plan_ms": 1e3 * statistics.median(planned) if planned else None}), flush=True)
+    llm.llm_engine.engine_core.shutdown()  # the engine's processes end here: they outlive os._exit
     os._exit(0)
 
 

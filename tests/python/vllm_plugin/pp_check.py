@@ -161,6 +161,7 @@ def main():
         print(f"compile stats per rank: {json.dumps(stats)[:600]}", flush=True)
     print(json.dumps({"tp": args.tp, "pp": args.pp, "nnodes": args.nnodes, "compiled": args.compiled,
                       "failed": FAILED}), flush=True)
+    model.llm.llm_engine.engine_core.shutdown()  # the engine's processes end here: they outlive os._exit
     if node1 is not None:
         stop(node1)
     return 1 if FAILED else 0
