@@ -371,6 +371,12 @@ class Served:
                         VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(tp)) if tp > 1
                         else f"0-{cores - 1}", **(env or {}))
         self.args = list(args)
+        import engine_env
+        if engine_env.GPU:  # a share of the GPU (checks run side by side), float32 kept float32 (engine_env)
+            self.env.setdefault("TRITON_F32_DEFAULT", "ieee")
+            kw = engine_env.engine_kwargs()
+            self.args[:0] = ["--gpu-memory-utilization", str(kw["gpu_memory_utilization"]),
+                             "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"])]
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
