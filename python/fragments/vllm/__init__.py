@@ -160,7 +160,9 @@ def take_saves(llm, keys: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     """The saves of finished requests, by key (rank 0's copy; every rank drops its own). Each entry is
     {"error": str|None, "saves": {name: tensor}}."""
     from safetensors.torch import load
-    answers = llm.collective_rpc("fragments_take_saves", args=(list(keys),))
+    from ._saves import finished_tokens
+    # with the tokens each request produced: rows of steps past them (async scheduling) are left out
+    answers = llm.collective_rpc("fragments_take_saves", args=({k: finished_tokens.pop(k) for k in keys},))
     first = next((a for a in answers if a is not None), None)
     if first is None:
         raise RuntimeError("fragments: no worker answered fragments_take_saves; is the plugin loaded?")

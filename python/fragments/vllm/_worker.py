@@ -286,7 +286,8 @@ class WorkerState:
             view = whole[position[w.start]:position[w.stop - 1] + 1]
             s = w.step
             if host is not None and not s.index:
-                self.saves.add(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1], copied=True)
+                self.saves.add(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1], copied=True,
+                               step=w.at_step)
                 continue
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
@@ -307,7 +308,7 @@ class WorkerState:
         """One JSON plan step on the request's rows `view` of the whole; returns whether it edited them."""
         if s.do == "save":
             part = _C.index_view(s.index, view, location) if s.index else view
-            self.saves.add(w.key, s.as_, part)  # copied to the host if the store keeps it
+            self.saves.add(w.key, s.as_, part, step=w.at_step)  # copied to the host if the store keeps it
             return False
         target = _C.index_view(s.index, view, location) if s.index else view
         if s.do == "add":
@@ -408,10 +409,12 @@ class WorkerState:
                 self._failed = True
 
     # ---- RPC ----------------------------------------------------------------------------------------
-    def take_saves(self, keys: List[str]) -> Optional[Dict[str, dict]]:
+    def take_saves(self, keys) -> Optional[Dict[str, dict]]:
         """Rank 0: each key's saves (_saves.SavesStore.take: "status", "error", "data" as safetensors bytes, a
-        step's rows concatenated in step order); the other ranks drop theirs and answer None."""
-        out = {key: self.saves.take(key) for key in keys}
+        step's rows concatenated in step order); the other ranks drop theirs and answer None. `keys`: a list,
+        or {key: the tokens its request produced, or None} (rows of later steps left out)."""
+        steps = keys if isinstance(keys, dict) else dict.fromkeys(keys)
+        out = {key: self.saves.take(key, n) for key, n in steps.items()}
         return out if self.rank == 0 else None
 
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:

@@ -364,7 +364,8 @@ class Served:
         self.prompts = [torch.randint(3, self.vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
         site = plugin_dist(os.path.join(self.work, "site"))
         self.env = dict(os.environ)
-        self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.join(HERE, "..", "..", "..", "python"),
+        import fragments  # the package this process runs (the GPU machine's has its _C beside it: vllm_run.sh)
+        self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(os.path.dirname(fragments.__file__)),
                                                   self.env.get("PYTHONPATH", "")])
         cores = os.cpu_count() or 1
         self.env.update(VLLM_CPU_KVCACHE_SPACE="1", FRAGMENTS_VLLM_VECTORS=self.vectors, HF_HUB_OFFLINE="1",
