@@ -31,12 +31,19 @@ def _after_load(worker) -> None:
     with _lock:
         _worker.current = _worker.WorkerState(runner, model)
     runner._fragments = _worker.current
+    _worker.current.publish = _publish
+    _publish(_worker.current)
+
+
+def _publish(state) -> None:
+    """Rank 0's model record for the server's front end (FRAGMENTS_VLLM_DIR/model.json); again when it changes
+    (a location refused while vLLM captures its CUDA graphs, before the first request)."""
     directory = os.environ.get("FRAGMENTS_VLLM_DIR")
-    if directory and _worker.current.rank == 0:
+    if directory and state.rank == 0:
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".model.{os.getpid()}.json")
         with open(tmp, "w") as f:
-            json.dump(_worker.current.model_record(), f)
+            json.dump(state.model_record(), f)
         os.replace(tmp, os.path.join(directory, "model.json"))
 
 

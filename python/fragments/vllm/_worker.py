@@ -77,6 +77,7 @@ class WorkerState:
         self.hooks: Dict[str, object] = {}  # location -> its hook's handle: only where a live plan acts
         self.compiled = not runner.model_config.enforce_eager
         self._record = None
+        self.publish = None  # _install._publish: the front end's copy of the model record, rewritten on change
         self._failed = False  # a plan failed in a forward: its hooks go at the next step
         self.programs: Dict[str, list] = {}  # Python steps of VLLM traces by group (_python.py)
         self.py_live: Dict[tuple, tuple] = {}  # (request key, location, step) -> (forward, its rows)
@@ -357,6 +358,20 @@ class WorkerState:
         self.tap_calls = {loc: 0 for loc in self.taps}
         _tap.place(self.modules, self.taps)
         _tap.body = self.tap_body
+        _tap.opaque = self.tap_opaque
+
+    def tap_opaque(self, location: str) -> None:
+        """A tap's hook ran as Python inside a CUDA graph being captured (_tap._ran_as_python): plans naming the
+        location are refused from now on (engine start captures every graph before the first request)."""
+        if location in self.refused:
+            return
+        self.refused[location] = ("it runs inside an op vLLM keeps opaque to torch.compile (e.g. its fused-MoE "
+                                  "op's shared expert), so a captured CUDA graph replays it without the plugin; "
+                                  "serve it with enforce_eager=True or compilation_config "
+                                  '{"cudagraph_mode": "NONE"}')
+        log.warning("fragments: %s is served only without CUDA graphs: %s", location, self.refused[location])
+        if self.publish is not None:
+            self.publish(self)
 
     def tap_body(self, location: str, x) -> None:
         """fragments::tap's body, at run time inside the compiled forward (between CUDA-graph pieces on a GPU):
