@@ -26,7 +26,7 @@ PLUGIN = os.path.join(ROOT, "tests", "python", "vllm_plugin")
 PLAN = [{"at": "model.layers.0.self_attn.qkv_proj.output", "do": "save", "as": "qkv0"},
         {"at": "model.layers.1.mlp.down_proj.input", "do": "save", "as": "down1"},
         {"at": "model.layers.2.output", "do": "save", "as": "h2"},
-        {"at": "logits_processor.output", "do": "save", "as": "logits"}]
+        {"at": "logits_processor.output", "do": "save", "as": "final_logits"}]
 
 
 def child(args):

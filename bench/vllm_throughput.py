@@ -123,14 +123,26 @@ def vllm_runner(args, mode):
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
 
+    detail = {}
+
     def generate(column):
+        detail.clear()
         if column == "quarter":
             from fragments import vllm as fv
             plan = [{"at": loc, "do": "save", "as": loc, "step": "all"} for loc in LOCATIONS]
+            before = llm.collective_rpc("fragments_compile_stats")[0] or {}
             outs = fv.generate(llm, ps, [plan if i % 4 == 0 else None for i in range(len(ps))], **sampling)
             assert all(o.fragments_error is None for o in outs)
             assert all(len(o.fragments) == 4 for o in outs[::4])
             saved = sum(len(o.fragments) for o in outs)
+            after = llm.collective_rpc("fragments_compile_stats")[0] or {}
+            # where the plugin's time went in this run: the worker's host seconds by phase, its steps (and how
+            # many replayed a FULL graph), and the front end's fetch of the saves (fv.timings)
+            detail.update({f"worker_{k}_s": v - before.get("host_s", {}).get(k, 0.0)
+                           for k, v in after.get("host_s", {}).items()})
+            detail.update({f"{k}_steps": v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()})
+            detail.update({k: v for k, v in fv.timings.items()},
+                          saved_mb=sum(t.numel() * t.element_size() for o in outs for t in o.fragments.values()) / 2**20)
         else:
             if column not in ("plain", "none"):
                 raise ValueError(f"column {column} is not run by a vLLM engine")
@@ -163,10 +175,12 @@ def vllm_runner(args, mode):
     def run(column):
         if column.startswith("b1_"):
             rate = step_rate(column)
-            return rate, rate, int(column == "b1_quarter") * len(LOCATIONS)
+            return rate, rate, int(column == "b1_quarter") * len(LOCATIONS), {}
         out = {}
         wall, cpu = timed(lambda: out.setdefault("saved", generate(column)))
-        return tokens / wall, tokens / cpu, out["saved"]
+        if detail:
+            detail["wall_s"] = wall
+        return tokens / wall, tokens / cpu, out["saved"], dict(detail)
     return run
 
 
@@ -215,7 +229,7 @@ def nnsight_runner(args):
         wall, cpu = timed(lambda: out.setdefault("n", trace(column)))
         if column == "nnsight_quarter" and out["n"] != expected:  # reported, not hidden: it saved nothing usable
             raise RuntimeError(f"nnsight_quarter: {out['n']} of {expected} values came back")
-        return tokens / wall, tokens / cpu, out["n"]
+        return tokens / wall, tokens / cpu, out["n"], {}
     return run
 
 
@@ -231,9 +245,9 @@ def child(args):
         command = json.loads(line)
         if command.get("quit"):
             break
-        rate, per_cpu, saved = run(command["column"])
+        rate, per_cpu, saved, detail = run(command["column"])
         print(PROTOCOL + json.dumps({"column": command["column"], "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu,
-                                     "saved": saved}), flush=True)
+                                     "saved": saved, "detail": detail}), flush=True)
 
 
 class Engine:
@@ -349,6 +363,9 @@ def run_pass(args, columns, started, site, work, start_s, index):
                   f" × plain ({rows['plain']['tokens_per_s']:.0f} tokens/s); load {rounds[-1]['load']:.1f}; "
                   f"other engines' CPU during a run ≤ {max(x['others_cpu_s'] for x in rows.values()):.2f} s",
                   flush=True)
+            if rows.get("quarter", {}).get("detail"):  # where the plugin's saving column spent its time
+                print("  quarter: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(rows["quarter"]["detail"].items())),
+                      flush=True)
     finally:
         for e in engines.values():
             e.close()

@@ -34,6 +34,8 @@ def stats(state) -> dict:
                          if isinstance(m, TorchCompileWithNoGuardsWrapper)})
     return {"rank": state.rank, "compiled": state.compiled, "runner": state.view.kind, "graphs": state.graphs,
             "forwards": state.forwards, "tap_calls": dict(state.tap_calls), "model_code": model_code,
+            # host seconds by phase ("act" is also inside "end_step" where FULL graphs' slots are drained)
+            "host_s": dict(state.host_s), "steps": dict(state.step_counts),
             "dynamo_compiles": list(_dynamo_compiles),  # every frame Dynamo compiled here, in order
             "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
             "vllm_compiles": {k: int(getattr(cc, k)) for k in ("num_aot_compiles", "num_aot_artifacts_loaded",

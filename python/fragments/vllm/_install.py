@@ -31,12 +31,19 @@ def _after_load(worker) -> None:
     with _lock:
         _worker.current = _worker.WorkerState(runner, model)
     runner._fragments = _worker.current
+    _worker.current.publish = _publish
+    _publish(_worker.current)
+
+
+def _publish(state) -> None:
+    """Rank 0's model record for the server's front end (FRAGMENTS_VLLM_DIR/model.json); again when it changes
+    (a location refused while vLLM captures its CUDA graphs, before the first request)."""
     directory = os.environ.get("FRAGMENTS_VLLM_DIR")
     if directory and _global_rank() == 0:  # one writer: its record holds every pipeline stage's locations
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".model.{os.getpid()}.json")
         with open(tmp, "w") as f:
-            json.dump(_worker.current.model_record(), f)
+            json.dump(state.model_record(), f)
         os.replace(tmp, os.path.join(directory, "model.json"))
 
 
@@ -120,6 +127,46 @@ def _wrap_front_end() -> None:
             validate_request(params)
         return _validate_params
     _wrap(input_processor.InputProcessor, "_validate_params", validate_params)
+    _count_tokens()
+
+
+def _count_tokens() -> None:
+    """The tokens each plan request produced, counted where vLLM finishes it in the front end (its output
+    processor: stop strings included), so that taking its saves leaves out steps past them (_saves.py)."""
+    try:
+        from vllm.v1.engine import output_processor
+    except ImportError:  # pragma: no cover - another vLLM layout: saves keep every step's rows
+        log.warning("fragments: vLLM's output processor not found; saves may hold a step past the last token")
+        return
+    from . import EXTRA_KEY
+    from ._saves import finished_tokens
+
+    def add_request(original):
+        def _add_request(self, request, *args, **kwargs):
+            extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+            spec = extra.get(EXTRA_KEY)
+            if isinstance(spec, dict) and isinstance(spec.get("key"), str):
+                finished_tokens.started(request.request_id, spec["key"])
+            return original(self, request, *args, **kwargs)
+        return _add_request
+
+    def finish_request(original):
+        def _finish_request(self, req_state):
+            tokens = getattr(getattr(req_state, "detokenizer", None), "output_token_ids", None)
+            finished_tokens.finished(req_state.request_id, len(tokens) if tokens is not None else None)
+            return original(self, req_state)
+        return _finish_request
+
+    def abort_requests(original):
+        def _abort_requests(self, request_ids, *args, **kwargs):
+            request_ids = list(request_ids)
+            for request_id in request_ids:
+                finished_tokens.aborted(request_id)
+            return original(self, request_ids, *args, **kwargs)
+        return _abort_requests
+    _wrap(output_processor.OutputProcessor, "add_request", add_request)
+    _wrap(output_processor.OutputProcessor, "_finish_request", finish_request)
+    _wrap(output_processor.OutputProcessor, "abort_requests", abort_requests)
 
 
 def _rpc_take_saves(self, keys: List[str]):

@@ -104,9 +104,10 @@ class SavesStore:
                 return
             self._records[key] = _Record(error)
 
-    def add(self, key: str, name: str, tensor, copied: bool = False) -> None:
+    def add(self, key: str, name: str, tensor, copied: bool = False, step: int = 0) -> None:
         """One step's rows of a save (this rank's whole value); copied to the host when kept (`copied`: the
-        tensor is that copy already, e.g. a view of one copy made for several requests' rows)."""
+        tensor is that copy already, e.g. a view of one copy made for several requests' rows). `step`: the
+        request's step (0 = prefill), so that take can leave out steps whose tokens the request never had."""
         with self._lock:
             record = self._records.get(key)
             if record is None:  # taken, dropped or never opened: a late step of an aborted request
@@ -126,7 +127,7 @@ class SavesStore:
                                f"saves truncated: the server's saves store is full ({self.max_bytes} bytes, "
                                "FRAGMENTS_VLLM_SAVES_MAX_BYTES); the rows of later steps were not kept")
                 return
-            record.saves.setdefault(name, []).append(tensor if copied else self._copy(tensor))
+            record.saves.setdefault(name, []).append((step, tensor if copied else self._copy(tensor)))
             record.bytes += size
             self.bytes += size
 
@@ -147,9 +148,12 @@ class SavesStore:
                 self._finished[key] = self._clock()
 
     # ---- what the caller calls (RPC) -----------------------------------------------------------------
-    def take(self, key: str) -> dict:
+    def take(self, key: str, steps: Optional[int] = None) -> dict:
         """{"status": "ok" | "taken" | "dropped" | "unknown", "error", "data": safetensors bytes or None,
-        "bytes": tensor bytes}. A key fetches its saves once."""
+        "bytes": tensor bytes}. A key fetches its saves once. `steps`: the tokens the request produced (the
+        front end's count, FinishedTokens): rows of later steps are left out. vLLM's async scheduling (its
+        GPU default) runs a request one step past the token that ends it, and a stop string ends it after
+        steps that already ran; those steps' tokens are discarded, and so are their rows here."""
         with self._lock:
             self._expire()
             record = self._pop(key)
@@ -160,7 +164,7 @@ class SavesStore:
                 self._wait()
             self._remember(key, "taken", f"the saves of {key} were already fetched (a key fetches its saves once)")
         return {"status": "ok", "error": "; ".join(filter(None, (record.error, record.truncated))) or None,
-                "data": _serialize(record.saves) if self.keep else None, "bytes": record.bytes}
+                "data": _serialize(record.saves, steps) if self.keep else None, "bytes": record.bytes}
 
     def drop(self, key: str, reason: str, why: str) -> None:
         """The server gives up the saves of `key` (e.g. its client disconnected); later steps keep nothing,
@@ -226,14 +230,53 @@ class SavesStore:
             self._gone.popitem(last=False)
 
 
-def _serialize(saves: Dict[str, List]) -> Optional[bytes]:
-    """name -> its parts in step order, as one safetensors file (rows concatenated; scalars stacked)."""
+def _serialize(saves: Dict[str, List], steps: Optional[int] = None) -> Optional[bytes]:
+    """name -> its (step, rows) parts in step order, as one safetensors file (rows concatenated; scalars
+    stacked); parts of steps >= `steps` left out (SavesStore.take)."""
     import torch
     from safetensors.torch import save
-    if not saves:
+    kept = {name: [t for step, t in parts if steps is None or step < steps] for name, parts in saves.items()}
+    kept = {name: parts for name, parts in kept.items() if parts}
+    if not kept:
         return None
     return save({name: torch.cat(parts, 0).contiguous() if parts[0].dim() > 0 else torch.stack(parts)
-                 for name, parts in saves.items()})
+                 for name, parts in kept.items()})
+
+
+class FinishedTokens:
+    """The front end's count of each finished plan request's tokens, by key (the process that submits: LLM's,
+    the OpenAI server's; _install wraps vLLM's OutputProcessor to fill it). Bounded: a count nobody takes
+    (a request whose saves were dropped) leaves after `limit` newer ones."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._keys: Dict[str, str] = {}  # request id -> key, while the request runs
+        self._tokens: "OrderedDict[str, int]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def started(self, request_id: str, key: str) -> None:
+        with self._lock:
+            self._keys[request_id] = key
+
+    def finished(self, request_id: str, tokens: Optional[int]) -> None:
+        with self._lock:
+            key = self._keys.pop(request_id, None)
+            if key is None or tokens is None:
+                return
+            self._tokens[key] = tokens
+            while len(self._tokens) > self.limit:
+                self._tokens.popitem(last=False)
+
+    def aborted(self, request_id: str) -> None:
+        with self._lock:
+            self._keys.pop(request_id, None)
+
+    def pop(self, key: str) -> Optional[int]:
+        with self._lock:
+            return self._tokens.pop(key, None)
+
+
+finished_tokens = FinishedTokens()
 
 
 def install_rpc() -> None:

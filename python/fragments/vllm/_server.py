@@ -207,8 +207,9 @@ async def take(app, key: str) -> dict:
     """The saves of one request from the workers (rank 0's answer, _saves.SavesStore.take), or why not:
     {"status", "error", "data", "bytes"}; "status" is "error" when the engine did not answer."""
     try:
+        steps = {key: _saves.finished_tokens.pop(key)}  # rows of steps past the request's tokens left out
         answers = await asyncio.wait_for(app.state.engine_client.collective_rpc("fragments_take_saves",
-                                                                                args=([key],)), RPC_TIMEOUT_S)
+                                                                                args=(steps,)), RPC_TIMEOUT_S)
     except Exception as e:  # the engine is dead or hung: the client hears it, the server does not crash
         return {"status": "error", "error": f"fragments: the saves could not be fetched from the engine: "
                 f"{type(e).__name__}: {e}"[:500], "data": None, "bytes": 0}

@@ -30,6 +30,21 @@ TAPS_KEY = "fragments_taps"
 
 # (location, x) -> None; set by the worker (fragments/vllm/_worker.py) once its state exists.
 body: Optional[Callable[[str, torch.Tensor], None]] = None
+# (location) -> None; set by the worker: a tap's hook ran as Python while a CUDA graph was being captured.
+opaque: Optional[Callable[[str], None]] = None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _ran_as_python(location: str) -> None:
+    """A tap's hook runs as Python only where torch.compile did not trace it: outside the compiled forward (the
+    logits processor), or inside an op vLLM keeps opaque to it (on a GPU the shared expert of its fused-MoE op).
+    There, during a CUDA graph's capture, the graph records the hook's kernels once and replays them without the
+    hook: the worker refuses plans at such a location (never a silently skipped tap)."""
+    if _capturing() and opaque is not None:
+        opaque(location)
 
 
 OP = "fragments::tap"
@@ -51,6 +66,8 @@ def _post_hook(location: str):
     def hook(module, args, kwargs, output):
         value = output[0] if isinstance(output, tuple) else output
         if isinstance(value, torch.Tensor):
+            if not torch.compiler.is_compiling():  # Dynamo prunes this branch where it traces the hook
+                _ran_as_python(location)
             torch.ops.fragments.tap(value, location)
         return None
     return hook
@@ -60,6 +77,8 @@ def _pre_hook(location: str):
     def hook(module, args, kwargs):
         value = args[0] if args else (next(iter(kwargs.values())) if kwargs else None)
         if isinstance(value, torch.Tensor):
+            if not torch.compiler.is_compiling():
+                _ran_as_python(location)
             torch.ops.fragments.tap(value, location)
         return None
     return hook

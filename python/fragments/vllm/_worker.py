@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -79,6 +81,7 @@ class WorkerState:
         self.hooks: Dict[str, object] = {}  # location -> its hook's handle: only where a live plan acts
         self.compiled = not runner.model_config.enforce_eager
         self._record = None
+        self.publish = None  # _install._publish: the front end's copy of the model record, rewritten on change
         self._failed = False  # a plan failed in a forward: its hooks go at the next step
         self.programs: Dict[str, list] = {}  # Python steps of VLLM traces by group (_python.py)
         self.py_live: Dict[tuple, tuple] = {}  # (request key, location, step) -> (forward, its rows)
@@ -87,6 +90,7 @@ class WorkerState:
         self.graphs = "none"  # compiled mode: how taps meet CUDA graphs (_tap.arrange_graphs)
         self.tap_calls: Dict[str, int] = {}
         self.forwards = 0  # compiled mode: forwards in which a plan acted
+        self.host_s, self.step_counts = Counter(), Counter()  # host seconds by phase, steps (compile_stats)
         # every stage's locations (a collective over the pipeline group at pp > 1: _stages.exchange)
         local = self._local_record()
         if self.pp is not None:  # module order: which stage calls a module every stage holds (_stages.stage_of)
@@ -126,6 +130,13 @@ class WorkerState:
         """Plans of requests new in this step are parsed, those of finished ones dropped, and the hooks
         follow: a location has a hook only while a live plan acts there, so a batch without plans runs
         vLLM's model untouched. Every rank sees the same scheduler output, so every rank hooks alike."""
+        t0 = time.perf_counter()
+        self._begin_step(scheduler_output)
+        self.host_s["begin_step"] += time.perf_counter() - t0
+        self.step_counts["steps"] += 1
+        self.step_counts["acting"] += int(self.in_step)
+
+    def _begin_step(self, scheduler_output):
         self.step_work = None
         self.logits_done = set()
         self.executing = True
@@ -170,8 +181,11 @@ class WorkerState:
                                     module.register_forward_hook(self._post_hook(path), with_kwargs=True))
 
     def end_step(self):
+        t0 = time.perf_counter()
         if self.in_step and self.view.full:  # a FULL CUDA graph ran: the taps' values are in their slots
+            self.step_counts["full"] += 1
             self._drain_slots()
+        self.host_s["end_step"] += time.perf_counter() - t0
         self.in_step = self.executing = self.acting = self.editing = False
         self.step_work = None
 
@@ -275,6 +289,13 @@ class WorkerState:
     def _act(self, location: str, value, work: List[_Work]) -> Optional[Tuple[object, torch.Tensor]]:
         """Runs the work at one location on `value` (this rank's tensor, [tokens, width]); when something was
         edited, returns (rows, the rank's new piece of them) for _write."""
+        t0 = time.perf_counter()
+        try:
+            return self._act_on(location, value, work)
+        finally:
+            self.host_s["act"] += time.perf_counter() - t0
+
+    def _act_on(self, location: str, value, work: List[_Work]) -> Optional[Tuple[object, torch.Tensor]]:
         if value is None:  # vLLM's logits on ranks other than the driver when it gathers to rank 0
             return None
         if not isinstance(value, torch.Tensor) or value.dim() < 1 or not value.is_floating_point():
@@ -307,7 +328,8 @@ class WorkerState:
             view = whole[position[w.start]:position[w.stop - 1] + 1]
             s = w.step
             if host is not None and not s.index:
-                self.saves.add(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1], copied=True)
+                self.saves.add(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1], copied=True,
+                               step=w.at_step)
                 continue
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
@@ -328,7 +350,7 @@ class WorkerState:
         """One JSON plan step on the request's rows `view` of the whole; returns whether it edited them."""
         if s.do == "save":
             part = _C.index_view(s.index, view, location) if s.index else view
-            self.saves.add(w.key, s.as_, part)  # copied to the host if the store keeps it
+            self.saves.add(w.key, s.as_, part, step=w.at_step)  # copied to the host if the store keeps it
             return False
         target = _C.index_view(s.index, view, location) if s.index else view
         if s.do == "add":
@@ -378,6 +400,20 @@ class WorkerState:
         self.tap_calls = {loc: 0 for loc in self.taps}
         _tap.place(self.modules, [t for t in self.taps if self.here(t)])
         _tap.body = self.tap_body
+        _tap.opaque = self.tap_opaque
+
+    def tap_opaque(self, location: str) -> None:
+        """A tap's hook ran as Python inside a CUDA graph being captured (_tap._ran_as_python): plans naming the
+        location are refused from now on (engine start captures every graph before the first request)."""
+        if location not in self.refused:
+            self.refused[location] = ("it runs inside an op vLLM keeps opaque to torch.compile (e.g. its fused-MoE "
+                                      "op's shared expert), so a captured CUDA graph replays it without the plugin;"
+                                      ' serve it with enforce_eager=True or compilation_config {"cudagraph_mode": '
+                                      '"NONE"}')
+            log.warning("fragments: %s is served only without CUDA graphs: %s", location, self.refused[location])
+            self._record["refused"][location] = self.refused[location]  # the record plans are checked against
+            if self.publish is not None:
+                self.publish(self)
 
     def tap_body(self, location: str, x) -> None:
         """fragments::tap's body, at run time inside the compiled forward (between CUDA-graph pieces on a GPU):
@@ -430,10 +466,14 @@ class WorkerState:
                 self._failed = True
 
     # ---- RPC ----------------------------------------------------------------------------------------
-    def take_saves(self, keys: List[str]) -> Optional[Dict[str, dict]]:
+    def take_saves(self, keys) -> Optional[Dict[str, dict]]:
         """Rank 0: each key's saves (_saves.SavesStore.take: "status", "error", "data" as safetensors bytes, a
-        step's rows concatenated in step order); the other ranks drop theirs and answer None."""
-        out = {key: self.saves.take(key) for key in keys}
+        step's rows concatenated in step order); the other ranks drop theirs and answer None. `keys`: a list,
+        or {key: the tokens its request produced, or None} (rows of later steps left out)."""
+        t0 = time.perf_counter()
+        steps = keys if isinstance(keys, dict) else dict.fromkeys(keys)
+        out = {key: self.saves.take(key, n) for key, n in steps.items()}
+        self.host_s["take_saves"] += time.perf_counter() - t0
         return out if self.rank == 0 else None
 
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:

@@ -111,6 +111,9 @@ class Pt2PlanTest(unittest.TestCase):
     def test_llama_tp2(self):
         self.check_case(*CASES[0])
 
+    # tp 4 of the plain Llama and of Qwen2-MoE in the slow tier (CI time): tp 2 runs the same code, and the
+    # kv-replicated Llama keeps tp 4 in the default tier
+    @unittest.skipUnless(os.environ.get("FRAG_SLOW") == "1", "FRAG_SLOW=1: tp 4 of Llama (tp 2 runs by default)")
     def test_llama_tp4(self):
         self.check_case(*CASES[1])
 
@@ -120,6 +123,7 @@ class Pt2PlanTest(unittest.TestCase):
     def test_moe_tp2(self):
         self.check_case(*CASES[3])
 
+    @unittest.skipUnless(os.environ.get("FRAG_SLOW") == "1", "FRAG_SLOW=1: tp 4 of Qwen2-MoE (tp 2 runs by default)")
     def test_moe_tp4(self):
         self.check_case(*CASES[4])
 

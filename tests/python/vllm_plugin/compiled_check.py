@@ -164,7 +164,8 @@ def main():
     if args.trace and args.family != "llama":
         raise SystemExit("compiled_check.py: --trace runs trace_check.py's checks, written for the tiny Llama")
 
-    from vllm_check import FAILED, check, check_edit, check_saves, down0_input, plugin_dist, read_plan
+    from vllm_check import FAILED, check, check_edit, check_saves, down0_input, plugin_dist, read_plan, use_bound
+    use_bound(args.family)
     work = tempfile.mkdtemp(prefix=f"frag-vllm-compiled-{args.family}-tp{args.tp}-")
     import torch
     import families

@@ -5,6 +5,8 @@ Each family gives: a config (head_dim 64: vLLM's CPU attention refuses smaller h
 its decoder layers in vLLM, and for every location a plan saves, how to read the whole value from
 transformers' hooks (q|k|v and gate|up concatenated in logical order: what fragments must return).
 """
+import os
+
 import torch
 import transformers
 
@@ -26,7 +28,11 @@ def config(family: str, heads: int = 4, kv_heads: int = 2):
                                            shared_expert_intermediate_size=192, num_experts=4,
                                            num_experts_per_tok=2, decoder_sparse_step=1, **common)
     if family == "gemma2":
-        return transformers.Gemma2Config(intermediate_size=256, head_dim=64, sliding_window=64, **common)
+        # FRAG_GEMMA2_SOFTCAP=0: the same model without attention-score softcapping, to tell vLLM's Triton softcap
+        # apart from everything else on a GPU (tools/probes/softcap_probe.py, docs/vllm.md "On a GPU")
+        cap = None if os.environ.get("FRAG_GEMMA2_SOFTCAP") == "0" else 50.0
+        return transformers.Gemma2Config(intermediate_size=256, head_dim=64, sliding_window=64,
+                                         attn_logit_softcapping=cap, **common)
     if family == "gpt_neox":
         c = dict(common)
         c.pop("num_key_value_heads")

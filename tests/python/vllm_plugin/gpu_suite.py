@@ -6,6 +6,9 @@ Cases (tp 1; every family of families.FAMILIES):
   eager-<runner>-<family>      vllm_check.py    (enforce_eager=True, float32)
   cuda-graphs-<runner>-<family> compiled_check.py (torch.compile, vLLM's default CUDA graphs, float32)
   smollm2-<dtype>-<mode>        smollm2_check.py (the real model: float32 and bfloat16, eager and compiled)
+  eager-v2-gemma2-nocap, softcap-probe   Gemma 2's GPU difference traced to vLLM's Triton softcap
+  smollm2-bfloat16-compiled-taps-*       fewer taps: which ones change bfloat16 compiled numerics
+  server-tp1                    server_check.py 1 (vllm serve with per-request plans)
 with <runner> v2 and v1 (VLLM_USE_V2_MODEL_RUNNER 1 / 0; vLLM 0.24 picks V2 for Llama, Qwen3 and Qwen2-MoE by
 itself). Each case is its own process (vLLM engines do not share a process cleanly); its output goes to
 DIR/<case>.log. Prints one line per case as it ends and a table at the end, writes DIR/summary.json, and
@@ -33,11 +36,21 @@ def cases():
             out.append((f"cuda-graphs-{runner}-{family}", ["compiled_check.py", family, "1"], env))
     # the reason float32 differs from transformers by ~1e-3 under vLLM's defaults: its Triton attention in TF32
     out.append(("eager-v2-llama-tf32", ["vllm_check.py", "llama", "1"], {"FRAG_VLLM_RUNNER": "v2", "FRAG_VLLM_TF32": "1"}))
+    # Gemma 2 without attention-score softcapping: what is left once vLLM's Triton softcap is out (softcap-probe)
+    out.append(("eager-v2-gemma2-nocap", ["vllm_check.py", "gemma2", "1"], {"FRAG_VLLM_RUNNER": "v2",
+                                                                            "FRAG_GEMMA2_SOFTCAP": "0"}))
+    out.append(("softcap-probe", [os.path.join("..", "..", "..", "tools", "probes", "softcap_probe.py")], {}))
     for dtype in ("float32", "bfloat16"):
         for mode in ("eager", "compiled"):
             extra = ["--compiled"] if mode == "compiled" else []
             out.append((f"smollm2-{dtype}-{mode}", ["smollm2_check.py", "1", "--max-tokens", "64"] + extra,
                         {"FRAG_VLLM_DTYPE": dtype}))
+    # bfloat16 compiled, taps at fewer locations: which taps change the compiled engine's numerics
+    for name, only in (("none", "none"), ("proj-outputs", r"proj\.output$")):
+        out.append((f"smollm2-bfloat16-compiled-taps-{name}",
+                    ["smollm2_check.py", "1", "--max-tokens", "64", "--compiled", "--only", only],
+                    {"FRAG_VLLM_DTYPE": "bfloat16"}))
+    out.append(("server-tp1", ["server_check.py", "1"], {}))  # vllm serve on the GPU, plans per request
     return out
 
 

@@ -364,7 +364,8 @@ class Served:
         self.prompts = [torch.randint(3, self.vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
         site = plugin_dist(os.path.join(self.work, "site"))
         self.env = dict(os.environ)
-        self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.join(HERE, "..", "..", "..", "python"),
+        import fragments  # the package this process runs (the GPU machine's has its _C beside it: vllm_run.sh)
+        self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(os.path.dirname(fragments.__file__)),
                                                   self.env.get("PYTHONPATH", "")])
         cores = os.cpu_count() or 1
         workers = tp * pp
@@ -372,6 +373,12 @@ class Served:
                         VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(workers)) if workers > 1
                         else f"0-{cores - 1}", **(env or {}))
         self.args = (["--pipeline-parallel-size", str(pp)] if pp > 1 else []) + list(args)
+        import engine_env
+        if engine_env.GPU:  # a share of the GPU (checks run side by side), float32 kept float32 (engine_env)
+            self.env.setdefault("TRITON_F32_DEFAULT", "ieee")
+            kw = engine_env.engine_kwargs()
+            self.args[:0] = ["--gpu-memory-utilization", str(kw["gpu_memory_utilization"]),
+                             "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"])]
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))

@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--tol", type=float, default=None, help="the bound for the layers' values (default 1e-5)")
     ap.add_argument("--values", default=None, help="write the saved values here (safetensors)")
     ap.add_argument("--compiled", action="store_true", help="a compiled engine with taps (see the docstring)")
+    ap.add_argument("--only", default=None, help="save (and, compiled, tap) only the layer locations this regex "
+                    "finds; 'none': only the logits (which tapped locations change a compiled engine's numerics)")
     args = ap.parse_args()
     from vllm_check import FAILED, TOL, check, plugin_dist, rel
     bound = args.tol or TOL
@@ -81,6 +83,9 @@ def main():
     cfg = hf.config
     reader = families.Reader("llama", cfg)
     locs = reader.locations(layers=range(cfg.num_hidden_layers))
+    if args.only:
+        import re
+        locs = {} if args.only == "none" else {k: v for k, v in locs.items() if re.search(args.only, k)}
     prompt = tok(PROMPT).input_ids
     plan = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in locs]
     plan.append({"at": "logits_processor.output", "do": "save", "as": "final_logits"})
@@ -139,7 +144,7 @@ def main():
         errors.append((e, loc, cap))
         if e > cap:
             check(f"whole value {loc}", False, f"rel {e:.2e} > {cap:.2e}")
-    worst, where, cap = max(errors, key=lambda x: x[0] / x[2])
+    worst, where, cap = max(errors, key=lambda x: x[0] / x[2]) if errors else (0.0, None, bound)
     check(f"every layer's whole values ({len(locs)} locations) within their bound", all(e <= c for e, _, c in errors),
           f"worst {worst:.2e} (bound {cap:.2e}) at {where}" + ("" if hf is hf32 else
                                                              "; bfloat16: against transformers' float32 values"))

@@ -57,6 +57,37 @@ class SavesStoreTest(unittest.TestCase):
         self.assertEqual(s.take("never")["status"], "unknown")
         self.assertEqual(s.stats()["bytes"], 0)
 
+    def test_rows_of_steps_past_the_requests_tokens_are_left_out(self):
+        # async scheduling runs a request one step past its last token; that step's rows are not its saves
+        s = store()
+        s.open("a")
+        for step in range(4):
+            s.add("a", "logits", rows(1, fill=float(step)), step=step)
+        s.add("a", "only_late", rows(1), step=3)
+        saves = load(s.take("a", steps=3)["data"])
+        self.assertEqual(saves["logits"][:, 0].tolist(), [0.0, 1.0, 2.0])
+        self.assertNotIn("only_late", saves)  # nothing of it in the steps the request had
+        s.open("b")
+        s.add("b", "h", rows(2), step=0)
+        self.assertEqual(load(s.take("b")["data"])["h"].shape[0], 2)  # no count: every row
+
+    def test_finished_tokens_are_counted_once_per_key_and_bounded(self):
+        t = _saves.FinishedTokens(limit=2)
+        t.started("r1", "k1")
+        t.finished("r1", 5)
+        t.finished("r-unknown", 3)  # a request without a plan: nothing kept
+        self.assertEqual(t.pop("k1"), 5)
+        self.assertIsNone(t.pop("k1"))
+        t.started("r2", "k2")
+        t.aborted("r2")
+        t.finished("r2", 4)  # aborted first: no count
+        self.assertIsNone(t.pop("k2"))
+        for i in range(3):
+            t.started(f"q{i}", f"c{i}")
+            t.finished(f"q{i}", i)
+        self.assertIsNone(t.pop("c0"))  # the oldest left past the limit
+        self.assertEqual(t.pop("c2"), 2)
+
     def test_saves_are_copies(self):
         s = store()
         s.open("a")

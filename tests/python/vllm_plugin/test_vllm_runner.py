@@ -128,5 +128,60 @@ class RunnerTest(unittest.TestCase):
             self.assertFalse(view.full)
 
 
+@unittest.skipIf(MISSING, MISSING or "")
+class OpaqueTapTest(unittest.TestCase):
+    """A tap's hook that runs as Python while a CUDA graph is captured (inside an op torch.compile does not trace,
+    like vLLM's fused-MoE op on a GPU) gets its location refused; a hook torch.compile traced never runs as
+    Python, and one outside any capture (the logits processor) is served as it is."""
+
+    def setUp(self):
+        import torch
+        from unittest import mock
+        from fragments.vllm import _tap
+        self.torch, self.mock, self.tap = torch, mock, _tap
+        self.seen = []
+        self.old = (_tap.body, _tap.opaque)
+        _tap.body, _tap.opaque = None, self.seen.append
+
+    def tearDown(self):
+        self.tap.body, self.tap.opaque = self.old
+
+    def model(self):
+        torch = self.torch
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        self.tap.place({"0": m[0], "1": m[1]}, ["0.output", "1.input"])
+        return m
+
+    def test_a_hook_run_as_python_during_a_capture_is_reported(self):
+        m = self.model()
+        with self.mock.patch.object(self.tap, "_capturing", return_value=True):
+            m(self.torch.ones(2, 4))
+        self.assertEqual(sorted(self.seen), ["0.output", "1.input"])
+
+    def test_outside_a_capture_nothing_is_reported(self):
+        self.model()(self.torch.ones(2, 4))
+        self.assertEqual(self.seen, [])
+
+    def test_a_hook_that_torch_compile_traced_never_runs_as_python(self):
+        torch = self.torch
+        torch._dynamo.reset()
+        m = torch.compile(self.model(), fullgraph=True, backend="aot_eager")
+        with self.mock.patch.object(self.tap, "_capturing", return_value=True):
+            m(torch.ones(2, 4))  # traced (the branch pruned), then run as compiled code
+            m(torch.ones(2, 4))
+        self.assertEqual(self.seen, [])
+
+    def test_the_worker_refuses_the_location_once_and_republishes(self):
+        from fragments.vllm import _worker
+        published = []
+        state = types.SimpleNamespace(refused={}, publish=published.append, _record={"refused": {}})
+        _worker.WorkerState.tap_opaque(state, "model.layers.0.mlp.shared_expert.down_proj.output")
+        _worker.WorkerState.tap_opaque(state, "model.layers.0.mlp.shared_expert.down_proj.output")
+        why = state.refused["model.layers.0.mlp.shared_expert.down_proj.output"]
+        self.assertIn("enforce_eager=True", why)
+        self.assertEqual(len(published), 1)
+        self.assertEqual(state._record["refused"], state.refused)  # the record plans are checked against
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

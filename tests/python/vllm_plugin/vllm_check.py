@@ -39,6 +39,12 @@ TOL = engine_env.bound()  # 1e-5 in float32 (engine_env: the bound per dtype and
 FAILED = []
 
 
+def use_bound(family: str) -> None:
+    """The bound for `family` (engine_env.bound: Gemma 2's softcap on a GPU has its own)."""
+    global TOL
+    TOL = engine_env.bound(family)
+
+
 def check(name, ok, detail=""):
     print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
     if not ok:
@@ -132,6 +138,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (vLLM's mp executor)")
     args = ap.parse_args()
+    use_bound(args.family)
 
     work = tempfile.mkdtemp(prefix=f"frag-vllm-{args.family}-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
