@@ -41,6 +41,28 @@ def owned(model: nn.Module) -> Set[str]:
             if not any(p == q or p.startswith(q + ".") for q in missing)}
 
 
+def own(record: dict, model: nn.Module) -> dict:
+    """A worker's record cut to the modules its stage really holds, with their module order (stage_of reads it)."""
+    held = owned(model)
+    mine = lambda loc: loc.rpartition(".")[0] in held  # noqa: E731
+    out = dict(record, modules=sorted(p for p in held if p),
+               logits_modules=[p for p in record["logits_modules"] if p in held],
+               order=[p for p, _ in model.named_modules() if p in held and p])
+    for key in ("fragmented", "refused", "widths"):
+        out[key] = {loc: v for loc, v in record[key].items() if mine(loc)}
+    return out
+
+
+def route_call(where: Dict[str, int], stage: int, modules: List[str]):
+    """(whether this stage leaves an ad-hoc module call to another, its answer then): the stage holding every
+    module runs it (the logit lens: the last stage); modules on different stages are refused in one line."""
+    stages = {where.get(f"{p}.output", stage) for p in modules}
+    if len(stages) > 1:
+        return True, {"error": f"fragments: {'('.join(modules[::-1])}(...): these modules sit on different "
+                      f"pipeline stages ({sorted(stages)}); call each stage's modules on its own", "data": None}
+    return bool(stages) and stages != {stage}, None
+
+
 def stage_of(orders: List[List[str]]) -> Dict[str, int]:
     """location -> the stage acting there, from each stage's owned module paths in module order (module
     docstring). vLLM builds some modules whole on every stage though only one calls them (Qwen2-MoE's and

@@ -92,10 +92,7 @@ class WorkerState:
         self.forwards = 0  # compiled mode: forwards in which a plan acted
         self.host_s, self.step_counts = Counter(), Counter()  # host seconds by phase, steps (compile_stats)
         # every stage's locations (a collective over the pipeline group at pp > 1: _stages.exchange)
-        local = self._local_record()
-        if self.pp is not None:  # module order: which stage calls a module every stage holds (_stages.stage_of)
-            local["order"] = [p for p in self.modules if p in set(local["modules"])]
-        self._record = _stages.exchange(local)
+        self._record = _stages.exchange(self._local_record())
         self.stage_of: Dict[str, int] = self._record.get("stage", {})
         if self.compiled:  # taps chosen over every stage's locations (the same on every rank), placed at its own
             self._place_taps()
@@ -108,18 +105,15 @@ class WorkerState:
         return self._record
 
     def _local_record(self) -> dict:
-        """This stage's locations (at pp > 1 only the modules it really holds: _stages.owned)."""
-        owned = _stages.owned(self.model) if self.pp is not None else set(self.modules)
-        return {"format": "fragments.vllm/1", "tp_size": self.world, "compiled": self.compiled,
-                "runner": self.view.kind, "device": str(self.device), "graphs": self.graphs,
-                "table": self.table, "qkv_attributes": self.qkv_attributes,
-                "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()
-                               if loc.rpartition(".")[0] in owned},
-                "refused": {loc: why for loc, why in self.refused.items() if loc.rpartition(".")[0] in owned},
-                "modules": sorted(p for p in owned if p),
-                "logits_modules": [p for p in self.logits_modules if p in owned], "taps": self.taps,
-                "widths": _layers.widths({p: m for p, m in self.modules.items() if p in owned},
-                                         self.runner.model_config.get_hidden_size())}
+        """This worker's record (at pp > 1 only the modules its stage really holds: _stages.own)."""
+        record = {"format": "fragments.vllm/1", "tp_size": self.world, "compiled": self.compiled,
+                  "runner": self.view.kind, "device": str(self.device), "graphs": self.graphs,
+                  "table": self.table, "qkv_attributes": self.qkv_attributes,
+                  "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
+                  "refused": dict(self.refused), "modules": sorted(p for p in self.modules if p),
+                  "logits_modules": self.logits_modules, "taps": self.taps,
+                  "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
+        return _stages.own(record, self.model) if self.pp is not None else record
 
     def here(self, location: str) -> bool:
         """Whether this worker's stage acts at `location` (always at pipeline_parallel_size 1)."""
@@ -477,40 +471,9 @@ class WorkerState:
         return out if self.rank == 0 else None
 
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:
-        """Runs `modules` in turn on a whole tensor (safetensors bytes, "x") after a forward: the logit lens
-        of fragments.vllm.VLLM. Replicated modules run as they are; the LM head through the model's logits
-        processor (vLLM's own gather and scaling). Every rank of the stage holding the modules runs it (the
-        head's collective; at pp > 1 the caller's value was sent to every worker and the last stage's run
-        the lens); that stage's rank 0 answers {"error", "data"} ("y"), the others None."""
-        from safetensors.torch import load, save
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-        stages = {self.stage_of.get(f"{p}.output", self.stage) for p in modules}
-        if len(stages) > 1:  # every rank of every stage answers the same refusal
-            answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): these modules sit on different "
-                      f"pipeline stages ({sorted(stages)}); call each stage's modules on its own", "data": None}
-            return answer if self.rank == 0 else None
-        if stages and stages != {self.stage}:  # pp > 1: the stage holding the modules runs and answers
-            return None
-        try:
-            x = load(data)["x"].to(self.device)
-            with torch.no_grad(), set_current_vllm_config(self.runner.vllm_config):
-                for path in modules:
-                    module = self.modules.get(path)
-                    if module is None:
-                        raise ValueError(f"{path} is not a module of this model")
-                    if isinstance(module, ParallelLMHead) and self.logits_modules:
-                        x = self.modules[self.logits_modules[0]](module, x)
-                    elif f"{path}.input" in self.fragmented or f"{path}.output" in self.fragmented:
-                        raise ValueError(f"{path} holds one rank's piece of its weights; only replicated modules "
-                                         "and the LM head can be called on a whole value")
-                    else:
-                        out = module(x)
-                        x = out[0] if isinstance(out, tuple) else out
-            answer = {"error": None, "data": save({"y": x.contiguous().cpu()}) if x is not None else None}
-        except (RuntimeError, ValueError, TypeError) as e:
-            answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): {e}", "data": None}
-        return answer if self.rank == 0 else None
+        """Ad-hoc module calls on a whole tensor after a forward, the logit lens (_calls.run)."""
+        from . import _calls
+        return _calls.run(self, modules, data)
 
 
 def _rows(rows: List[int], device) -> object:

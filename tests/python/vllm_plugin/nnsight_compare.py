@@ -97,9 +97,8 @@ def main():
     os.environ["PYTHONPATH"] = os.pathsep.join([site, bench, os.environ.get("PYTHONPATH", "")])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cores = max(os.cpu_count() or 1, 1)
-    workers = args.tp * args.pp
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(workers)) \
-        if workers > 1 else f"0-{cores - 1}"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp * args.pp)) \
+        if args.tp * args.pp > 1 else f"0-{cores - 1}"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     import torch
@@ -130,13 +129,11 @@ def main():
         print("FAIL fragments plan:", frag.fragments_error, flush=True)
         return 1
     nn_plain, nn_cloned, nn_error = nnsight_bounded(model, prompt, order, 240 if args.pp > 1 else None)
-
     model.vllm_entrypoint.llm_engine.engine_core.shutdown()  # the engine's processes end here, not at exit
     hf = families.hf_model(folder)
     modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
     with torch.no_grad():
         captured, _ = families.capture(hf, modules, lambda: hf(torch.tensor([prompt])).logits[0])
-
     rows, failed = [], []
     for loc in order:
         want = reader.read(locs[loc], captured)

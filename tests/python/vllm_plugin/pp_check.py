@@ -113,12 +113,35 @@ def main():
               f"model.layers.{LAYERS - 1}.output" in info["taps"] and "model.layers.0.output" in info["taps"],
               str(info.get("taps"))[:200])
 
+    hf = families.hf_model(folder)
+    check_trace(model, hf, prompt, info)
+    check_python_steps(model, hf, prompt, args.pp)
+    answers = model.llm.collective_rpc("fragments_call", args=(["model.layers.0.mlp.down_proj", "lm_head"],
+                                                                save({"x": torch.zeros(1, 256)})))
+    answer = next(a for a in answers if a is not None)
+    check("a module call spanning stages is refused with one line", args.pp == 1 or (
+        answer["error"] and "different pipeline stages" in answer["error"]), str(answer["error"])[:200])
+    if args.compiled:
+        stats = model.llm.collective_rpc("fragments_compile_stats")
+        print(f"compile stats per rank: {json.dumps(stats)[:600]}", flush=True)
+    print(json.dumps({"tp": args.tp, "pp": args.pp, "nnodes": args.nnodes, "compiled": args.compiled,
+                      "failed": FAILED}), flush=True)
+    model.llm.llm_engine.engine_core.shutdown()  # the engine's processes end here: they outlive os._exit
+    if node1 is not None:
+        stop(node1)
+    return 1 if FAILED else 0
+
+
+def check_trace(model, hf, prompt, info):
+    """Every layer's output and the logit lens at every layer, the logits, and an edit on stage 0 carried into
+    stage 1, against transformers' hooks."""
+    import torch
+    import families
     L = model.model.layers
     with model.trace(prompt):
         outs = [L[i].output.save() for i in range(LAYERS)]
         lens = [model.lm_head(model.model.norm(L[i].output)).save() for i in range(LAYERS)]
         logits = model.output.save()
-    hf = families.hf_model(folder)
     mods = [f"model.layers.{i}.mlp" for i in range(LAYERS)]
     with torch.no_grad():
         cap, hf_logits = families.capture(hf, mods, lambda: hf(torch.tensor([prompt])).logits[0])
@@ -149,22 +172,6 @@ def main():
     want_qkv = torch.cat([cap_e[(f"{a}.{p}_proj", "output")] for p in "qkv"], -1)
     e = max(rel(qkv3.value, want_qkv), rel(logits_e.value, hf_logits_e[-1:]))
     check("an edit on stage 0 carries into stage 1 (layer 3's q|k|v, the logits)", e <= TOL, f"rel {e:.2e}")
-
-    check_python_steps(model, hf, prompt, args.pp)
-    answers = model.llm.collective_rpc("fragments_call", args=(["model.layers.0.mlp.down_proj", "lm_head"],
-                                                                save({"x": torch.zeros(1, 256)})))
-    answer = next(a for a in answers if a is not None)
-    check("a module call spanning stages is refused with one line", args.pp == 1 or (
-        answer["error"] and "different pipeline stages" in answer["error"]), str(answer["error"])[:200])
-    if args.compiled:
-        stats = model.llm.collective_rpc("fragments_compile_stats")
-        print(f"compile stats per rank: {json.dumps(stats)[:600]}", flush=True)
-    print(json.dumps({"tp": args.tp, "pp": args.pp, "nnodes": args.nnodes, "compiled": args.compiled,
-                      "failed": FAILED}), flush=True)
-    model.llm.llm_engine.engine_core.shutdown()  # the engine's processes end here: they outlive os._exit
-    if node1 is not None:
-        stop(node1)
-    return 1 if FAILED else 0
 
 
 def check_python_steps(model, hf, prompt, pp):

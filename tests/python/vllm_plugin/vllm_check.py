@@ -129,6 +129,14 @@ def check_edit(hf, edit, prompt, r, max_tokens):
     return worst
 
 
+def check_stages(info, pp, qkv0, down1):
+    """Every stage's locations in one table, each with the stage acting there."""
+    stage = info.get("stage", {})
+    where = {loc: stage.get(loc) for loc in (f"{qkv0}.output", f"{down1}.input", "logits_processor.output")}
+    check("inspect: each location's pipeline stage (layer 0 first, layer 1 and the logits last)",
+          list(where.values()) == [0, pp - 1, pp - 1], json.dumps(where))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("family")
@@ -185,11 +193,8 @@ def main():
         check("inspect: attention internals refused as rank-local",
               any(".attn." in k or k.endswith(".attn.output") for k in info["refused"]), str(list(info["refused"])[:4]))
 
-    if args.pp > 1:  # every stage's locations in one table, each with the stage acting there
-        stage = info.get("stage", {})
-        where = {loc: stage.get(loc) for loc in (f"{qkv0}.output", f"{down1}.input", "logits_processor.output")}
-        check("inspect: each location's pipeline stage (layer 0 first, layer 1 and the logits last)",
-              list(where.values()) == [0, args.pp - 1, args.pp - 1], json.dumps(where))
+    if args.pp > 1:
+        check_stages(info, args.pp, qkv0, down1)
     tokens = {"max_tokens": args.max_tokens, "temperature": 0.0, "logprobs": 2}
     # R3: a plan that passes the submission check but cannot run (row 50 of a 5-token prompt): it fails in
     # the workers, that request alone, on every rank alike.
