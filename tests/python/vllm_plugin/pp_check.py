@@ -82,7 +82,7 @@ def main():
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    engine_env.setup(args.tp * args.pp // args.nnodes)
+    engine_env.setup(args.tp * args.pp)  # the world's size (node 0's own binding: start_node1)
 
     import torch
     import families

@@ -429,13 +429,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (layer 0 on stage 0, layer 1 on 1)")
+    ap.add_argument("--core", action="store_true", help="checks A-F only (no hostile bodies, fuzz or load)")
     args = ap.parse_args()
     served = Served(args.tp, pp=args.pp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), FRAGMENTS_VLLM_SAVES_TTL=str(TTL),
                                       FRAGMENTS_VLLM_MAX_BODY_BYTES=str(8 << 20)))
     try:
         client = served.client()
         alone, jobs = run_checks(client, served.prompts, served.vocab, served.work)
-        misuse_checks(served, client, alone, jobs)
+        if not args.core:
+            misuse_checks(served, client, alone, jobs)
     finally:
         served.done(FAILED)
     print(json.dumps({"tp": args.tp, "pp": args.pp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
