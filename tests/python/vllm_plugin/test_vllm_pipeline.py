@@ -6,6 +6,7 @@ location, logits, edits against transformers, read-only plans leaving tokens and
 refused) and a 4-layer Llama at pp 2 through tracing (pp_check.py: the stage map, every layer's output and the
 logit lens at every layer, an edit on stage 0 carried into stage 1).
 FRAG_SLOW=1 adds Qwen2-MoE and GPT-NeoX at pp 2, tp 2 x pp 2 (4 workers on 2 cores) through plans and tracing,
+a compiled engine at pp 2 (taps over both stages),
 two local "nodes" (--nnodes 2: tp 2 across them, and pp 2 across them), the OpenAI server at pp 2
 (server_check.py --pp 2) and nnsight's VLLM on the same pp 2 engine (nnsight_compare.py --pp 2: fragments'
 values are asserted; nnsight's outcome is printed).
@@ -28,6 +29,7 @@ SLOW_CASES = [("qwen2_moe_pp2", "vllm_check.py", ["qwen2_moe", 1, "--pp", 2]),
               ("gpt_neox_pp2", "vllm_check.py", ["gpt_neox", 1, "--pp", 2]),
               ("llama_tp2_pp2", "vllm_check.py", ["llama", 2, "--pp", 2]),
               ("trace_tp2_pp2", "pp_check.py", [2, 2]),
+              ("compiled_pp2", "pp_check.py", [1, 2, "--compiled"]),
               ("nodes_tp2", "pp_check.py", [2, 1, "--nnodes", 2]),
               ("nodes_pp2", "pp_check.py", [1, 2, "--nnodes", 2]),
               ("server_pp2", "server_check.py", [1, "--pp", 2]),
