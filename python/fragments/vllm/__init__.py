@@ -162,11 +162,12 @@ def take_saves(llm, keys: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     {"error": str|None, "saves": {name: tensor}}."""
     from safetensors.torch import load
     from ._saves import finished_tokens
+    from ._stages import merge_takes
     # with the tokens each request produced: rows of steps past them (async scheduling) are left out
     t0 = time.perf_counter()
     answers = llm.collective_rpc("fragments_take_saves", args=({k: finished_tokens.pop(k) for k in keys},))
     timings["take_rpc_s"] = time.perf_counter() - t0  # the benchmark's view of what returning saves costs
-    first = next((a for a in answers if a is not None), None)
+    first = merge_takes(answers, keys) if any(a is not None for a in answers) else None  # every stage's
     if first is None:
         raise RuntimeError("fragments: no worker answered fragments_take_saves; is the plugin loaded?")
     t0 = time.perf_counter()

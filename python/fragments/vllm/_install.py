@@ -39,12 +39,17 @@ def _publish(state) -> None:
     """Rank 0's model record for the server's front end (FRAGMENTS_VLLM_DIR/model.json); again when it changes
     (a location refused while vLLM captures its CUDA graphs, before the first request)."""
     directory = os.environ.get("FRAGMENTS_VLLM_DIR")
-    if directory and state.rank == 0:
+    if directory and _global_rank() == 0:  # one writer: its record holds every pipeline stage's locations
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".model.{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(state.model_record(), f)
         os.replace(tmp, os.path.join(directory, "model.json"))
+
+
+def _global_rank() -> int:
+    from vllm.distributed import get_world_group
+    return get_world_group().rank_in_group
 
 
 def _wrap(cls, name, make):

@@ -50,7 +50,8 @@ class Metrics:
         if not answers:
             return
         first = next((a for a in answers if a.get("rank") == 0), answers[0])
-        self.held_bytes.set(first["bytes"])
+        # every pipeline stage's tensor-parallel rank 0 holds its own stage's tensors: the bytes add up
+        self.held_bytes.set(sum(a["bytes"] for a in answers if a.get("rank") == 0) or first["bytes"])
         self.held_requests.set(first["requests"])
         self.live_plans.set(max(a["plans"] for a in answers))
         self.hooks.set(max(a["hooks"] for a in answers))

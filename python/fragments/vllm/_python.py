@@ -112,6 +112,10 @@ def run(state, location, step, work_item, view, rows_of) -> bool:
             invoke = getattr(leaf, "invoke", None)
             key = work_item.key if invoke is None else key_of(step.group, invoke)
             who = "this prompt" if invoke is None else f"invoke {invoke}"
+            stage = state.stage_of.get(leaf.name, state.stage)
+            if stage != state.stage:  # its value never reaches this stage's workers
+                raise ValueError(f"{leaf.name} is on pipeline stage {stage} and {location} on stage {state.stage}: "
+                                 "a Python step reads values of its own stage only (save the value instead)")
             if leaf.name == location:
                 rows = rows_of(key)
                 if rows is not None:  # in this forward: its rows as they are now

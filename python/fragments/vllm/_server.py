@@ -213,7 +213,8 @@ async def take(app, key: str) -> dict:
     except Exception as e:  # the engine is dead or hung: the client hears it, the server does not crash
         return {"status": "error", "error": f"fragments: the saves could not be fetched from the engine: "
                 f"{type(e).__name__}: {e}"[:500], "data": None, "bytes": 0}
-    first = next((a for a in answers if a is not None), None) or {}
+    from ._stages import merge_takes
+    first = merge_takes(answers, [key])  # at pp > 1 each stage answers with its own saves
     return first.get(key) or {"status": "unknown", "error": None, "data": None, "bytes": 0}
 
 

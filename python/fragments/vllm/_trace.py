@@ -169,7 +169,7 @@ class _Calls:
     def call(self, modules, x):
         from safetensors.torch import load, save
         answers = self._model.llm.collective_rpc("fragments_call", args=(list(modules), save({"x": x.contiguous()})))
-        answer = answers[0]
+        answer = next(a for a in answers if a is not None)  # the stage holding the modules answers
         if answer["error"]:
             raise FragmentsError(answer["error"])
         return load(answer["data"])["y"]

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from . import _layers, _plan, _python, _runner, _saves
+from . import _layers, _plan, _python, _runner, _saves, _stages
 
 log = logging.getLogger("fragments.vllm")
 
@@ -59,6 +59,8 @@ class WorkerState:
         self.tp = get_tp_group()
         self.rank = self.tp.rank_in_group
         self.world = self.tp.world_size
+        self.pp = _stages.pp_group()  # None at pipeline_parallel_size 1
+        self.stage = self.pp.rank_in_group if self.pp is not None else 0
         described = _layers.describe(model)
         self.table = json.loads(_C.classify_layers(described, "vLLM model"))
         self.qkv_attributes = _layers.qkv_attributes(described)
@@ -89,20 +91,33 @@ class WorkerState:
         self.tap_calls: Dict[str, int] = {}
         self.forwards = 0  # compiled mode: forwards in which a plan acted
         self.host_s, self.step_counts = Counter(), Counter()  # host seconds by phase, steps (compile_stats)
-        if self.compiled:
+        # every stage's locations (a collective over the pipeline group at pp > 1: _stages.exchange)
+        self._record = _stages.exchange(self._local_record())
+        self.stage_of: Dict[str, int] = self._record.get("stage", {})
+        if self.compiled:  # taps chosen over every stage's locations (the same on every rank), placed at its own
             self._place_taps()
+            self._record.update(taps=self.taps, graphs=self.graphs)
             from . import _compile
             _compile.watch_dynamo()
 
     # ---- what the front end and tests read --------------------------------------------------------
     def model_record(self) -> dict:
-        return {"format": "fragments.vllm/1", "tp_size": self.world, "compiled": self.compiled,
-                "runner": self.view.kind, "device": str(self.device), "graphs": self.graphs,
-                "table": self.table, "qkv_attributes": self.qkv_attributes,
-                "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
-                "refused": self.refused, "modules": sorted(p for p in self.modules if p),
-                "logits_modules": self.logits_modules, "taps": self.taps,
-                "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
+        return self._record
+
+    def _local_record(self) -> dict:
+        """This worker's record (at pp > 1 only the modules its stage really holds: _stages.own)."""
+        record = {"format": "fragments.vllm/1", "tp_size": self.world, "compiled": self.compiled,
+                  "runner": self.view.kind, "device": str(self.device), "graphs": self.graphs,
+                  "table": self.table, "qkv_attributes": self.qkv_attributes,
+                  "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
+                  "refused": dict(self.refused), "modules": sorted(p for p in self.modules if p),
+                  "logits_modules": self.logits_modules, "taps": self.taps,
+                  "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
+        return _stages.own(record, self.model) if self.pp is not None else record
+
+    def here(self, location: str) -> bool:
+        """Whether this worker's stage acts at `location` (always at pipeline_parallel_size 1)."""
+        return self.stage_of.get(location, self.stage) == self.stage
 
     # ---- the step -----------------------------------------------------------------------------------
     def begin_step(self, scheduler_output):
@@ -149,7 +164,7 @@ class WorkerState:
 
     def _sync_hooks(self):
         wanted = set() if self.compiled else \
-            {s.at for p in self.plans.values() if p is not None and not p.error for s in p.steps}
+            {s.at for p in self.plans.values() if p is not None and not p.error for s in p.steps if self.here(s.at)}
         for location in set(self.hooks) - wanted:
             self.hooks.pop(location).remove()
         for location in wanted - set(self.hooks):
@@ -179,7 +194,7 @@ class WorkerState:
                 continue
             step = row.step
             for s in plan.steps:
-                if not s.runs_at(step):
+                if not s.runs_at(step) or not self.here(s.at):
                     continue
                 if s.logits:  # the logits processor sees one row per request: its sampled position
                     if row.samples:
@@ -198,9 +213,9 @@ class WorkerState:
         spec = extra.get(_plan.EXTRA_KEY)
         plan = None
         if spec is not None:
-            if self._record is None:
-                self._record = self.model_record()
-            plan = _plan.RequestPlan.parse(spec, req_id, self._record, set(self.modules))
+            # checked against every stage's locations (the front end's record), acted on at this stage's
+            plan = _plan.RequestPlan.parse(spec, req_id, self._record,
+                                           None if self.pp is not None else set(self.modules))
             _python.attach(self, plan, spec)  # a VLLM trace's Python steps (.apply, edits read from locations)
             for s in plan.steps:  # values (files, registered vectors) onto the model's device, once
                 if isinstance(getattr(s, "value", None), torch.Tensor):
@@ -370,13 +385,14 @@ class WorkerState:
         patterns = extra.get(_tap.TAPS_KEY, []) if isinstance(extra, dict) else []
         if not patterns:
             return
-        candidates = {f"{p}.{side}" if p else side for p in self.modules for side in ("input", "output")}
-        candidates -= {f"{p}.input" for p in self.logits_modules}  # vLLM passes the LM head module there
-        self.taps = _tap.select(patterns, candidates, self.refused)
+        modules = self._record["modules"] if self.pp is not None else self.modules  # every stage's
+        candidates = {f"{p}.{side}" if p else side for p in modules for side in ("input", "output")}
+        candidates -= {f"{p}.input" for p in self._record["logits_modules"]}  # vLLM passes the LM head module there
+        self.taps = _tap.select(patterns, candidates, self._record["refused"])
         self.graphs = _tap.arrange_graphs(self.runner.vllm_config.compilation_config)
         self.view.guard_graphs(lambda: self.editing)
         self.tap_calls = {loc: 0 for loc in self.taps}
-        _tap.place(self.modules, self.taps)
+        _tap.place(self.modules, [t for t in self.taps if self.here(t)])
         _tap.body = self.tap_body
         _tap.opaque = self.tap_opaque
 
@@ -389,6 +405,7 @@ class WorkerState:
                                       ' serve it with enforce_eager=True or compilation_config {"cudagraph_mode": '
                                       '"NONE"}')
             log.warning("fragments: %s is served only without CUDA graphs: %s", location, self.refused[location])
+            self._record["refused"][location] = self.refused[location]  # the record plans are checked against
             if self.publish is not None:
                 self.publish(self)
 
@@ -454,32 +471,9 @@ class WorkerState:
         return out if self.rank == 0 else None
 
     def call(self, modules: List[str], data: bytes) -> Optional[dict]:
-        """Runs `modules` in turn on a whole tensor (safetensors bytes, "x") after a forward: the logit lens
-        of fragments.vllm.VLLM. Replicated modules run as they are; the LM head through the model's logits
-        processor (vLLM's own gather and scaling). Every rank runs it (the head's collective); rank 0
-        answers {"error", "data"} ("y"), the others None."""
-        from safetensors.torch import load, save
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-        try:
-            x = load(data)["x"].to(self.device)
-            with torch.no_grad(), set_current_vllm_config(self.runner.vllm_config):
-                for path in modules:
-                    module = self.modules.get(path)
-                    if module is None:
-                        raise ValueError(f"{path} is not a module of this model")
-                    if isinstance(module, ParallelLMHead) and self.logits_modules:
-                        x = self.modules[self.logits_modules[0]](module, x)
-                    elif f"{path}.input" in self.fragmented or f"{path}.output" in self.fragmented:
-                        raise ValueError(f"{path} holds one rank's piece of its weights; only replicated modules "
-                                         "and the LM head can be called on a whole value")
-                    else:
-                        out = module(x)
-                        x = out[0] if isinstance(out, tuple) else out
-            answer = {"error": None, "data": save({"y": x.contiguous().cpu()}) if x is not None else None}
-        except (RuntimeError, ValueError, TypeError) as e:
-            answer = {"error": f"fragments: {'('.join(modules[::-1])}(...): {e}", "data": None}
-        return answer if self.rank == 0 else None
+        """Ad-hoc module calls on a whole tensor after a forward, the logit lens (_calls.run)."""
+        from . import _calls
+        return _calls.run(self, modules, data)
 
 
 def _rows(rows: List[int], device) -> object:

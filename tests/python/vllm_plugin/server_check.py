@@ -1,6 +1,6 @@
 """fragments through vLLM's OpenAI server (`vllm serve`), with the official openai client and curl.
 
-    python server_check.py TP
+    python server_check.py TP [--pp PP]
 
 Writes a tiny Llama with transformers' save_pretrained (and a word-level tokenizer: [w0] … [w299]), a
 safetensors file of steering vectors registered by name (FRAGMENTS_VLLM_VECTORS: "steer" fits layer 1's
@@ -348,7 +348,7 @@ class Served:
     fresh folder: `env` adds settings, `args` flags. server_fuzz.py, server_load.py and server_faults.py start
     theirs the same way."""
 
-    def __init__(self, tp, name="serve", env=None, args=(), port=None):
+    def __init__(self, tp, name="serve", env=None, args=(), port=None, pp=1):
         import torch
         from safetensors.torch import save_file
         import families
@@ -368,10 +368,11 @@ class Served:
         self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(os.path.dirname(fragments.__file__)),
                                                   self.env.get("PYTHONPATH", "")])
         cores = os.cpu_count() or 1
+        workers = tp * pp
         self.env.update(VLLM_CPU_KVCACHE_SPACE="1", FRAGMENTS_VLLM_VECTORS=self.vectors, HF_HUB_OFFLINE="1",
-                        VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(tp)) if tp > 1
+                        VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(workers)) if workers > 1
                         else f"0-{cores - 1}", **(env or {}))
-        self.args = list(args)
+        self.args = (["--pipeline-parallel-size", str(pp)] if pp > 1 else []) + list(args)
         import engine_env
         if engine_env.GPU:  # a share of the GPU (checks run side by side), float32 kept float32 (engine_env)
             self.env.setdefault("TRITON_F32_DEFAULT", "ieee")
@@ -427,9 +428,10 @@ class Served:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (layer 0 on stage 0, layer 1 on 1)")
     ap.add_argument("--core", action="store_true", help="checks A-F only (no hostile bodies, fuzz or load)")
     args = ap.parse_args()
-    served = Served(args.tp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), FRAGMENTS_VLLM_SAVES_TTL=str(TTL),
+    served = Served(args.tp, pp=args.pp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), FRAGMENTS_VLLM_SAVES_TTL=str(TTL),
                                       FRAGMENTS_VLLM_MAX_BODY_BYTES=str(8 << 20)))
     try:
         client = served.client()
@@ -438,7 +440,7 @@ def main():
             misuse_checks(served, client, alone, jobs)
     finally:
         served.done(FAILED)
-    print(json.dumps({"tp": args.tp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
+    print(json.dumps({"tp": args.tp, "pp": args.pp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
     sys.exit(1 if FAILED else 0)
 
 

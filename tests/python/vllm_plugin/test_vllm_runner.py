@@ -174,12 +174,13 @@ class OpaqueTapTest(unittest.TestCase):
     def test_the_worker_refuses_the_location_once_and_republishes(self):
         from fragments.vllm import _worker
         published = []
-        state = types.SimpleNamespace(refused={}, publish=published.append)
+        state = types.SimpleNamespace(refused={}, publish=published.append, _record={"refused": {}})
         _worker.WorkerState.tap_opaque(state, "model.layers.0.mlp.shared_expert.down_proj.output")
         _worker.WorkerState.tap_opaque(state, "model.layers.0.mlp.shared_expert.down_proj.output")
         why = state.refused["model.layers.0.mlp.shared_expert.down_proj.output"]
         self.assertIn("enforce_eager=True", why)
         self.assertEqual(len(published), 1)
+        self.assertEqual(state._record["refused"], state.refused)  # the record plans are checked against
 
 
 if __name__ == "__main__":

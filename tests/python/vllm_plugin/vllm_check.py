@@ -1,10 +1,11 @@
 """One vLLM engine (eager; vLLM's CPU build, or its CUDA build on a GPU: engine_env.py) with fragments' plugin
 against transformers' hooks on the same device in the same dtype (float32 unless FRAG_VLLM_DTYPE says).
 
-    python vllm_check.py FAMILY TP [--heads H --kv-heads K] [--quick]
+    python vllm_check.py FAMILY TP [--heads H --kv-heads K] [--pp PP]
 
 Writes a tiny checkpoint of FAMILY with transformers' save_pretrained, starts vLLM at tensor_parallel_size
-TP with the plugin loaded through its real entry points (a dist-info on PYTHONPATH naming
+TP (and pipeline_parallel_size PP: its 2 layers on 2 stages, layer 0 and the embedding on the first, layer 1
+and the logits on the last; vLLM's mp executor) with the plugin loaded through its real entry points (a dist-info on PYTHONPATH naming
 fragments.vllm:register), submits in ONE batch:
   R0 plain request on prompt A (no plan)
   R1 a read-only plan on prompt A: every location of families.Reader saved at prefill (step 0), the
@@ -128,6 +129,14 @@ def check_edit(hf, edit, prompt, r, max_tokens):
     return worst
 
 
+def check_stages(info, pp, qkv0, down1):
+    """Every stage's locations in one table, each with the stage acting there."""
+    stage = info.get("stage", {})
+    where = {loc: stage.get(loc) for loc in (f"{qkv0}.output", f"{down1}.input", "logits_processor.output")}
+    check("inspect: each location's pipeline stage (layer 0 first, layer 1 and the logits last)",
+          list(where.values()) == [0, pp - 1, pp - 1], json.dumps(where))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("family")
@@ -135,6 +144,7 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (vLLM's mp executor)")
     args = ap.parse_args()
     use_bound(args.family)
 
@@ -142,7 +152,7 @@ def main():
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    engine_env.setup(args.tp)
+    engine_env.setup(args.tp * args.pp)
 
     import torch
     from safetensors.torch import save_file
@@ -166,7 +176,7 @@ def main():
     plan_edit = edit.plan()
 
     t0 = time.time()
-    llm = LLM(folder, tensor_parallel_size=args.tp, enforce_eager=True, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
+    llm = LLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, enforce_eager=True, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
               max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs())
     start_s = time.time() - t0
     print(f"engine start {start_s:.1f} s ({engine_env.describe()})", flush=True)
@@ -183,6 +193,8 @@ def main():
         check("inspect: attention internals refused as rank-local",
               any(".attn." in k or k.endswith(".attn.output") for k in info["refused"]), str(list(info["refused"])[:4]))
 
+    if args.pp > 1:
+        check_stages(info, args.pp, qkv0, down1)
     tokens = {"max_tokens": args.max_tokens, "temperature": 0.0, "logprobs": 2}
     # R3: a plan that passes the submission check but cannot run (row 50 of a 5-token prompt): it fails in
     # the workers, that request alone, on every rank alike.
@@ -263,7 +275,7 @@ def main():
     after = fv.generate(llm, [{"prompt_token_ids": prompt_a}], [None], **tokens)[0]
     check("engine unharmed after a bad plan", list(after.outputs[0].token_ids) == t0_ids)
 
-    print(json.dumps({"family": args.family, "tp": args.tp, "platform": engine_env.describe(),
+    print(json.dumps({"family": args.family, "tp": args.tp, "pp": args.pp, "platform": engine_env.describe(),
                       "runner": info.get("runner"), "engine_start_s": round(start_s, 1),
                       "worst_rel": worst, "failed": FAILED}), flush=True)
     return 1 if FAILED else 0
