@@ -30,6 +30,13 @@ What differs, by release (the vLLM file each point follows):
   V2's batch descriptor (GPU graphs) BatchExecutionDescriptor(cg_mode,         + max_query_len, num_ubatches
    (no_graph)                        num_tokens, num_reqs, uniform_token_      (v1/worker/gpu/cudagraph_utils.py):
                                      count, num_active_loras)                  copied with dataclasses.replace
+  GPT-NeoX                           its own model (models/gpt_neox.py:         no model of its own: the registry
+   (the plugin follows vLLM's        gpt_neox.layers.*, QKVParallelLinear       serves GPTNeoXForCausalLM through the
+   module tree as it is)             [Q | K | V])                               Transformers backend (model.layers.*,
+                                                                                query_key_value a column-parallel
+                                                                                layer in transformers' per-head
+                                                                                [q k v] layout: whole values in that
+                                                                                layout, no "heads" view there)
 Unchanged between the two (checked by NEEDED): the Worker methods wrapped (v1/worker/gpu_worker.py load_model,
 execute_model, sample_tokens; the CPU worker subclasses it), WorkerBase (RPC by method name), V1's
 input_batch / query_start_loc / requests, V2's req_states / prepare_inputs, CudagraphDispatcher.dispatch's
