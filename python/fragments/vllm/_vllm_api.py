@@ -165,6 +165,14 @@ def _validation_error():
 ValidationError = _validation_error()  # a refused plan: the server answers 400, LLM raises a ValueError
 
 
+# ---- vLLM's Transformers backend -------------------------------------------------------------------------
+def leading_batch(model) -> bool:
+    """Whether `model` is vLLM's Transformers backend (models/transformers/, in 0.24 and 0.32: the models vLLM
+    has no implementation of; GPT-NeoX among them from 0.32). It runs transformers' own modules on a batch of
+    one, so their activations are [1, tokens, width] where vLLM's models hold [tokens, width]."""
+    return type(model).__module__.startswith("vllm.model_executor.models.transformers")
+
+
 # ---- Model Runner V2's CUDA graphs (GPU) ----------------------------------------------------------------
 def no_graph(desc, num_tokens: int, num_reqs: int):
     """V2's batch descriptor `desc` run without a CUDA graph (every other field kept: 0.32 added some)."""

@@ -40,18 +40,10 @@ if PART not in (None, *CASES):
     raise SystemExit(f"FRAG_VLLM_NEXT_PART={PART!r}: expected one of {', '.join(CASES)} (or unset: all)")
 
 
-# What the pinned pair's checks assume and vLLM 0.32 changed (docs/vllm.md "vLLM versions"): skipped, loudly.
-KNOWN = {"gpt_neox": "vLLM 0.32 has no GPT-NeoX of its own: its registry serves GPTNeoXForCausalLM through the "
-                     "Transformers backend (model.layers.*.attention.query_key_value, a plain column-parallel layer in "
-                     "transformers' per-head [q k v] layout), so vllm_check.py's locations (0.24's gpt_neox.layers.*, "
-                     "QKVParallelLinear's [Q | K | V]) and its head edit do not apply there"}
-
-
-def _missing(args=()):
+def _missing():
     if os.environ.get("FRAG_SLOW") != "1":
         return "slow tier only (FRAG_SLOW=1)"
-    known = next((why for name, why in KNOWN.items() if name in map(str, args)), None)
-    return known or next_env.missing()
+    return next_env.missing()
 
 
 def _run(cmd, env, folder):
@@ -79,7 +71,7 @@ class VllmNextTest(unittest.TestCase):
 
 def _make(script, args):
     def test(self):
-        why = _missing(args)
+        why = _missing()
         if why:
             print(f"SKIPPED vLLM next-environment check {script} {' '.join(map(str, args))}: {why}", file=sys.stderr)
             self.skipTest(why)
