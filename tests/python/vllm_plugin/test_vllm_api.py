@@ -59,6 +59,17 @@ class VllmApiTest(unittest.TestCase):
         self.assertTrue(issubclass(_vllm_api.ValidationError, VLLMValidationError))
         self.assertTrue(issubclass(_vllm_api.ValidationError, ValueError))
 
+    def test_transformers_backend_has_a_leading_batch(self):
+        # GPT-NeoX from 0.32 (and any model vLLM has no implementation of) runs through vLLM's Transformers
+        # backend, whose modules see [1, tokens, width]; vLLM's own models see [tokens, width]
+        import torch
+        from vllm.model_executor.models import transformers as backend
+        from vllm.model_executor.models.llama import LlamaForCausalLM
+        from fragments.vllm import _vllm_api
+        self.assertTrue(_vllm_api.leading_batch(object.__new__(backend.TransformersForCausalLM)))
+        self.assertFalse(_vllm_api.leading_batch(object.__new__(LlamaForCausalLM)))
+        self.assertFalse(_vllm_api.leading_batch(torch.nn.Linear(2, 2)))
+
     def test_untested_version_warns_once(self):
         code = ("import sys, vllm; vllm.__version__ = '0.99.1'\n"
                 "import fragments.vllm as fv; fv.register(); fv.register()\n")
