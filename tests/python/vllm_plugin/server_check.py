@@ -364,8 +364,10 @@ class Served:
         self.prompts = [torch.randint(3, self.vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
         site = plugin_dist(os.path.join(self.work, "site"))
         self.env = dict(os.environ)
-        self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.join(HERE, "..", "..", "..", "python"),
-                                                  self.env.get("PYTHONPATH", "")])
+        # the caller's PYTHONPATH before the checkout's python/: the second environment (next_env.py) puts its
+        # own build of fragments there (the checkout's _C is built against the pinned torch)
+        self.env["PYTHONPATH"] = os.pathsep.join([site, self.env.get("PYTHONPATH", ""),
+                                                  os.path.join(HERE, "..", "..", "..", "python")])
         cores = os.cpu_count() or 1
         self.env.update(VLLM_CPU_KVCACHE_SPACE="1", FRAGMENTS_VLLM_VECTORS=self.vectors, HF_HUB_OFFLINE="1",
                         VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % cores) for r in range(tp)) if tp > 1
