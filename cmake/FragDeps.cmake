@@ -101,6 +101,25 @@ if(FRAG_HAVE_C10_CUDA)
   target_link_libraries(frag_torch INTERFACE ${_frag_c10_cuda})
 endif()
 
+# NativeRT (torch::nativert::ModelRunnerHandle, PyTorch's C++ runtime for exported programs: frag run and the
+# C++ API on .pt2 rank files). PyTorch 2.11's wheels export it from libtorch_cpu; 2.13's ship the header but not
+# the code (no torch::nativert symbol at all). Without it a .pt2 is refused in one line by frag run and the C++
+# API (program/nativert_program.cpp) and still runs through the Python front end (fragments.load).
+frag_feature_option(FRAG_WITH_NATIVERT "Run .pt2 rank files in C++ with PyTorch's NativeRT (libtorch_cpu)")
+set(_frag_nativert "")
+set(_why "libtorch_cpu exports no torch::nativert::ModelRunnerHandle (torch ${Torch_VERSION})")
+find_library(FRAG_TORCH_CPU_LIBRARY torch_cpu PATHS "${FRAG_TORCH_LIBRARY_DIR}" "${TORCH_INSTALL_PREFIX}/lib"
+  NO_DEFAULT_PATH)
+if(FRAG_TORCH_CPU_LIBRARY)
+  execute_process(COMMAND sh -c "nm -D --defined-only '${FRAG_TORCH_CPU_LIBRARY}' | grep -q _ZN5torch8nativert17ModelRunnerHandleC"
+    RESULT_VARIABLE _frag_nativert_rc)
+  if(_frag_nativert_rc EQUAL 0)
+    set(_frag_nativert TRUE)
+    set(_why "libtorch_cpu exports torch::nativert::ModelRunnerHandle")
+  endif()
+endif()
+frag_feature_resolve(FRAG_WITH_NATIVERT "${_frag_nativert}" "${_why}" FRAG_HAVE_NATIVERT)
+
 # The fused CUDA kernels of the kit's layer ops (runtime/layer_ops_cuda.cu): a CUDA compiler and a CUDA
 # LibTorch. Without them the reference kernels (runtime/layer_ops.cpp) serve CUDA tensors too.
 frag_feature_option(FRAG_WITH_CUDA_KERNELS "Fused CUDA kernels of frag::rms_norm, rotary_embedding, silu_and_mul")

@@ -8,7 +8,20 @@
 #include "runtime/exported_program.h"
 #include "runtime/rank_module.h"
 
+#include <torch/version.h>
+
+// FRAG_WITH_NATIVERT (CMake probes libtorch_cpu; Bazel builds against torch 2.11, which has it): PyTorch 2.13's
+// wheels ship NativeRT's header without its code, so there a .pt2 is refused here in one line.
+#ifndef FRAG_WITH_NATIVERT
+#define FRAG_WITH_NATIVERT 1
+#endif
+#if FRAG_WITH_NATIVERT
 #include <torch/nativert/ModelRunnerHandle.h>
+#else
+namespace torch::nativert {
+class ModelRunnerHandle {};  // this LibTorch has none; never made (load refuses first)
+}  // namespace torch::nativert
+#endif
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -86,6 +99,12 @@ std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& con
       fail("{}: a .pt2 rank file runs on the CPU in frag run and the C++ API (asked for {}); on GPUs load it "
            "with fragments.load in Python",
            path, device.str());
+#if !FRAG_WITH_NATIVERT
+    fail("{}: this build's LibTorch (torch {}.{}) has no NativeRT, PyTorch's C++ runtime for exported programs "
+         "(its wheels leave torch::nativert out from 2.13 on): frag run and the C++ API cannot run a .pt2 here; "
+         "load it with fragments.load in Python, or build against torch 2.11",
+         path, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+#endif
     passes::bind_location_ids_exported(prepared.model, *prepared.locations, path);
     passes::bind_group_ids_exported(prepared.model, path);
     // NativeRT reads a package from a file: the bound archive goes to a private temporary file, which is
@@ -93,8 +112,10 @@ std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& con
     const std::string bound =
         temporary_archive(runtime::rewritten_archive(path, prepared.model, {}), path);
     try {
+#if FRAG_WITH_NATIVERT
       SilencedStdout silenced;
       program->runner_ = std::make_unique<torch::nativert::ModelRunnerHandle>(bound, "model");
+#endif
     } catch (const std::exception& e) {
       std::remove(bound.c_str());
       fail("{}: PyTorch's runtime for exported programs (NativeRT) cannot load it: {}", path,
@@ -130,7 +151,12 @@ torch::Tensor NativeRtProgram::run_graph(const torch::Tensor& input_ids, const C
   torch::NoGradGuard no_grad;
   std::vector<c10::IValue> inputs{input_ids};
   if (step != nullptr) inputs.insert(inputs.end(), {step->positions, step->kv_cache, int64_t{0}});
+#if FRAG_WITH_NATIVERT
   c10::IValue out = runner_->run(inputs, {});
+#else
+  c10::IValue out;  // unreachable: load refused
+  fail("{}: no NativeRT in this LibTorch", path());
+#endif
   if (out.isTensor()) return out.toTensor();
   if (out.isTuple() && !out.toTupleRef().elements().empty()) return out.toTupleRef().elements()[0].toTensor();
   if (out.isList() && out.toListRef().size() > 0) return out.toListRef()[0].toTensor();

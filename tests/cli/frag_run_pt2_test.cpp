@@ -86,6 +86,7 @@ class RunPt2 : public ::testing::TestWithParam<Case> {};
 
 TEST_P(RunPt2, SavesAtEveryLocationAndEditsAsTheTorchScriptExport) {
   FRAG_REQUIRE_GLOO();
+  FRAG_REQUIRE_NATIVERT();
   auto folder = temporary_folder();
   const auto files = pt2_files(GetParam().pt2);
   const auto ts_files = model_files(GetParam().torchscript);
@@ -145,6 +146,7 @@ INSTANTIATE_TEST_SUITE_P(Models, RunPt2,
 
 TEST(RunPt2Refusals, AnAdHocCallIsRefusedInWords) {
   FRAG_REQUIRE_GLOO();
+  FRAG_REQUIRE_NATIVERT();
   auto folder = temporary_folder();
   testing::CommandResult result;
   run_plan(pt2_files("llama_tp2_pt2"), folder, "lens", R"({"interventions": [
@@ -156,6 +158,23 @@ TEST(RunPt2Refusals, AnAdHocCallIsRefusedInWords) {
   EXPECT_NE(lines[0].find("needs the Python front end"), std::string::npos) << lines[0];
   EXPECT_NE(lines[0].find("rank0.pt2"), std::string::npos) << lines[0];
   EXPECT_FALSE(std::filesystem::exists(folder + "/lens.safetensors"));
+  testing::remove_flat_folder(folder);
+}
+
+TEST(RunPt2Refusals, WithoutNativeRtAPt2IsRefusedInOneLine) {
+  // A LibTorch without NativeRT (torch 2.13's wheels): frag run names the file and the way that works.
+  if (FRAG_TEST_NATIVERT) GTEST_SKIP() << "this LibTorch has NativeRT: the cases above run the .pt2 files";
+  FRAG_REQUIRE_GLOO();
+  auto folder = temporary_folder();
+  testing::CommandResult result;
+  run_plan(pt2_files("llama_tp2_pt2"), folder, "plain", "", &result);
+  EXPECT_NE(result.exit_code, 0);
+  auto lines = lines_of(result.output);
+  ASSERT_EQ(lines.size(), 1u) << result.output;
+  EXPECT_NE(lines[0].find("has no NativeRT"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("fragments.load"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find(".pt2"), std::string::npos) << lines[0];
+  EXPECT_FALSE(std::filesystem::exists(folder + "/plain.safetensors"));
   testing::remove_flat_folder(folder);
 }
 

@@ -176,6 +176,7 @@ double relative(const torch::Tensor& a, const torch::Tensor& b) {
 
 TEST(Decoder, CachedPt2ArchiveGeneratesAsTorchScript) {
   FRAG_REQUIRE_GLOO();
+  FRAG_REQUIRE_NATIVERT();
   // The same weights exported with the cached forward as .pt2 (NativeRT runs prefill and decode steps of the
   // one archive): the same tokens as the TorchScript file, logits within 1e-5 (fp32), at tp 1 and 2.
   for (const std::string family : {"llama", "moe"}) {
@@ -191,6 +192,7 @@ TEST(Decoder, CachedPt2ArchiveGeneratesAsTorchScript) {
 
 TEST(Decoder, CachedPt2ArchiveRunsPlainForwardsToo) {
   FRAG_REQUIRE_GLOO();
+  FRAG_REQUIRE_NATIVERT();
   // Without a cache (frag run, a trace), the cached archive runs positions 0..T-1 into a scratch cache.
   auto ids = torch::tensor(kPrompts[2], torch::kLong).unsqueeze(0).repeat({2, 1});
   torch::Tensor script, exported;
@@ -212,6 +214,7 @@ TEST(Decoder, CachedPt2ArchiveRunsPlainForwardsToo) {
 
 TEST(Decoder, Pt2ArchiveWithoutCacheStillGeneratesByRecomputing) {
   FRAG_REQUIRE_GLOO();
+  FRAG_REQUIRE_NATIVERT();
   auto ids = torch::tensor(kPrompts[0], torch::kLong).unsqueeze(0);
   torch::Tensor script, exported;
   expect_no_errors(on_ranks("llama_tp2", [&](int rank, ShardedModel& model) {

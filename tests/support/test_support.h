@@ -28,6 +28,22 @@
   GTEST_SKIP() << "needs several CPU ranks over Gloo, and this build has no Gloo backend "        \
                   "(built without gloo headers, as against PyTorch's pip wheels)"
 
+/// Whether this build runs .pt2 rank files in C++: CMake defines FRAG_WITH_NATIVERT from a probe of
+/// libtorch_cpu (torch 2.13's wheels ship NativeRT's header without its code); Bazel builds against
+/// torch 2.11, which has it, and leaves it undefined.
+#if defined(FRAG_WITH_NATIVERT) && !FRAG_WITH_NATIVERT
+#define FRAG_TEST_NATIVERT 0
+#else
+#define FRAG_TEST_NATIVERT 1
+#endif
+
+/// Skips a test that runs a .pt2 in C++ where this LibTorch has no NativeRT (frag_run_pt2_test checks the
+/// one-line refusal there instead).
+#define FRAG_REQUIRE_NATIVERT()                                                                     \
+  if (!FRAG_TEST_NATIVERT)                                                                          \
+  GTEST_SKIP() << "runs a .pt2 rank file in C++, and this LibTorch has no NativeRT (torch 2.13's "  \
+                  "wheels leave it out; frag run refuses a .pt2 there in one line)"
+
 /// Skips a test that needs a CUDA device.
 #define FRAG_REQUIRE_CUDA() \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device; this machine has none"

@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import _vllm_api
 from ._plan import EXTRA_KEY, RequestPlan
 
 __all__ = ["register", "validate_request", "sampling_params", "generate", "take_saves", "inspect",
@@ -42,6 +43,7 @@ def register() -> None:
     plan checks) and wraps the model runners (fragments/vllm/_worker.py). Safe to call more than once."""
     if os.environ.get("FRAGMENTS_VLLM", "1") == "0":
         return
+    _vllm_api.check(first_process="FRAGMENTS_VLLM_DIR" not in os.environ)  # the tested range; needed internals
     if "FRAGMENTS_VLLM_DIR" not in os.environ:  # the first process; spawned workers inherit it
         os.environ["FRAGMENTS_VLLM_DIR"] = tempfile.mkdtemp(prefix="fragments-vllm-")
         _cpu_defaults()
@@ -114,10 +116,7 @@ def _model_record() -> Optional[dict]:
         return None
 
 
-try:
-    from vllm.exceptions import VLLMValidationError as _ValidationError  # a ValueError
-except ImportError:  # pragma: no cover - vLLM not installed: no request to check
-    _ValidationError = ValueError  # type: ignore
+_ValidationError = _vllm_api.ValidationError  # vLLM's VLLMValidationError, and a ValueError in every release
 
 
 def validate_request(sampling_params) -> None:

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import List, Optional
 
-from . import _worker
+from . import _vllm_api, _worker
 
 log = logging.getLogger("fragments.vllm")
 _lock = threading.Lock()
@@ -103,7 +103,7 @@ def install() -> None:
     _wrap(gpu_worker.Worker, "load_model", load_model)
     _wrap(gpu_worker.Worker, "execute_model", execute_model)
     _wrap(gpu_worker.Worker, "sample_tokens", sample_tokens)
-    _cpu_moe_silu_workaround()
+    _vllm_api.cpu_moe_workaround()
 
     # vLLM's collective_rpc finds worker methods by name (its worker_extension_cls does the same by
     # inheritance); these are fragments' own.
@@ -122,9 +122,10 @@ def _wrap_front_end() -> None:
 
     def validate_params(original):
         def _validate_params(self, params, *args, **kwargs):
-            original(self, params, *args, **kwargs)
+            result = original(self, params, *args, **kwargs)  # 0.32 returns the request's watermarking
             from . import validate_request
             validate_request(params)
+            return result
         return _validate_params
     _wrap(input_processor.InputProcessor, "_validate_params", validate_params)
     _count_tokens()
@@ -203,20 +204,3 @@ def _rpc_compile_stats(self):
 _RPC = {"take_saves": _rpc_take_saves, "model_record": _rpc_model_record, "call": _rpc_call,
         "program": _rpc_program, "compile_stats": _rpc_compile_stats}
 
-
-def _cpu_moe_silu_workaround():
-    """vLLM 0.24's CPU MoE in float32 (its torch path, cpu_fused_moe.py) builds a SiluAndMul CustomOp at
-    every call, outside vLLM's config context, and fails ("Current vLLM config is not set"). The same
-    math (SiluAndMul.forward_native: silu(gate) * up) as a plain function; only that table entry changes."""
-    try:
-        import torch.nn.functional as F
-        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
-        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    except ImportError:
-        return
-    table = getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", None)
-    if isinstance(table, dict) and MoEActivation.SILU in table:
-        def silu_and_mul(x):
-            d = x.shape[-1] // 2
-            return F.silu(x[..., :d]) * x[..., d:]
-        table[MoEActivation.SILU] = silu_and_mul

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.nn as nn
 
 from .. import _C
+from . import _vllm_api
 
 
 def _kind(module: nn.Module) -> Optional[str]:
@@ -42,10 +43,7 @@ def _kind(module: nn.Module) -> Optional[str]:
 
 def _is_fused_moe(module: nn.Module) -> bool:
     """vLLM 0.24's FusedMoE(...) is a factory returning a MoE runner module; older releases had a class."""
-    try:
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner as cls
-    except ImportError:
-        from vllm.model_executor.layers.fused_moe import FusedMoE as cls  # type: ignore
+    cls = _vllm_api.fused_moe_class()
     return isinstance(cls, type) and isinstance(module, cls)
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional
 
+from . import _vllm_api
+
 
 class Row(NamedTuple):
     req_id: str
@@ -129,7 +131,6 @@ class V2(Runner):
         if manager is None:
             return
         from vllm.config import CUDAGraphMode
-        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
         original = manager.dispatch
 
         def dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
@@ -138,8 +139,7 @@ class V2(Runner):
             else:  # no uniform count: the decode (FULL) candidates do not match, the PIECEWISE one does
                 desc = original(num_reqs, num_tokens, None, *args, **kwargs)
                 if desc.cg_mode == CUDAGraphMode.FULL:  # FULL graphs for mixed batches too: run without a graph
-                    desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
-                                                    num_reqs=num_reqs, num_active_loras=desc.num_active_loras)
+                    desc = _vllm_api.no_graph(desc, num_tokens, num_reqs)
             self.full = desc.cg_mode == CUDAGraphMode.FULL
             return desc
         manager.dispatch = dispatch

@@ -56,10 +56,10 @@ _serving = False  # True in `vllm serve`'s API server process, once its app is b
 def install_into_api_server() -> None:
     """Wraps vllm.entrypoints.openai.api_server.build_app when that module is loaded (the API server
     process); other processes are left alone. Idempotent."""
-    name = "vllm.entrypoints.openai.api_server"
+    from ._vllm_api import BUILD_APP_MODULES as names  # where this vLLM's API server calls build_app
     main = sys.modules.get("__main__")  # `python -m vllm.entrypoints.openai.api_server` runs it as __main__
-    for module in {id(m): m for m in (sys.modules.get(name), main) if m is not None and
-                   (m.__name__ == name or getattr(getattr(m, "__spec__", None), "name", None) == name)}.values():
+    for module in {id(m): m for m in [sys.modules.get(n) for n in names] + [main] if m is not None and
+                   (m.__name__ in names or getattr(getattr(m, "__spec__", None), "name", None) in names)}.values():
         _wrap_build_app(module)
 
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from . import _layers, _plan, _python, _runner, _saves, _stages
+from . import _layers, _plan, _python, _runner, _saves, _stages, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
@@ -66,6 +66,7 @@ class WorkerState:
         self.qkv_attributes = _layers.qkv_attributes(described)
         self.fragmented, self.refused = _layers.locations(model, self.table)
         self.modules = dict(model.named_modules())
+        self.leading_batch = _vllm_api.leading_batch(model)  # transformers' modules: [1, tokens, width]
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
@@ -273,12 +274,19 @@ class WorkerState:
 
     def _edited(self, location: str, value, work: List[_Work]):
         """The hooks' form of _act: a new tensor (the layer's own is left as it is) when something was edited."""
-        acted = self._act(location, value, work)
+        rows = self._token_rows(value)
+        acted = self._act(location, rows, work)
         if acted is None:
             return None
-        out = value.clone()
+        out = rows.clone()
         _write(out, *acted)
-        return out
+        return out.view(value.shape)
+
+    def _token_rows(self, value):
+        """`value` as [tokens, ...]: vLLM's Transformers backend calls transformers' modules on a batch of one."""
+        if self.leading_batch and isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[0] == 1:
+            return value[0]
+        return value
 
     def _act(self, location: str, value, work: List[_Work]) -> Optional[Tuple[object, torch.Tensor]]:
         """Runs the work at one location on `value` (this rank's tensor, [tokens, width]); when something was
@@ -299,8 +307,15 @@ class WorkerState:
                            f"{'' if not isinstance(value, torch.Tensor) else ' of ' + str(value.dtype)}, "
                            "not a floating-point activation (vLLM calls this module with it first)")
             return None
+        value = self._token_rows(value)
         rule = self.fragmented.get(location)
         rows = sorted({r for w in work for r in range(w.start, w.stop)})
+        if rows and rows[-1] >= value.shape[0]:
+            # a tensor laid out other than [tokens, ...]: the requests fail alike on every rank, vLLM goes on
+            for w in work:
+                self._fail(w.key, f"{location} holds {list(value.shape)}, not one row per token of this step "
+                           f"({rows[-1] + 1} or more): a layout the plugin does not read")
+            return None
         edits = any(w.step.do != "save" for w in work)
         where = _rows(rows, value.device)
         piece = value.narrow(0, where.start, len(rows)) if isinstance(where, range) else value.index_select(0, where)

@@ -105,7 +105,7 @@ def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None):
     with open(os.path.join(fix, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: fragments-moe-fix\nVersion: 0.1\n")
     with open(os.path.join(fix, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nfragments_moe_fix = fragments.vllm._install:_cpu_moe_silu_workaround\n")
+        f.write("[vllm.general_plugins]\nfragments_moe_fix = fragments.vllm._vllm_api:cpu_moe_workaround\n")
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
              if p and not os.path.isdir(os.path.join(p, "fragments_vllm_plugin-0.1.dist-info"))]
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(fix)] + paths)

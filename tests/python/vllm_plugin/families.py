@@ -13,6 +13,18 @@ import transformers
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gpt_neox")
 
 
+def neox_tree() -> str:
+    """Which module tree vLLM gives GPT-NeoX: "vllm" (0.24: its own models/gpt_neox.py, gpt_neox.layers.*,
+    QKVParallelLinear's [Q | K | V]) or "transformers" (0.32 has no such module: the registry serves
+    GPTNeoXForCausalLM through the Transformers backend, model.layers.*, query_key_value a plain column-parallel
+    layer in transformers' per-head [q k v] layout, no "heads" view). The checks follow the tree vLLM has."""
+    import importlib.util
+    try:
+        return "vllm" if importlib.util.find_spec("vllm.model_executor.models.gpt_neox") else "transformers"
+    except ImportError:  # no vLLM: transformers-only callers, either is fine
+        return "vllm"
+
+
 def config(family: str, heads: int = 4, kv_heads: int = 2):
     # tp 3 (6 heads): every fragmented width and the padded vocab (380 -> 384) must divide by 3
     common = dict(vocab_size=300 if heads % 3 else 380, hidden_size=64 * heads, num_hidden_layers=2, num_attention_heads=heads,
@@ -53,10 +65,21 @@ def write_checkpoint(family: str, folder: str, heads: int = 4, kv_heads: int = 2
 
 def hf_model(folder: str):
     """transformers' model of `folder` on the checks' device and dtype (engine_env: the GPU with vLLM's CUDA
-    build, else the CPU)."""
+    build, else the CPU). Gemma 2 in transformers' eager attention, the one that soft-caps its attention logits
+    (attn_logit_softcapping, as vLLM does): transformers 5.24 refuses SDPA for Gemma 2, 5.17 and 5.19 pick
+    it by default, which drops the soft-capping (measured on 5.19: 2.6e-4 relative at layer 0's attention
+    output, 8.5e-5 at the logits, against eager)."""
     import engine_env
+    eager = {"attn_implementation": "eager"} if _model_type(folder) == "gemma2" else {}
     return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, torch_dtype=engine_env.torch_dtype()).to(engine_env.DEVICE).eval()
+        folder, torch_dtype=engine_env.torch_dtype(), **eager).to(engine_env.DEVICE).eval()
+
+
+def _model_type(folder: str) -> str:
+    import json
+    import os
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f).get("model_type", "")
 
 
 def ids(model, tokens) -> torch.Tensor:
@@ -69,9 +92,19 @@ class Reader:
 
     def __init__(self, family: str, cfg):
         self.family, self.cfg = family, cfg
+        # GPT-NeoX through vLLM's Transformers backend: vLLM's names are transformers' under "model." (not
+        # "gpt_neox."), and the fused q|k|v stays in transformers' per-head layout
+        self.hf_tree = family == "gpt_neox" and neox_tree() == "transformers"
 
     def layer_prefix(self, i):
-        return f"gpt_neox.layers.{i}" if self.family == "gpt_neox" else f"model.layers.{i}"
+        """Layer i's module path in vLLM."""
+        if self.family == "gpt_neox":
+            return f"model.layers.{i}" if self.hf_tree else f"gpt_neox.layers.{i}"
+        return f"model.layers.{i}"
+
+    def hf(self, name: str) -> str:
+        """transformers' module path of vLLM's module `name`."""
+        return "gpt_neox." + name[len("model."):] if self.hf_tree and name.startswith("model.") else name
 
     def locations(self, layers=(0, 1)):
         """The fragmented and whole vLLM locations a test saves, per layer, with their HF readers."""
@@ -80,12 +113,14 @@ class Reader:
         for i in layers:
             p = self.layer_prefix(i)
             if f == "gpt_neox":
-                out[f"{p}.attention.query_key_value.output"] = ("neox_qkv", f"{p}.attention.query_key_value")
-                out[f"{p}.attention.dense.input"] = ("input", f"{p}.attention.dense")
-                out[f"{p}.attention.dense.output"] = ("output", f"{p}.attention.dense")
-                out[f"{p}.mlp.dense_h_to_4h.output"] = ("output", f"{p}.mlp.dense_h_to_4h")
-                out[f"{p}.mlp.dense_4h_to_h.input"] = ("input", f"{p}.mlp.dense_4h_to_h")
-                out[f"{p}.mlp.dense_4h_to_h.output"] = ("output", f"{p}.mlp.dense_4h_to_h")
+                h = self.hf
+                out[f"{p}.attention.query_key_value.output"] = (
+                    "output" if self.hf_tree else "neox_qkv", h(f"{p}.attention.query_key_value"))
+                out[f"{p}.attention.dense.input"] = ("input", h(f"{p}.attention.dense"))
+                out[f"{p}.attention.dense.output"] = ("output", h(f"{p}.attention.dense"))
+                out[f"{p}.mlp.dense_h_to_4h.output"] = ("output", h(f"{p}.mlp.dense_h_to_4h"))
+                out[f"{p}.mlp.dense_4h_to_h.input"] = ("input", h(f"{p}.mlp.dense_4h_to_h"))
+                out[f"{p}.mlp.dense_4h_to_h.output"] = ("output", h(f"{p}.mlp.dense_4h_to_h"))
                 continue
             a = f"{p}.self_attn"
             out[f"{a}.qkv_proj.output"] = ("cat", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])
@@ -106,9 +141,11 @@ class Reader:
                 out[f"{m}.gate_up_proj.output"] = ("cat", [f"{m}.gate_proj", f"{m}.up_proj"])
                 out[f"{m}.down_proj.input"] = ("input", f"{m}.down_proj")
                 out[f"{m}.down_proj.output"] = ("output", f"{m}.down_proj")
-        emb = "gpt_neox.embed_in" if f == "gpt_neox" else "model.embed_tokens"
+        emb = "model.embed_tokens"
+        if f == "gpt_neox":
+            emb = "model.embed_in" if self.hf_tree else "gpt_neox.embed_in"
         # Gemma 2: transformers' embedding module scales by sqrt(hidden); vLLM's scales after its embed_tokens
-        out[f"{emb}.output"] = ("gemma_embed", emb) if f == "gemma2" else ("output", emb)
+        out[f"{emb}.output"] = ("gemma_embed", emb) if f == "gemma2" else ("output", self.hf(emb))
         return out
 
     def read(self, spec, captured):
@@ -166,7 +203,8 @@ class Edit:
 
     def __init__(self, family: str, cfg, g):
         self.family, self.cfg = family, cfg
-        lp = Reader(family, cfg).layer_prefix
+        self.reader = Reader(family, cfg)
+        lp = self.reader.layer_prefix
         if family == "gpt_neox":
             self.qkv0, self.qkv1 = f"{lp(0)}.attention.query_key_value", f"{lp(1)}.attention.query_key_value"
             self.down1 = f"{lp(1)}.mlp.dense_4h_to_h"
@@ -185,7 +223,11 @@ class Edit:
         return folder
 
     def plan(self) -> list:
-        return [{"at": f"{self.qkv0}.output", "do": "scale", "by": 0.5, "segment": "v", "heads": [self.vhead]},
+        head = {"segment": "v", "heads": [self.vhead]}
+        if self.reader.hf_tree:  # no "heads" view of transformers' per-head [q k v]: head vhead's v by its columns
+            hs = self.cfg.hidden_size // self.cfg.num_attention_heads
+            head = {"index": f"...,{(3 * self.vhead + 2) * hs}:{(3 * self.vhead + 3) * hs}"}
+        return [{"at": f"{self.qkv0}.output", "do": "scale", "by": 0.5, **head},
                 {"at": f"{self.down1}.input", "do": "add", "value": "steer.safetensors:v"},
                 {"at": f"{self.qkv1}.output", "do": "save", "as": "qkv1", "step": 0},
                 {"at": "logits_processor.output", "do": "save", "as": "final_logits"}]
@@ -206,10 +248,11 @@ class Edit:
                 return out.flatten(-3)
             out[..., vhead * hs:(vhead + 1) * hs] *= 0.5
             return out
-        neox = self.family == "gpt_neox"
-        h1 = named[self.qkv0 if neox else self.qkv0.replace("qkv_proj", "v_proj")].register_forward_hook(scale_v)
-        h2 = named[self.down1].register_forward_pre_hook(lambda m, a: (a[0] + self.steer.to(a[0].device, a[0].dtype),))
-        q1 = [self.qkv1] if neox else [self.qkv1.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        neox, h = self.family == "gpt_neox", self.reader.hf
+        h1 = named[h(self.qkv0) if neox else self.qkv0.replace("qkv_proj", "v_proj")].register_forward_hook(scale_v)
+        h2 = named[h(self.down1)].register_forward_pre_hook(
+            lambda m, a: (a[0] + self.steer.to(a[0].device, a[0].dtype),))
+        q1 = [h(self.qkv1)] if neox else [self.qkv1.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
         try:
             with torch.no_grad():
                 gen = hf.generate(ids(hf, prompt), max_new_tokens=max_tokens, do_sample=False,
@@ -218,5 +261,6 @@ class Edit:
         finally:
             h1.remove()
             h2.remove()
-        qkv1 = Reader(self.family, cfg).read(("neox_qkv", self.qkv1) if neox else ("cat", q1), cap)[:len(prompt)]
+        spec = (("output" if self.reader.hf_tree else "neox_qkv", h(self.qkv1)) if neox else ("cat", q1))
+        qkv1 = self.reader.read(spec, cap)[:len(prompt)]
         return gen[0, len(prompt):].tolist(), qkv1, logits[len(prompt) - 1:]

@@ -364,7 +364,9 @@ class Served:
         self.prompts = [torch.randint(3, self.vocab, (4 + i % 6,), generator=g).tolist() for i in range(16)]
         site = plugin_dist(os.path.join(self.work, "site"))
         self.env = dict(os.environ)
-        import fragments  # the package this process runs (the GPU machine's has its _C beside it: vllm_run.sh)
+        # the package this process runs first: the GPU machine's has its _C beside it (vllm_run.sh), and the
+        # second environment (next_env.py) puts its own build, against its torch, first on the path
+        import fragments
         self.env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(os.path.dirname(fragments.__file__)),
                                                   self.env.get("PYTHONPATH", "")])
         cores = os.cpu_count() or 1
