@@ -36,9 +36,14 @@ def token_rows(ids):
             rows.append(r[0].tolist())
     else:
         rows = token_ids(ids).tolist()
+    return nonempty(rows, "token ids")
+
+
+def nonempty(rows, what):
+    """`rows`, each with at least one token (else a FragmentsError naming the prompt, after `what`)."""
     for i, r in enumerate(rows):
         if not r:
-            raise FragmentsError(f"token ids: prompt {i} has no tokens")
+            raise FragmentsError(f"{what}: prompt {i} has no tokens")
     return rows
 
 

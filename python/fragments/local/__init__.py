@@ -5,5 +5,5 @@
     generate  Generation (prefill and decode steps through program::Decoder, sampling)
     run       Prepared: a recording as this rank's engine takes it (plan steps, callables, Hooks)
     launch    launch, rank_context: the ranks of this machine
-    torch_export  ExportedRunner: a .pt2 run by torch.export under the C++ plan engine
+    pt2_torch_export  Pt2Runner: a .pt2 run by torch.export under the C++ plan engine
 """

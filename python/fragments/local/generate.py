@@ -28,7 +28,7 @@ import torch
 
 from .. import _C
 from ..core.errors import FragmentsError
-from ..core.tokens import token_ids
+from ..core.tokens import nonempty, token_ids
 from . import run
 from .trace import Trace
 
@@ -172,7 +172,4 @@ def prompt_rows(prompts, tokenizer):
         rows = [[int(t) for t in p] for p in prompts]
     else:
         raise FragmentsError(f"generate: prompts must be token ids or text, got {type(prompts).__name__}")
-    for i, r in enumerate(rows):
-        if not r:
-            raise FragmentsError(f"generate: prompt {i} has no tokens")
-    return rows
+    return nonempty(rows, "generate")

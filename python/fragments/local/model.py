@@ -18,7 +18,7 @@ from ..tracing.envoy import TracedModel
 from ..tracing.tree import ModelTree, rank_local_reason
 from .generate import Generation
 from .launch import rank_context
-from .torch_export import ExportedRunner
+from .pt2_torch_export import Pt2Runner
 from .trace import Trace
 
 
@@ -32,7 +32,7 @@ class Model(TracedModel):
         self.path = path.format(rank=context.rank) if "{rank}" in path else path
         self.device = torch.device(device)
         if _C.is_torch_export_archive(self.path):  # run by torch.export here, its plans by the C++ engine
-            self._c = _C.ShardedModel.exported(context, self.path, device, ExportedRunner)
+            self._c = _C.ShardedModel.pt2(context, self.path, device, Pt2Runner)
         else:
             self._c = _C.ShardedModel(context, self.path, device)
         self.rank, self.world_size = context.rank, context.world_size
@@ -124,5 +124,5 @@ def load(path, device=None):
     """Loads this rank's file (`"dir/rank{rank}.pt"`: the rank from the launch context) onto `device`
     (default: the CPU, or under backend "nccl" the GPU of LOCAL_RANK). A TorchScript file (.pt) runs in
     C++; a torch.export archive (.pt2, plain or frag rewrite's) runs with torch.export in this process,
-    its plans alike (fragments.local.torch_export)."""
+    its plans alike (fragments.local.pt2_torch_export)."""
     return Model(path, device)

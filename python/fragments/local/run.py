@@ -23,29 +23,35 @@ class Prepared:
         _unscoped(recording.python, generate)
         self.recording = recording
         self.weights = weights or {}
-        self._hooks = {}
-        self._live = {}
+        self._hooks, self._live, self._stores = {}, {}, {}
+        if not recording.python:  # the common trace: its plan steps as they are
+            self.steps, self.callables = recording.steps, []
+        else:
+            self.steps, self.callables = self._split(recording)
+        self.key = None if self.callables else plan_key(self.steps)
+
+    def _split(self, recording):
+        """(plan steps, callables): the steps at a location where Python runs go into its Hook, in recorded
+        order; an `.apply` elsewhere is a callable of its own; then each Hook is one."""
         order = _hooked(recording.python)
         self._hooked, self._hooked_names = set(order), {name for name, _ in order}
         for name, visit in order:
             self._hook(name, visit)
-        self.steps, self.callables, self._stores = [], [], {}
-        applies = 0
+        steps, callables = [], []
         for record in _in_order(recording.steps, recording.python):
             hook = self._hook(record.at, record.visit)
             if isinstance(record, Step):
                 if hook is None:
-                    self.steps.append(record)
+                    steps.append(record)
                 else:
                     hook.steps.append(self._python_step(record))
             elif hook is not None:
                 hook.steps.append(record)
-            else:  # an .apply where no Python edit runs: a callable of its own
-                self.callables.append((record.at, record.fn, record.visit, f"apply#{applies}"))
-                applies += 1
+            else:  # an .apply where no Python edit runs
+                callables.append((record.at, record.fn, record.visit, f"apply#{len(callables)}"))
         for i, ((name, visit), hook) in enumerate(self._hooks.items()):
-            self.callables.append((name, hook, visit, f"expression#{i}"))
-        self.key = None if self.callables else plan_key(self.steps)
+            callables.append((name, hook, visit, f"expression#{i}"))
+        return steps, callables
 
     def records(self):
         """Every step, for naming the user's line of an error (fragments.core.errors.at_line)."""

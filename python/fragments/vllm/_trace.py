@@ -108,8 +108,10 @@ class VLLM(TracedModel):
         fragmented (location and rule), whole, rank_local (location and why), layers, heads), from the
         workers' classification of vLLM's layers (fragments.vllm.inspect has the whole record)."""
         r, tree = self._record, self._tree
+        attention = {path.rpartition(".")[0] for path in r["qkv_attributes"]}  # where heads can be
         heads = {name: {k: {"start": a, "stop": b, "head_dim": d, "heads": (b - a) // d} for k, (a, b, d) in
-                        tree.head_layout(name).items()} for name in tree.locations}
+                        tree.head_layout(name).items()}
+                 for name in tree.locations if name.rpartition(".")[0].rpartition(".")[0] in attention}
         return {"format": "fragments.inspect/1", "tp_size": r["tp_size"], "layers": r["table"].get("layers", []),
                 "fragmented": [{"location": loc, "rule": rule} for loc, rule in r["fragmented"].items()],
                 "whole": [loc for loc, kind in tree.locations.items() if kind == "whole"],
