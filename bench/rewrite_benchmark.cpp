@@ -15,7 +15,8 @@
 //   - file form: what `frag rewrite` saves (passes::rewrite_for_file: the ops
 //              in each class's methods), its save beside the original's, and
 //              the inlining a load of it runs (passes::inline_fragment_ops); the
-//              targets (issue 13) are printed for this form;
+//              targets (issue 13) are printed for this form, and --check exits 1
+//              when a guarded one is missed (tests/bench:rewrite_benchmark_test);
 // and then the growth of the rewrite time with depth (80/40, 160/80; a linear
 // pass gives about 2.0). Each depth is measured in a process of its own (this
 // program again, --measure-one), from a fresh heap as each `frag rewrite` runs:
@@ -29,7 +30,7 @@
 // the same depth.
 //
 //   bazel build //bench:rewrite_benchmark
-//   bazel-bin/bench/rewrite_benchmark [--reps N (>= 5)] [--warmup N] [FILE.pt ...]
+//   bazel-bin/bench/rewrite_benchmark [--reps N (>= 5)] [--warmup N] [--check] [FILE.pt ...]
 //   bazel-bin/bench/rewrite_benchmark --profile-rewrite N FILE.pt   (N rewrites, nothing
 //       else, for `perf record`)
 //   bazel-bin/bench/rewrite_benchmark --profile-save N FILE.pt   (one rewrite, then N saves
@@ -396,11 +397,69 @@ ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
   return r;
 }
 
+/// A target of issue 13 judged on one run. The guarded ones decide --check's exit status (the slow-tier test
+/// tests/bench:rewrite_benchmark_test); the others are printed for the reader (bench/README.md says why).
+struct Target {
+  std::string line;  ///< what, the target's verdict and the numbers
+  bool met = false;  ///< the guard's verdict (for the growth, a looser bound than the target's)
+  bool guarded = false;
+};
+
+/// The bound of the guarded growth (160 layers over 80, thread CPU medians): looser than the target's 2.1,
+/// which single runs of this 10-20 ms pass miss (x1.60-x2.43 in wall clock on an idle machine, where the
+/// work grows x1.87: bench/README.md); a pass that grows quadratically gives x4.
+constexpr double kGrowthGuard = 3.0;
+
+/// The targets on this run's depths: frag rewrite's file form at 80 and 160 layers and its saves.
+std::vector<Target> judge_targets(const std::vector<Result>& results) {
+  const Result* l80 = nullptr;
+  const Result* l160 = nullptr;
+  for (const auto& r : results) {
+    if (r.layers == 80) l80 = &r;
+    if (r.layers == 160) l160 = &r;
+  }
+  std::vector<Target> targets;
+  const auto verdict = [](bool met) { return met ? "MET" : "NOT MET"; };
+  // Judged on the pass's thread CPU time: other jobs on a shared machine inflate the wall clock of a 10 ms
+  // pass by preempting it, not its CPU time; on an idle machine the two agree (the line prints both).
+  if (l80) {
+    const double cpu = l80->file_rewrite_cpu.median();
+    targets.push_back({fmt::format("frag rewrite of 80 layers <= 20 ms (thread CPU, median): {} ({:.1f} ms; wall "
+                                   "{:.1f} median, {:.1f} min)",
+                                   verdict(cpu <= 20), cpu, l80->file_rewrite.median(), l80->file_rewrite.min()),
+                       cpu <= 20, true});
+  } else {
+    targets.push_back({"frag rewrite of 80 layers <= 20 ms: NOT MEASURED (no 80-layer file)", false, true});
+  }
+  if (l80 && l160) {
+    const double growth = l160->file_rewrite.median() / l80->file_rewrite.median();
+    const double cpu_growth = l160->file_rewrite_cpu.median() / l80->file_rewrite_cpu.median();
+    targets.push_back({fmt::format("frag rewrite of 160 layers <= 2.1 x 80 layers: {} (x{:.2f} median wall, x{:.2f} "
+                                   "thread CPU; the guard: CPU <= x{:.1f})",
+                                   verdict(growth <= 2.1), growth, cpu_growth, kGrowthGuard),
+                       cpu_growth <= kGrowthGuard, true});
+    const double save_growth = l160->file_save.median() / l80->file_save.median();
+    targets.push_back({fmt::format("saving frag rewrite's file linear (160/80 <= 2.1): {} (x{:.2f}; the original's "
+                                   "save x{:.2f}: LibTorch's writer)",
+                                   verdict(save_growth <= 2.1), save_growth,
+                                   l160->file_save_original.median() / l80->file_save_original.median()),
+                       save_growth <= 2.1, false});
+  }
+  double worst = 0;
+  for (const auto& r : results) worst = std::max(worst, r.file_save.median() / r.file_save_original.median());
+  if (!results.empty())
+    targets.push_back({fmt::format("saving frag rewrite's file <= 2 x saving the original at every depth: {} (worst "
+                                   "x{:.2f})",
+                                   verdict(worst <= 2), worst),
+                       worst <= 2, true});
+  return targets;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 7, warmup = 1, profile_rewrite = 0, profile_save = 0;
-  bool file_form = false, measure_one = false, one_process = false, save_original_only = false;
+  bool file_form = false, measure_one = false, one_process = false, save_original_only = false, check = false;
   std::string scratch_option;
   std::string save_to, pt2;
   std::vector<std::string> files;
@@ -429,6 +488,8 @@ int main(int argc, char** argv) {
                "rewrite");
   app.add_flag("--one-process", one_process,
                "Measure every depth in this process (default: each in a process of its own, from a fresh heap)");
+  app.add_flag("--check", check,
+               "Exit 1 when a guarded target is missed (the slow-tier test tests/bench:rewrite_benchmark_test)");
   app.add_flag("--measure-one", measure_one, "(internal) measure the one FILE.pt and print the result as JSON")
       ->group("");
   app.add_option("--scratch", scratch_option, "(internal) the folder for --measure-one's saves")->group("");
@@ -614,37 +675,14 @@ int main(int argc, char** argv) {
                  "the rewritten graph and table / with the original graph; TorchScript: this run's row above)\n";
   }
 
-  // The targets of issue 13, judged on this run.
-  const Result* l80 = nullptr;
-  const Result* l160 = nullptr;
-  for (const auto& r : results) {
-    if (r.layers == 80) l80 = &r;
-    if (r.layers == 160) l160 = &r;
-  }
+  // The targets of issue 13, judged on this run; --check turns a missed guarded one into the exit status.
   std::cout << "\n";
-  // The targets are frag rewrite's: the file form (the inlining rewrite above is what a load of a plain
-  // export runs, and what a load of the file form ends in).
-  if (l80)
-    std::cout << fmt::format("target: frag rewrite of 80 layers <= 20 ms: {} ({:.1f} ms median wall, {:.1f} min, {:.1f} ms "
-                             "thread cpu)\n",
-                             l80->file_rewrite.median() <= 20 ? "MET" : "NOT MET", l80->file_rewrite.median(),
-                             l80->file_rewrite.min(), l80->file_rewrite_cpu.median());
-  if (l80 && l160) {
-    const double growth = l160->file_rewrite.median() / l80->file_rewrite.median();
-    const double growth_min = l160->file_rewrite.min() / l80->file_rewrite.min();
-    std::cout << fmt::format("target: frag rewrite of 160 layers <= 2.1 x 80 layers: {} (x{:.2f} median, x{:.2f} min)\n",
-                             growth <= 2.1 ? "MET" : "NOT MET", growth, growth_min);
-    const double save_growth = l160->file_save.median() / l80->file_save.median();
-    std::cout << fmt::format("target: saving frag rewrite's file linear (160/80 <= 2.1): {} (x{:.2f}; the original's "
-                             "save x{:.2f})\n",
-                             save_growth <= 2.1 ? "MET" : "NOT MET", save_growth,
-                             l160->file_save_original.median() / l80->file_save_original.median());
+  bool missed = false;
+  for (const auto& target : judge_targets(results)) {
+    std::cout << fmt::format("target: {}{}\n", target.line,
+                             target.guarded ? (target.met ? " [guarded: MET]" : " [guarded: NOT MET]") : "");
+    missed = missed || (target.guarded && !target.met);
   }
-  double worst = 0;
-  for (const auto& r : results) worst = std::max(worst, r.file_save.median() / r.file_save_original.median());
-  if (!results.empty())
-    std::cout << fmt::format("target: saving frag rewrite's file <= 2 x saving the original at every depth: {} (worst "
-                             "x{:.2f})\n",
-                             worst <= 2 ? "MET" : "NOT MET", worst);
-  return 0;
+  if (check) std::cout << (missed ? "check: FAILED (a guarded target is not met)\n" : "check: passed\n");
+  return check && missed ? 1 : 0;
 }

@@ -1,5 +1,5 @@
-# cmake/FragHelpers.cmake - reference model exports and a check that the
-# source lists of CMakeLists.txt still cover the tree.
+# cmake/FragHelpers.cmake - reference model exports, Python tests, and a check
+# that the source lists of CMakeLists.txt still cover the tree.
 
 include_guard(GLOBAL)
 
@@ -46,6 +46,20 @@ function(frag_export_model name)
     COMMENT "Exporting reference model ${name} (${flags_text})"
     VERBATIM)
   set(FRAG_MODEL_FILES ${FRAG_MODEL_FILES} ${outs} PARENT_SCOPE)
+endfunction()
+
+# frag_python_test(<name> TIMEOUT <seconds> ENVIRONMENT <VAR=value;...> COMMAND <arguments...>)
+#
+# A ctest entry <name> (tests/python/real_model_test) running FRAG_PYTHON <arguments> from the source tree,
+# as tests/test_rules.bzl's python_script_test runs a test file with the project's Python.
+function(frag_python_test name)
+  # ${ARGN}, not PARSE_ARGV: the latter keeps ENVIRONMENT's "A;B" one element (escaped), ctest one variable.
+  cmake_parse_arguments(arg "" "TIMEOUT" "ENVIRONMENT;COMMAND" ${ARGN})
+  if(NOT arg_TIMEOUT OR NOT arg_COMMAND)
+    message(FATAL_ERROR "frag_python_test(${name}): TIMEOUT and COMMAND are required")
+  endif()
+  add_test(NAME ${name} COMMAND "${FRAG_PYTHON}" ${arg_COMMAND} WORKING_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}")
+  set_tests_properties(${name} PROPERTIES ENVIRONMENT "${arg_ENVIRONMENT}" TIMEOUT ${arg_TIMEOUT})
 endfunction()
 
 # Turns the exports of tests/models/BUILD into entries like those of

@@ -34,6 +34,36 @@ void collect_calls(Block* block, std::vector<Node*>& calls) {
   }
 }
 
+/// Whether `read` (an attribute read from self) may decide the shape of a body it is folded into: whether it
+/// reaches, through any value computed from it, a branch's condition or a loop's inputs or continuation (the
+/// only places where ConstantPropagation changes a body's structure: a constant condition removes a branch,
+/// and with it calls and collectives the analysis would meet). A value only computed with (a layer's slot in
+/// the KV cache, a slice width) is left as a read: folding it changes no call or visit, and a per-layer value
+/// gave each of 80 layers a body of its own, each constant-propagated (issue 41: 4x the rewrite's time).
+/// Errs towards folding: every user's outputs count as computed from the read.
+bool decides_shape(Value* read) {
+  std::vector<Value*> pending{read};
+  std::unordered_set<const Value*> seen{read};
+  while (!pending.empty()) {
+    Value* value = pending.back();
+    pending.pop_back();
+    for (const auto& use : value->uses()) {
+      Node* user = use.user;
+      if (!user->blocks().empty() || user->hasAttribute(c10::attr::Subgraph)) return true;
+      c10::ArrayRef<Value*> computed = user->outputs();
+      if (user->kind() == c10::prim::Return) {  // a block's result: the value of the node that owns the block
+        Node* owner = user->owningBlock()->owningNode();
+        if (owner == nullptr) continue;  // the body's own result
+        if (owner->kind() != c10::prim::If) return true;  // a loop's continuation or carried value
+        computed = owner->outputs();
+      }
+      for (Value* next : computed)
+        if (seen.insert(next).second) pending.push_back(next);
+    }
+  }
+  return false;
+}
+
 bool foldable(const c10::IValue& value) {
   return value.isBool() || value.isInt() || value.isDouble() || value.isString() || value.isNone();
 }
@@ -92,7 +122,7 @@ std::shared_ptr<Graph> MethodSpecializer::method_body(torch::jit::GraphFunction&
     for (const auto& use : callee.graph()->inputs().at(0)->uses()) {
       if (use.user->kind() != c10::prim::GetAttr) continue;
       const std::string& name = use.user->s(c10::attr::name);
-      if (name == kModulePathAttribute) continue;
+      if (name == kModulePathAttribute || !decides_shape(use.user->output())) continue;
       if (instance.type()->hasAttribute(name))
         known.reads.push_back({name, instance.type()->getAttributeSlot(name), {}});
       else if (instance.type()->hasConstant(name))

@@ -2,11 +2,13 @@
 //
 // The bodies the rewrite walks in place of a call: a submodule method's graph
 // with the instance's config folded in (bool, int, float, str and None
-// attributes it reads from self become constants, then constants propagate),
-// and a free function's graph. Instances of one class with equal config (the
-// 80 decoder layers of one file) share one body, made once; the analysis of
-// the rewrite (analyze_location_flow) and its insertion (insert_fragment_ops)
-// walk the same bodies.
+// attributes it reads from self that decide a branch or a loop become
+// constants, then constants propagate and the branches not taken go), and a
+// free function's graph. Instances of one class with equal deciding config
+// (the 80 decoder layers of one file) share one body, made once; config that
+// only enters computation (a layer's KV cache slot) stays a read, so it does
+// not split them. The analysis of the rewrite (analyze_location_flow) and its
+// insertion (insert_fragment_ops) walk the same bodies.
 //
 // Bodies carry no debug names: copied once per call site into one graph,
 // named values collide, and LibTorch's printer (Module::save) probes candidate
@@ -36,7 +38,7 @@ std::vector<torch::jit::GraphFunction*> method_graphs(const torch::jit::Module& 
 
 class MethodSpecializer {
  public:
-  /// `callee` (a method of `instance`'s class) with `instance`'s config folded in.
+  /// `callee` (a method of `instance`'s class) with `instance`'s deciding config folded in.
   std::shared_ptr<torch::jit::Graph> method_body(torch::jit::GraphFunction& callee,
                                                  const c10::ivalue::Object& instance);
 
@@ -53,7 +55,8 @@ class MethodSpecializer {
   std::optional<size_t> call_site(torch::jit::GraphFunction& method, const torch::jit::Node* call);
 
  private:
-  /// What a method reads from self (found once per method), and its bodies by folded values.
+  /// What a method reads from self that decides its shape (found once per method), and its bodies by
+  /// folded values.
   struct Specializations {
     struct Read {
       std::string name;

@@ -20,6 +20,7 @@
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/testing/file_check.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -33,6 +34,7 @@ namespace {
 using namespace frag::passes::testing;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using torch::jit::testing::FileCheck;
 
 /// "fragmented@up.output", "whole@up.input", "rank-local@act.input": the visits in one line.
 std::vector<std::string> summary(const std::vector<LocationVisit>& visits) {
@@ -169,6 +171,39 @@ TEST(AnalyzeLocationFlow, RefusesAModuleAlreadyRewritten) {
     EXPECT_THAT(e.what(), HasSubstr("rank3.pt"));
     EXPECT_THAT(e.what(), HasSubstr("already rewritten"));
   }
+}
+
+TEST(MethodSpecializer, ConfigThatOnlyComputesStaysAReadSoInstancesShareABody) {
+  // `slot` differs per instance but only enters computation (as a layer's KV cache slot does); `flip`
+  // decides a branch, through arithmetic. Only `flip` is folded: equal flips share one body.
+  Module a = make_module("__torch__.Slotted");
+  set_int(a, "slot", 0);
+  set_int(a, "flip", 1);
+  define(a, R"(
+def forward(self, x):
+    y = x * self.slot
+    if self.flip * 2 > 1:
+        y = -y
+    return y
+)");
+  Module b = a.deepcopy();
+  b.setattr("slot", 1);
+  Module c = a.deepcopy();
+  c.setattr("slot", 2);
+  c.setattr("flip", 0);
+  ASSERT_EQ(a.type(), c.type()) << "fixture: one class";
+  auto& forward = torch::jit::toGraphFunction(a.get_method("forward").function());
+  MethodSpecializer bodies;
+  auto body_a = bodies.method_body(forward, *a._ivalue());
+  EXPECT_EQ(bodies.method_body(forward, *b._ivalue()), body_a) << "a and b differ only in slot";
+  auto body_c = bodies.method_body(forward, *c._ivalue());
+  EXPECT_NE(body_c, body_a) << "c's flip takes the other branch";
+  for (const auto& body : {body_a, body_c}) {
+    FileCheck().check("prim::GetAttr[name=\"slot\"]")->run(*body);
+    FileCheck().check_not("prim::If")->check_not("name=\"flip\"")->run(*body);
+  }
+  FileCheck().check("aten::neg(")->run(*body_a);
+  FileCheck().check_not("aten::neg(")->run(*body_c);
 }
 
 }  // namespace
