@@ -9,7 +9,7 @@ import torch
 
 from .. import _C
 from ..core import graph
-from ..core.errors import FragmentsError, at_line
+from ..core.errors import FragmentsError, at_line, user_line
 from ..core.saved import unpad
 from ..core.tokens import PAD_ID, batch
 from ..tracing.envoy import Location
@@ -52,7 +52,8 @@ class Trace(Tracer):
         """`node` on meta tensors (`.shape`, `.dtype`): each location's shape from one probe forward of this
         rank (once per model; in SPMD every rank asks alike, so the probe's collectives meet)."""
         if self._plan and self._ids is None:
-            raise FragmentsError(f"{node.where}: a shape in model.plan(): a plan has no token ids until it runs; "
+            # user_line(): a location read has no line of its own; `.shape` is asked on the user's line
+            raise FragmentsError(f"{user_line()}: a shape in model.plan(): a plan has no token ids until it runs; "
                                  "take shapes in model.trace(ids)")
         return meta_of(node, probed(self._model), tuple(self._ids.shape), self._generate)
 

@@ -165,7 +165,7 @@ class Tracer:
             raise FragmentsError(f"{where}: {tree.rank_local.get(name, f'{name} is rank-local: no rank holds its whole value')}")
 
     def _meta(self, node):
-        raise FragmentsError(f"{node.where}: {node!r}: shapes are not known in this trace: save the value and read "
+        raise FragmentsError(f"{user_line()}: {node!r}: shapes are not known in this trace: save the value and read "
                              "its shape after the block")
 
     def _apply_fn(self, fn, context):
