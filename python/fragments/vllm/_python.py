@@ -13,7 +13,7 @@ executor of Python steps (fragments.core.executor.run_on_rows):
   capture  keeps a copy of the request's rows (after its steps there) per engine step, until the trace drops
            its program: for reads at later locations, and by later invokes;
   apply    fn(a copy of the rows) -> the replacement, or None for no change;
-  edit     "set"/"add"/"scale" of the rows (or an index of them) by an expression (fragments._proxy) whose
+  edit     "set"/"add"/"scale" of the rows (or an index of them) by an expression (fragments.core.graph) whose
            leaves are locations at the same engine step: at the location being run, the named request's
            current rows when it is in this forward; else its capture at this step (the request's own: from
            this forward). vLLM may run an earlier invoke's prefill before a later invoke arrives, so a capture
