@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -65,7 +66,7 @@ from ..core.saved import SavedValue
 from ..core.step import PythonStep
 from ..tracing.envoy import TracedModel
 from ..tracing.tracer import Tracer
-from ..tracing.tree import ModelTree
+from ..tracing.tree import ModelTree, rank_local_reason
 from ._front import generate, inspect
 from ._tap import TAPS_KEY
 
@@ -127,9 +128,13 @@ class VLLM(TracedModel):
         """Generation of each prompt (its own request, the same plan); saves give one value per prompt when
         there are several. Without prompts, those of the trace's invokes (each with its own plan). Greedy
         unless `temperature` is given; vLLM's SamplingParams otherwise (top_p, seed, ...; `max_new_tokens` is
-        max_tokens, as in fragments.load's and LanguageModel's generate)."""
+        max_tokens, as in fragments.load's and LanguageModel's generate; their `eos_token_id`, one id or several,
+        is vLLM's stop_token_ids: the row stops after it, the token kept, as there)."""
         if "max_new_tokens" in sampling:
             max_tokens = sampling.pop("max_new_tokens")
+        eos = sampling.pop("eos_token_id", None)
+        if eos is not None:
+            sampling["stop_token_ids"] = [int(eos)] if isinstance(eos, numbers.Integral) else [int(t) for t in eos]
         if prompts is None:
             return VllmTrace(self, [], int(max_tokens), sampling, single=True)
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
@@ -186,12 +191,30 @@ def _tree_of(record, dtype):
         for side in ("input", "output"):
             loc = f"{p}.{side}"
             if loc in record["refused"]:
-                kinds[loc], reasons[loc] = "rank_local", f"{loc}: {record['refused'][loc]}"
+                kinds[loc], reasons[loc] = "rank_local", _why_rank_local(record, classes, p, side)
             else:
                 kinds[loc] = "fragmented" if loc in record["fragmented"] else "whole"
     table = json.dumps(record["table"])
     heads = lambda loc: _C.head_layout(table, loc, record["qkv_attributes"])  # noqa: E731
     return ModelTree(modules, kinds, reasons, dtype, heads=heads)
+
+
+_COLUMN = ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear")
+
+
+def _why_rank_local(record, classes, path, side):
+    """fragments.load's words (rank_local_reason) for a module the workers found between a block's
+    column-parallel layer and its row-parallel one (vllm._layers.locations): derived from the column layer's
+    output; whole at the row layer's input only where the block feeds the module's output straight in (its
+    activation, its attention); any other refusal (a partial sum) in the workers' words."""
+    loc, parent = f"{path}.{side}", path.rpartition(".")[0]
+    layers = [e for e in record["table"].get("layers", []) if e["path"].rpartition(".")[0] == parent]
+    column = next((e["path"] for e in layers if e["kind"] in _COLUMN and e.get("output")), None)
+    if column is None:
+        return f"{loc}: {record['refused'][loc]}"
+    row = next((e["path"] for e in layers if e["kind"] == "RowParallelLinear"), None)
+    feeds_row = side == "output" and (path.endswith(".act_fn") or classes.get(path) == "Attention")
+    return rank_local_reason(loc, f"{column}.output", f"{row}.input" if row and feeds_row else None)
 
 
 def _step_of(steps, max_tokens):
