@@ -40,7 +40,7 @@ import time
 import fragments  # noqa: E402  (before fragkit: the C++ runtime registers the frag:: ops)
 import torch  # noqa: E402
 from fragments import _C  # noqa: E402
-from fragments._model import Step  # noqa: E402
+from fragments.core.step import Step  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fragkit.models import LlamaConfig, LlamaForCausalLM  # noqa: E402

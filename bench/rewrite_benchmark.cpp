@@ -24,7 +24,7 @@
 // had grown and fragmented, and every pass (LibTorch's freeze and save too)
 // grew faster than its work (--one-process shows it). Then the same model as a torch.export archive (.pt2,
 // 80 layers by default, or --pt2 FILE): read (zip + JSON), rewrite
-// (classification + insert_fragment_ops_exported on the graph JSON) and save
+// (classification + insert_fragment_ops_pt2 on the graph JSON) and save
 // (the archive copied with the rewritten graph and the table, in memory) beside
 // the same copy with the original graph; printed beside the TorchScript row of
 // the same depth.
@@ -44,8 +44,8 @@
 #include "passes/classify_parallel_layers.h"
 #include "passes/insert_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
-#include "passes/insert_fragment_ops_exported.h"
-#include "runtime/exported_program.h"
+#include "passes/insert_fragment_ops_pt2.h"
+#include "runtime/pt2_archive.h"
 #include "runtime/rank_module.h"
 #include "bench/reference_exports.h"
 
@@ -363,7 +363,7 @@ ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
   r.nodes_before = program.model["graph_module"]["graph"]["nodes"].size();
   for (int i = 0; i < warmup; ++i) {
     auto copy = program.model;
-    frag::passes::rewrite_exported_for_fragments(copy, program.modules, aliases, path);
+    frag::passes::rewrite_pt2_for_fragments(copy, program.modules, aliases, path);
   }
   nlohmann::json rewritten;
   frag::ir::FragmentTable table;
@@ -372,7 +372,7 @@ ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
     auto fresh = frag::runtime::read_exported_program(path);
     r.read.add(ms_since(start));
     start = Clock::now();
-    table = frag::passes::rewrite_exported_for_fragments(fresh.model, fresh.modules, aliases, path);
+    table = frag::passes::rewrite_pt2_for_fragments(fresh.model, fresh.modules, aliases, path);
     r.rewrite.add(ms_since(start));
     rewritten = std::move(fresh.model);
     auto split = program.model;  // copied outside the timings
@@ -380,7 +380,7 @@ ExportedResult measure_exported(const std::string& path, int reps, int warmup) {
     auto split_table = frag::passes::classify_parallel_layers(program.modules, aliases, path);
     r.classify.add(ms_since(start));
     start = Clock::now();
-    frag::passes::insert_fragment_ops_exported(split, split_table, path);
+    frag::passes::insert_fragment_ops_pt2(split, split_table, path);
     r.insert.add(ms_since(start));
   }
   r.nodes_rewritten = rewritten["graph_module"]["graph"]["nodes"].size();

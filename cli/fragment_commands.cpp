@@ -15,9 +15,9 @@
 #include "ir/error.h"
 #include "ir/module_path.h"
 #include "passes/insert_fragment_ops.h"
-#include "passes/insert_fragment_ops_exported.h"
+#include "passes/insert_fragment_ops_pt2.h"
 #include "passes/rewrite_for_fragments.h"
-#include "runtime/exported_program.h"
+#include "runtime/pt2_archive.h"
 #include "runtime/rank_module.h"
 #include "cli/safe_files.h"
 
@@ -103,9 +103,9 @@ Analysis analyze_files(const std::vector<std::string>& files, const passes::Laye
     if (exported) {
       auto program = runtime::read_exported_program(file);
       export_ids.push_back(program.info.export_id);
-      if (!program.rule_table.empty() || passes::has_fragment_ops_exported(program.model))
+      if (!program.rule_table.empty() || passes::has_fragment_ops_pt2(program.model))
         fail("{}: already rewritten by frag rewrite; inspect reads the original export", file);
-      analysis.tables.push_back(passes::analyze_exported_fragments(program.model, program.modules, aliases, file));
+      analysis.tables.push_back(passes::analyze_pt2_fragments(program.model, program.modules, aliases, file));
       if (analysis.tables.size() == 1)
         analysis.heads = head_layouts(analysis.tables[0], [&](const std::string& path) {
           return recorded_integers(program.modules, path);
@@ -177,10 +177,10 @@ int rewrite_command(const RewriteArguments& args) {
     std::string bytes;
     if (exported) {
       auto program = runtime::read_exported_program(file);
-      if (!program.rule_table.empty() || passes::has_fragment_ops_exported(program.model))
+      if (!program.rule_table.empty() || passes::has_fragment_ops_pt2(program.model))
         fail("{}: already rewritten by frag rewrite; give the original export", file);
       export_ids.push_back(program.info.export_id);
-      tables.push_back(passes::rewrite_exported_for_fragments(program.model, program.modules, aliases, file));
+      tables.push_back(passes::rewrite_pt2_for_fragments(program.model, program.modules, aliases, file));
       bytes = runtime::rewritten_archive(file, program.model, {{runtime::kRuleTableFile, ir::to_json(tables.back()).dump(1)}});
     } else {
       auto rank = runtime::load_rank_module(file);

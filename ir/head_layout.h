@@ -8,7 +8,7 @@
 //   - the input of a RowParallelLinear beside one (o_proj next to qkv_proj in
 //     one attention module): "heads", total_num_heads × v_head_size wide.
 // The one source of these numbers for JSON plans, frag inspect and the Python
-// API's head views (python/fragments/_model.py, Model._head_layout, through
+// API's head views (python/fragments/local/model.py, Model._head_layout, through
 // _C's ShardedModel.head_layout).
 // A layer's kind is the table's (its class, or the class --rules declares it as).
 //

@@ -4,7 +4,7 @@
 // format: its path, its class and its layout config. A TorchScript module
 // keeps the config as attributes; a torch.export archive (.pt2) keeps no
 // attributes, so the export kit records them beside the graph and the archive
-// reader (runtime/exported_program.h) fills this from that record. Both give
+// reader (runtime/pt2_archive.h) fills this from that record. Both give
 // the classification the same values, so both formats get the same rules.
 //
 //===----------------------------------------------------------------------===//

@@ -84,7 +84,7 @@ int64_t bind_group_ids(torch::jit::Graph& graph, const std::string& source) {
   return GroupBinder(graph, source).run();
 }
 
-int64_t bind_group_ids_exported(nlohmann::json& model, const std::string& source) {
+int64_t bind_group_ids_pt2(nlohmann::json& model, const std::string& source) {
   static const std::map<std::string, std::string> kBound = {
       {"torch.ops.frag.all_reduce.default", "torch.ops.frag.all_reduce.group"},
       {"torch.ops.frag.all_gather.default", "torch.ops.frag.all_gather.group"},

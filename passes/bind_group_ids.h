@@ -25,7 +25,7 @@ int64_t bind_group_ids(torch::jit::Graph& graph, const std::string& source);
 
 /// The same on a torch.export graph document (models/model.json of a .pt2): targets
 /// torch.ops.frag.all_reduce.default / all_gather.default become the ".group" overloads and the "group"
-/// argument an int. For the C++ executor of the archive (program/nativert_program.h).
-int64_t bind_group_ids_exported(nlohmann::json& model, const std::string& source);
+/// argument an int. For the C++ executor of the archive (program/pt2_nativert_program.h).
+int64_t bind_group_ids_pt2(nlohmann::json& model, const std::string& source);
 
 }  // namespace frag::passes

@@ -125,7 +125,7 @@ int64_t bind_location_ids(torch::jit::Graph& graph, const ir::LocationTable& loc
 
 namespace frag::passes {
 
-int64_t bind_location_ids_exported(nlohmann::json& model, const ir::LocationTable& locations,
+int64_t bind_location_ids_pt2(nlohmann::json& model, const ir::LocationTable& locations,
                                    const std::string& source) {
   // The file's target -> the bound overload, and whether the op carries a rule to check.
   static const std::map<std::string, std::pair<std::string, bool>> kBound = {

@@ -28,10 +28,10 @@ namespace frag::passes {
 int64_t bind_location_ids(torch::jit::Graph& graph, const ir::LocationTable& locations, const std::string& source);
 
 /// The same on a torch.export graph document (models/model.json of a .pt2 that frag rewrite or
-/// insert_fragment_ops_exported rewrote): targets torch.ops.frag.<op>.default become the ".at" overloads,
+/// insert_fragment_ops_pt2 rewrote): targets torch.ops.frag.<op>.default become the ".at" overloads,
 /// the "location" argument an int, the "rule" argument (checked against the table) goes. For a C++
-/// executor of the archive (program/nativert_program.h); Python binds its FX graph itself.
-int64_t bind_location_ids_exported(nlohmann::json& model, const ir::LocationTable& locations,
+/// executor of the archive (program/pt2_nativert_program.h); Python binds its FX graph itself.
+int64_t bind_location_ids_pt2(nlohmann::json& model, const ir::LocationTable& locations,
                                    const std::string& source);
 
 }  // namespace frag::passes

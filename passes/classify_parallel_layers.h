@@ -9,7 +9,7 @@
 // One classification serves both formats: a TorchScript module is first
 // described (ir::ModuleDescription: path, class, attributes, parameter shapes);
 // a torch.export archive is described from its graph's nn_module_stack and the
-// configs the kit recorded (runtime/exported_program.h).
+// configs the kit recorded (runtime/pt2_archive.h).
 //
 // TorchScript keeps no class hierarchy, so a layer is known by its class name
 // with `___torch_mangle_N` segments stripped; a user rules file can declare

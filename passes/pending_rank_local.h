@@ -6,7 +6,7 @@
 // rank-local location can be sent there. Both analyses keep these pending
 // entries by their own value ids: the TorchScript one (passes/
 // analyze_location_flow, flow numbers) and the .pt2 one
-// (passes/insert_fragment_ops_exported, node names).
+// (passes/insert_fragment_ops_pt2, node names).
 //
 //===----------------------------------------------------------------------===//
 #pragma once

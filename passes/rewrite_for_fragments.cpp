@@ -3,7 +3,7 @@
 
 #include "passes/analyze_location_flow.h"
 #include "passes/insert_fragment_ops.h"
-#include "passes/insert_fragment_ops_exported.h"
+#include "passes/insert_fragment_ops_pt2.h"
 
 namespace frag::passes {
 
@@ -28,19 +28,19 @@ ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const Laye
   return table;
 }
 
-ir::FragmentTable rewrite_exported_for_fragments(nlohmann::json& model,
+ir::FragmentTable rewrite_pt2_for_fragments(nlohmann::json& model,
                                                  const std::vector<ir::ModuleDescription>& modules,
                                                  const LayerAliases& aliases, const std::string& source) {
   ir::FragmentTable table = classify_parallel_layers(modules, aliases, source);
-  insert_fragment_ops_exported(model, table, source);
+  insert_fragment_ops_pt2(model, table, source);
   return table;
 }
 
-ir::FragmentTable analyze_exported_fragments(const nlohmann::json& model,
+ir::FragmentTable analyze_pt2_fragments(const nlohmann::json& model,
                                              const std::vector<ir::ModuleDescription>& modules,
                                              const LayerAliases& aliases, const std::string& source) {
   nlohmann::json copy = model;
-  return rewrite_exported_for_fragments(copy, modules, aliases, source);
+  return rewrite_pt2_for_fragments(copy, modules, aliases, source);
 }
 
 }  // namespace frag::passes

@@ -2,7 +2,7 @@
 //
 // classify_parallel_layers, then insert_fragment_ops, on one module; and the
 // same on a clone when only the analysis is wanted (frag inspect); and both
-// for a torch.export archive's graph (insert_fragment_ops_exported.h).
+// for a torch.export archive's graph (insert_fragment_ops_pt2.h).
 //
 //===----------------------------------------------------------------------===//
 #pragma once
@@ -34,13 +34,13 @@ ir::FragmentTable analyze_fragments(const torch::jit::Module& module, const Laye
 
 /// The same for a torch.export archive: `model` is its parsed models/model.json (rewritten in place),
 /// `modules` the modules its record describes (runtime::read_exported_program).
-ir::FragmentTable rewrite_exported_for_fragments(nlohmann::json& model,
+ir::FragmentTable rewrite_pt2_for_fragments(nlohmann::json& model,
                                                  const std::vector<ir::ModuleDescription>& modules,
                                                  const LayerAliases& aliases, const std::string& source);
 
 /// The fragment table of an archive's graph, whole and rank-local locations included, without changing
 /// `model` (the rewrite runs on a copy).
-ir::FragmentTable analyze_exported_fragments(const nlohmann::json& model,
+ir::FragmentTable analyze_pt2_fragments(const nlohmann::json& model,
                                              const std::vector<ir::ModuleDescription>& modules,
                                              const LayerAliases& aliases, const std::string& source);
 

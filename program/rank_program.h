@@ -2,14 +2,18 @@
 //
 // What ShardedModel needs from a rank file once it is prepared, whatever its
 // format: the location table, the module tree (config and call wrappers), and
-// a forward whose fragment ops are bound to the table's ids.
+// a forward whose fragment ops are bound to the table's ids. Three programs,
+// for two formats and two executors of the second:
 //
-//   .pt  (TorchScript)   program/torchscript_program.h: run by LibTorch here
-//   .pt2 (torch.export)  python/fragments/_C.cpp: run by torch.export in Python,
-//                        prepared by program/exported_rank.h
+//   .pt  TorchScriptProgram      program/torchscript_program.h: run by LibTorch here
+//   .pt2 Pt2NativeRtProgram      program/pt2_nativert_program.h: run by NativeRT in C++ (frag run)
+//   .pt2 Pt2TorchExportProgram   python/fragments/_C.cpp: run by torch.export in Python
+//                                (fragments.load; python/fragments/local/pt2_torch_export.py)
 //
-// The plan engine (ShardedModel: checks, saves, edits, cross-rank agreement,
-// width probes, call wrappers) is one for both.
+// Both .pt2 programs are a program::Pt2Program (program/pt2_program.h: the
+// archive read, checked across ranks, rewritten and indexed here). The plan
+// engine (ShardedModel: checks, saves, edits, cross-rank agreement, width
+// probes, call wrappers) is one for all three.
 //
 //===----------------------------------------------------------------------===//
 #pragma once

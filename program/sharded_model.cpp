@@ -3,7 +3,7 @@
 
 #include "ir/error.h"
 #include "program/decoder.h"
-#include "program/nativert_program.h"
+#include "program/pt2_nativert_program.h"
 #include "runtime/rank_module.h"
 
 namespace frag::program {
@@ -18,7 +18,7 @@ torch::Tensor token_ids_on(const torch::Tensor& ids, const torch::Device& device
 ShardedModel ShardedModel::load(std::shared_ptr<RankContext> context, const std::string& path,
                                 const torch::Device& device, const std::string& rules_file) {
   if (runtime::is_torch_export_archive(path))
-    return over(context, NativeRtProgram::load(*context, path, device, rules_file));
+    return over(context, Pt2NativeRtProgram::load(*context, path, device, rules_file));
   auto program = TorchScriptProgram::load(*context, path, device, rules_file);
   // GPUs too run the specialized copy (specialize_ starts true): the runtime's forwards compute op by op
   // (runtime::set_gpu_fusion), so no fusion group spans a dropped location.

@@ -59,7 +59,7 @@ class ShardedModel {
   /// ranks' files (one export, rank order). A plain export is rewritten in
   /// memory; `rules_file` declares extra layer classes (see frag inspect --rules).
   /// TorchScript files run with LibTorch; torch.export archives (.pt2) with
-  /// NativeRT (program/nativert_program.h: CPU, no call wrappers).
+  /// NativeRT (program/pt2_nativert_program.h: CPU, no call wrappers).
   static ShardedModel load(std::shared_ptr<RankContext> context, const std::string& path,
                            const torch::Device& device = torch::kCPU, const std::string& rules_file = "");
   /// A model over a program prepared elsewhere (a .pt2 program run by Python).

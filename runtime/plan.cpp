@@ -223,21 +223,13 @@ std::string PlanStep::describe() const {
 
 namespace {
 
-/// "steps": "prefill" | "decode" | "k" | "a:b" | "a:" (generation steps; 0 is the prefill).
-void parse_steps(const nlohmann::json& value, PlanStep& step, const std::string& where) {
+/// "steps" as written ("prefill" | "decode" | "k" | "a:b" | "a:"; generation steps, 0 is the prefill): `shown` is
+/// how the step wrote it (a JSON number or string), for the message.
+void parse_steps(const std::string& text, const std::string& shown, PlanStep& step, const std::string& where) {
   const auto bad = [&] {
     fail("{}: \"steps\" must be \"prefill\", \"decode\", a step number such as \"3\" or a range \"a:b\" "
-         "(step 0 is the prefill), got {}", where, value.dump());
+         "(step 0 is the prefill), got {}", where, shown);
   };
-  if (value.is_number_integer()) {
-    if (value.get<int64_t>() < 0) bad();
-    step.steps = value.dump();
-    step.steps_from = value.get<int64_t>();
-    step.steps_to = step.steps_from + 1;
-    return;
-  }
-  if (!value.is_string()) bad();
-  const auto text = value.get<std::string>();
   step.steps = text;
   const auto number = [&](const std::string& part) -> int64_t {
     if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos || part.size() > 18) bad();
@@ -256,6 +248,9 @@ void parse_steps(const nlohmann::json& value, PlanStep& step, const std::string&
     step.steps_to = step.steps_from + 1;
   }
 }
+
+/// A list of integers as JSON writes it ("[2,3]"), for messages.
+std::string json_list(const std::vector<int64_t>& values) { return fmt::format("[{}]", fmt::join(values, ",")); }
 
 /// The keys of a plan step, quoted, for messages.
 std::vector<std::string> field_names(const nlohmann::json& step) {
@@ -356,12 +351,12 @@ void check_value_ref(const std::string& value, const std::string& where) {
 }
 
 /// "as", "value", "by" and "modules": what the action needs, checked wherever given.
-void read_operands(const nlohmann::json& j, PlanStep& step, const std::string& where) {
+void read_operands(const StepFields& f, PlanStep& step, const std::string& where) {
   const char* action = action_name(step.action);
   const bool names_output = step.action == Action::kSave || step.action == Action::kCall;
-  if (names_output && !j.contains("as")) fail("{}: \"{}\" needs \"as\": the name to save under", where, action);
-  if (j.contains("as")) {
-    const auto as = j.at("as").get<std::string>();
+  if (names_output && !f.as) fail("{}: \"{}\" needs \"as\": the name to save under", where, action);
+  if (f.as) {
+    const auto& as = *f.as;
     // Names become safetensors keys and lines of output: no control characters (a NUL, a newline).
     if (std::any_of(as.begin(), as.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
       fail("{}: \"as\": \"{}\" holds a control character; a saved name must be printable", where, as);
@@ -370,21 +365,19 @@ void read_operands(const nlohmann::json& j, PlanStep& step, const std::string& w
     if (names_output) step.as = as;
   }
   const bool takes_value = step.action == Action::kSet || step.action == Action::kAdd;
-  if (takes_value && !j.contains("value"))
-    fail("{}: \"{}\" needs \"value\": \"file.safetensors:tensor\"", where, action);
-  if (j.contains("value")) {
-    const auto value = j.at("value").get<std::string>();
-    check_value_ref(value, where);
-    if (takes_value) step.value = value;
+  if (takes_value && !f.value) fail("{}: \"{}\" needs \"value\": \"file.safetensors:tensor\"", where, action);
+  if (f.value) {
+    check_value_ref(*f.value, where);
+    if (takes_value) step.value = *f.value;
   }
   if (step.action == Action::kScale) {
-    if (!j.contains("by")) fail("{}: \"scale\" needs \"by\": the factor", where);
-    step.by = j.at("by").get<double>();
+    if (!f.by) fail("{}: \"scale\" needs \"by\": the factor", where);
+    step.by = *f.by;
   }
-  if (step.action == Action::kCall && !j.contains("modules"))
+  if (step.action == Action::kCall && !f.modules)
     fail("{}: \"call\" needs \"modules\": the module paths to call, e.g. [\"model.norm\", \"lm_head\"]", where);
-  if (j.contains("modules")) {
-    const auto modules = j.at("modules").get<std::vector<std::string>>();
+  if (f.modules) {
+    const auto& modules = *f.modules;
     if (modules.empty())
       fail("{}: \"modules\" is empty: expected the module paths to call, e.g. [\"model.norm\", \"lm_head\"]", where);
     for (size_t m = 0; m < modules.size(); ++m)
@@ -394,16 +387,10 @@ void read_operands(const nlohmann::json& j, PlanStep& step, const std::string& w
   }
 }
 
-/// "heads": a non-empty list of head numbers, each run of one sign consecutive and ascending.
-void read_heads(const nlohmann::json& heads, PlanStep& step, const std::string& where) {
-  if (!heads.is_array() || heads.empty() ||
-      !std::all_of(heads.begin(), heads.end(), [](const auto& h) { return h.is_number_integer(); }))
-    fail("{}: \"heads\" must be a non-empty list of head numbers, e.g. [2], got {}", where, heads.dump());
-  for (const auto& h : heads) {
-    if (h.is_number_unsigned() && h.get<uint64_t>() > INT64_MAX)
-      fail("{}: \"heads\": {} is not a head number", where, h.dump());
-    step.heads.push_back(h.get<int64_t>());
-  }
+/// "heads": each run of one sign consecutive and ascending.
+void read_heads(const std::vector<int64_t>& heads, PlanStep& step, const std::string& where) {
+  if (heads.empty()) fail("{}: \"heads\" must be a non-empty list of head numbers, e.g. [2], got []", where);
+  step.heads = heads;
   // One slice of the last dim stands for them: only a run of consecutive heads is one slice. Negative
   // numbers count from the end (-1: the last head); a run of one sign is checked here, one mixing
   // signs when resolve_heads knows the segment's head count.
@@ -411,24 +398,24 @@ void read_heads(const nlohmann::json& heads, PlanStep& step, const std::string& 
     if ((step.heads[h] < 0) == (step.heads[h - 1] < 0) && step.heads[h] != step.heads[h - 1] + 1)
       fail("{}: \"heads\" must be consecutive head numbers in ascending order (e.g. [2, 3], or [-2, -1] "
            "counted from the end), got {}; write one step per run of heads",
-           where, heads.dump());
+           where, json_list(heads));
 }
 
 /// "index", "segment" and "heads": the part of the whole a step acts on.
-void read_selection(const nlohmann::json& j, PlanStep& step, const std::string& where) {
-  if (j.contains("index")) {
+void read_selection(const StepFields& f, PlanStep& step, const std::string& where) {
+  if (f.index) {
     if (step.action == Action::kSave || step.action == Action::kCall)
       fail("{}: \"index\" applies to edits only", where);
     try {
-      step.index = WholeIndex::parse(j.at("index").get<std::string>());
+      step.index = WholeIndex::parse(*f.index);
     } catch (const Error& e) {
       fail("{}: \"index\": {}", where, e.what());
     }
   }
-  if (!j.contains("segment") && !j.contains("heads")) return;
+  if (!f.segment && !f.heads) return;
   if (step.action == Action::kCall) fail("{}: \"segment\" and \"heads\" apply to edits and saves only", where);
-  if (j.contains("segment")) step.segment = j.at("segment").get<std::string>();
-  if (j.contains("heads")) read_heads(j.at("heads"), step, where);
+  if (f.segment) step.segment = *f.segment;
+  if (f.heads) read_heads(*f.heads, step, where);
   // The segment's slice becomes the last component: an index beside it may only address leading dims.
   if (step.index && step.index->items.back().kind != IndexItem::Kind::kEllipsis)
     fail("{}: \"index\" '{}' may address the last dim, which \"segment\"/\"heads\" select; end it with "
@@ -437,27 +424,74 @@ void read_selection(const nlohmann::json& j, PlanStep& step, const std::string& 
 }
 
 /// "visit", "steps" and "rows": when and on which batch rows a step acts.
-void read_when(const nlohmann::json& j, PlanStep& step, const std::string& where) {
+void read_when(const StepFields& f, PlanStep& step, const std::string& where) {
+  if (f.visit) {
+    step.visit = *f.visit;
+    if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
+  }
+  if (f.steps) parse_steps(*f.steps, f.steps_shown.empty() ? nlohmann::json(*f.steps).dump() : f.steps_shown, step, where);
+  if (!f.rows) return;
+  const auto& rows = *f.rows;
+  if (rows.empty()) fail("{}: \"rows\" must be a non-empty list of batch rows such as [0, 2], got []", where);
+  for (const int64_t r : rows) {
+    if (r < 0) fail("{}: \"rows\" must list non-negative row numbers, got {}", where, json_list(rows));
+    if (!step.rows.empty() && r <= step.rows.back())
+      fail("{}: \"rows\" must be in ascending order without repeats, got {}", where, json_list(rows));
+    step.rows.push_back(r);
+  }
+}
+
+/// "heads", "visit", "steps" and "rows" of a JSON step: their JSON types, checked with what each needs.
+void read_json_lists(const nlohmann::json& j, StepFields& f, const std::string& where) {
+  if (j.contains("heads")) {
+    const auto& heads = j.at("heads");
+    if (!heads.is_array() || heads.empty() ||
+        !std::all_of(heads.begin(), heads.end(), [](const auto& h) { return h.is_number_integer(); }))
+      fail("{}: \"heads\" must be a non-empty list of head numbers, e.g. [2], got {}", where, heads.dump());
+    for (const auto& h : heads)
+      if (h.is_number_unsigned() && h.get<uint64_t>() > INT64_MAX)
+        fail("{}: \"heads\": {} is not a head number", where, h.dump());
+    f.heads = heads.get<std::vector<int64_t>>();
+  }
   if (j.contains("visit")) {
     const auto& visit = j.at("visit");
     if (!visit.is_number_integer() || (visit.is_number_unsigned() && visit.get<uint64_t>() > INT64_MAX))
       fail("{}: \"visit\" must be a whole number of calls (0 for the first), got {}", where, visit.dump());
-    step.visit = visit.get<int64_t>();
-    if (*step.visit < 0) fail("{}: \"visit\" must be non-negative, got {}", where, *step.visit);
+    f.visit = visit.get<int64_t>();
   }
-  if (j.contains("steps")) parse_steps(j.at("steps"), step, where);
+  if (j.contains("steps")) {
+    const auto& steps = j.at("steps");
+    if (steps.is_string()) {
+      f.steps = steps.get<std::string>();
+    } else {  // a number, written as its digits: parse_steps refuses a negative one, or another type
+      f.steps = steps.is_number_integer() && steps.get<int64_t>() >= 0 ? steps.dump() : std::string("-");
+      f.steps_shown = steps.dump();
+    }
+  }
   if (j.contains("rows")) {
     const auto& rows = j.at("rows");
     if (!rows.is_array() || rows.empty())
       fail("{}: \"rows\" must be a non-empty list of batch rows such as [0, 2], got {}", where, rows.dump());
-    for (const auto& r : rows) {
+    for (const auto& r : rows)
       if (!r.is_number_integer() || r.get<int64_t>() < 0)
         fail("{}: \"rows\" must list non-negative row numbers, got {}", where, rows.dump());
-      if (!step.rows.empty() && r.get<int64_t>() <= step.rows.back())
-        fail("{}: \"rows\" must be in ascending order without repeats, got {}", where, rows.dump());
-      step.rows.push_back(r.get<int64_t>());
-    }
+    f.rows = rows.get<std::vector<int64_t>>();
   }
+}
+
+/// A JSON step's fields (check_fields passed: known names, no empty string, the string and number fields' types).
+StepFields fields_of(const nlohmann::json& j, const std::string& where) {
+  StepFields f;
+  f.at = j.at("at").get<std::string>();
+  f.action = j.at("do").get<std::string>();
+  const auto text = [&](const char* key) {
+    return j.contains(key) ? std::optional<std::string>(j.at(key).get<std::string>()) : std::nullopt;
+  };
+  f.as = text("as"), f.value = text("value"), f.index = text("index"), f.segment = text("segment");
+  if (j.contains("by")) f.by = j.at("by").get<double>();
+  if (j.contains("modules")) f.modules = j.at("modules").get<std::vector<std::string>>();
+  read_json_lists(j, f, where);
+  return f;
 }
 
 /// A plan's list of steps: the JSON itself (a bare list) or its "interventions", after its "format".
@@ -506,19 +540,23 @@ const std::vector<std::string>& plan_step_fields() {
   return fields;
 }
 
+PlanStep make_step(const StepFields& fields, const std::string& where) {
+  PlanStep step;
+  step.at = fields.at;
+  step.action = read_action(fields.action, where);
+  read_operands(fields, step, where);
+  read_selection(fields, step, where);
+  read_when(fields, step, where);
+  return step;
+}
+
 PlanStep parse_step(const nlohmann::json& j, const std::string& where) {
   check_fields(j, where);
-  PlanStep step;
   try {
-    step.at = j.at("at").get<std::string>();
-    step.action = read_action(j.at("do").get<std::string>(), where);
-    read_operands(j, step, where);
-    read_selection(j, step, where);
-    read_when(j, step, where);
+    return make_step(fields_of(j, where), where);
   } catch (const nlohmann::json::exception& e) {
     fail("{}: {}", where, e.what());
   }
-  return step;
 }
 
 Plan Plan::from_file(const std::string& path) {

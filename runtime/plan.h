@@ -111,8 +111,26 @@ struct PlanStep {
   std::string describe() const;
 };
 
-/// Parses one step (a JSON object) into its typed form; `where` starts every error. No I/O: a "value"
-/// is named (checked as "file:tensor"), not loaded.
+/// A step's fields as written, before their meaning is checked: a JSON step's (parse_step reads them, after
+/// the checks only JSON needs: field names, empty strings, JSON types), or a front end's typed step
+/// (python/fragments/core/step.py: Step, read by fragments._C without JSON). Absent fields are nullopt.
+struct StepFields {
+  std::string at, action;
+  std::optional<std::string> as, value, index, segment;
+  std::optional<double> by;
+  std::optional<std::vector<int64_t>> heads, rows;
+  std::optional<int64_t> visit;
+  std::optional<std::vector<std::string>> modules;
+  std::optional<std::string> steps;  ///< "prefill", "decode", "k", "a:b"
+  std::string steps_shown;           ///< how "steps" was written where not as a string (a number), for messages
+};
+
+/// One step from its fields: every check of a step's meaning (the action's word, what it needs, "as", the
+/// index, "segment"/"heads", "visit", "steps", "rows"); `where` starts every error. No I/O: a "value" is named
+/// (checked as "file:tensor"), not loaded.
+PlanStep make_step(const StepFields& fields, const std::string& where);
+
+/// Parses one step (a JSON object) into its typed form: the JSON checks, then make_step.
 PlanStep parse_step(const nlohmann::json& json, const std::string& where);
 
 /// Replaces a step's "segment"/"heads" by the equivalent index on the last dim,

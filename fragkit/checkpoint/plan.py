@@ -15,7 +15,9 @@ import torch
 
 from .. import layers
 from .families import family_for
+from .files import DTYPES
 from .sources import CheckpointError
+from .stream import AHEAD_BYTES, module_bytes
 
 BASE_BYTES = 1_000_000_000  # a fresh `python3 -m fragkit.checkpoint` with torch imported and the skeletons
 
@@ -45,8 +47,6 @@ def config_of(path: Optional[str], like: Optional[str], layers_: Optional[int]) 
 
 def dry_run(cfg: dict, where: str, tp: int, dtype: Optional[str] = None, enable_expert_parallel: bool = False,
             ignore_config_fields=()) -> Dict:
-    from . import DTYPES
-    from .stream import AHEAD_BYTES, module_bytes
 
     declared = cfg.get("torch_dtype", cfg.get("dtype"))
     dtype = dtype or (declared if declared in DTYPES else "float32")

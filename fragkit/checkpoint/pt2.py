@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from .. import layers
+from ..export import LAYERS_FORMAT, export_program, layer_configs
+from .files import FileSink, write_failure
 from .sources import CheckpointError
 
 WEIGHTS_CONFIG = "data/weights/model_weights_config.json"
@@ -95,12 +97,9 @@ def save_skeleton(build, rank: int, tp: int, skeleton_path: str) -> Tuple[nn.Mod
     placeholder (the writer puts the rank's record in its place). Returns the rank module (fake parameters,
     buffers moved to meta: the skeleton holds them) and the fields of fragkit.json that .pt2 files add (the
     layers' configs, as fragkit.export.export_ranks records them)."""
-    from ..export import LAYERS_FORMAT, export_program, layer_configs
-
     module, mode = fake_rank_module(build, rank, tp)
     program = export_program(module, tp, fake_mode=mode)
     extra = {"layers_format": LAYERS_FORMAT, "layers": layer_configs(module)}
-    from .stream import FileSink, write_failure
 
     # A file object, not a name: the archive's folder is then "archive", as for the materializing import's
     # in-memory save (a name would give it the file's name).

@@ -37,7 +37,6 @@ import json
 import os
 import pickle
 import pickletools
-import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -47,7 +46,10 @@ from torch import nn
 from .. import layers
 from ..export import stabilize_script_types
 from ..layers import KIT_LAYERS
-from .sources import CheckpointError
+from . import pt2
+from .families import family_for
+from .files import DTYPES, FileSink, free_bytes, write_failure
+from .sources import CheckpointError, open_checkpoint
 from .views import Arena, TensorView, View, read_into
 
 # Records PyTorchFileWriter writes itself at the end of a file.
@@ -237,8 +239,6 @@ def plan_rank(build: Callable[[int, int], nn.Module], rank: int, tp: int, skelet
 
 
 def _plan_pt2(build, rank: int, tp: int, skeleton_path: str) -> RankPlan:
-    from . import pt2
-
     module, extra = pt2.save_skeleton(build, rank, tp, skeleton_path)
     reader = torch._C.PyTorchFileReader(skeleton_path)
     records = list(reader.get_all_records())
@@ -340,15 +340,8 @@ class TensorReader:
 # ----------------------------------------------------------------------------------------------------------
 # writing
 
-def _free_bytes(path: str) -> Tuple[str, int]:
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return probe, shutil.disk_usage(probe).free
-
-
 def check_free_space(out_dir: str, needed: int, what: str) -> None:
-    where, free = _free_bytes(out_dir)
+    where, free = free_bytes(out_dir)
     if free < needed:
         raise CheckpointError("%s: %s needs %.2f GB, the device of %s has %.2f GB free"
                               % (out_dir, what, needed / 1e9, where, free / 1e9))
@@ -468,45 +461,6 @@ def _extra_record(plan: RankPlan, info: dict, export_id: str, tp: int) -> bytes:
     return json.dumps(meta, sort_keys=True).encode()
 
 
-class FileSink(io.RawIOBase):
-    """A file written through PyTorchFileWriter's buffer constructor (a .pt2 rank, and torch.export.save's
-    skeleton), which hands each piece to ``write`` as a memoryview of the record: no copy. An error is not
-    raised into the C++ writer (an exception through its zip code is not safe there): the first one is kept,
-    later writes are dropped, and the caller checks ``error`` after each record. A short write (a full disk)
-    is continued until it succeeds or fails, never silently lost."""
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.error: Optional[OSError] = None
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if self.error is None:
-            try:
-                done = 0
-                while done < len(view):
-                    done += os.write(self.fd, view[done:])
-            except OSError as e:
-                self.error = e
-        return len(view)
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return os.lseek(self.fd, offset, whence)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        super().close()
-
-
 def _check_sink(sink: Optional[FileSink], tmp: str, what: str, out_dir: str) -> None:
     if sink is not None and sink.error is not None:
         raise CheckpointError(write_failure(tmp, what, sink.error, out_dir))
@@ -519,13 +473,6 @@ def _write(writer, tmp: str, record: str, what: str, data, nbytes: int, out_dir:
     except RuntimeError as e:  # PyTorchFileWriter: "... file write failed" (a full disk, an I/O error)
         raise CheckpointError(write_failure(tmp, what, e, out_dir)) from None
     _check_sink(sink, tmp, what, out_dir)
-
-
-def write_failure(tmp: str, what: str, error: Exception, out_dir: str) -> str:
-    _, free = _free_bytes(out_dir)
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return ("%s: writing %s failed (%s; %d bytes free on the device): nothing is left behind"
-            % (tmp[:-4], what, reason, free))
 
 
 def fixed_mmap_threshold() -> None:
@@ -546,9 +493,6 @@ def write_rank_group(path: str, tp: int, ranks: List[int], out_dir: str, dtype: 
                      format: str = "torchscript") -> List[str]:
     """One ``--jobs`` process: opens the checkpoint itself and writes the ranks ``ranks`` as complete
     ``rank{r}.pt.tmp`` (``.pt2.tmp``) files (the parent renames them all, or removes them all)."""
-    from . import DTYPES
-    from .families import family_for
-    from .sources import open_checkpoint
 
     fixed_mmap_threshold()
     source = open_checkpoint(path)

@@ -1,11 +1,12 @@
 //===- python/fragments/_C.cpp - The Python extension: ShardedModel and plans --===//
 //
 // The thin layer under `import fragments`: it binds the rank context, the C++
-// API (program::ShardedModel) and plan steps. Python builds one plan per trace
-// (its steps' to_json, the plan format as Python objects, parsed by the one plan
-// parser, runtime::parse_step; never text) and the forward runs in C++ with
-// the GIL released: no Python runs per layer unless a step is a Python
-// callable (`.apply`). Loading this module registers the frag:: ops (static
+// API (program::ShardedModel) and plan steps. Python records one plan per trace
+// as typed steps (python/fragments/core/step.py: Step, runtime::PlanStep field
+// for field); each is read here into runtime::StepFields and checked by the one
+// plan builder, runtime::make_step (no JSON in between), and the forward runs
+// in C++ with the GIL released: no Python runs per layer unless a step is a
+// Python callable (`.apply`). Loading this module registers the frag:: ops (static
 // initializers of the linked libraries), so rewritten files load with plain
 // torch.jit.load afterwards.
 //
@@ -13,9 +14,9 @@
 #include "ir/digest.h"
 #include "ir/error.h"
 #include "program/decoder.h"
-#include "program/exported_rank.h"
+#include "program/pt2_program.h"
 #include "program/inspect_report.h"
-#include "runtime/exported_program.h"
+#include "runtime/pt2_archive.h"
 #include "program/sharded_model.h"
 #include "runtime/plan.h"
 #include "runtime/rank_context.h"
@@ -45,49 +46,44 @@ using runtime::Plan;
 using runtime::PlanStep;
 using runtime::RankContext;
 
-/// A JSON value from Python's: what a Step's to_json() returns (dicts, lists, strings, numbers, None).
-nlohmann::json json_of(const py::handle& value) {
-  if (value.is_none()) return nullptr;
-  if (py::isinstance<py::bool_>(value)) return value.cast<bool>();
-  if (py::isinstance<py::int_>(value)) return value.cast<int64_t>();
-  if (py::isinstance<py::float_>(value)) return value.cast<double>();
-  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
-  if (py::isinstance<py::dict>(value)) {
-    auto out = nlohmann::json::object();
-    for (const auto& [key, item] : value.cast<py::dict>()) out[key.cast<std::string>()] = json_of(item);
-    return out;
-  }
-  if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
-    auto out = nlohmann::json::array();
-    for (const auto& item : value) out.push_back(json_of(item));
-    return out;
-  }
-  if (py::hasattr(value, "__index__"))  // numpy integers
-    return py::int_(py::reinterpret_borrow<py::object>(value)).cast<int64_t>();
-  fail("a plan step holds a {}, not a JSON value", Py_TYPE(value.ptr())->tp_name);
-}
-
-/// One plan step from Python's typed record (python/fragments/_model.py: Step): its JSON (Step.to_json, the
-/// format runtime/plan.schema.json defines) parsed by the plan parser; a tensor value is attached after.
+/// One plan step from Python's typed record (python/fragments/core/step.py: Step), field for field into
+/// runtime::StepFields and the one builder, runtime::make_step: a JSON plan's checks, without JSON. A tensor
+/// given in Python has no file: the value's reference is checked for its form only, its name is for messages.
 PlanStep make_step(const py::handle& record, const std::string& source, size_t i) {
-  py::object value = record.attr("value");
-  // A tensor given in Python has no file: the parser checks the reference's form only, never reads it.
-  const py::object ref = value.is_none() ? py::object(py::none()) : py::object(py::str("python:value"));
-  const py::object json = record.attr("to_json")(ref);
-  const std::string where =
-      fmt::format("{}: intervention {} at {}", source, i, record.attr("at").cast<std::string>());
-  PlanStep step = runtime::parse_step(json_of(json), where);
-  if (!value.is_none()) {
-    step.value_tensor = value.cast<torch::Tensor>().contiguous();
+  runtime::StepFields f;
+  f.at = record.attr("at").cast<std::string>();
+  f.action = record.attr("do").cast<std::string>();
+  const auto given = [&](const char* name) -> std::optional<py::object> {
+    py::object value = record.attr(name);
+    return value.is_none() ? std::nullopt : std::optional<py::object>(value);
+  };
+  if (auto as = record.attr("as_").cast<std::string>(); !as.empty()) f.as = as;
+  if (f.action == "scale") f.by = record.attr("by").cast<double>();
+  if (auto index = given("index")) f.index = index->cast<std::string>();
+  if (auto segment = record.attr("segment").cast<std::string>(); !segment.empty()) f.segment = segment;
+  if (auto heads = given("heads")) f.heads = heads->cast<std::vector<int64_t>>();
+  if (auto visit = given("visit")) f.visit = visit->cast<int64_t>();
+  if (auto modules = record.attr("modules").cast<std::vector<std::string>>(); !modules.empty()) f.modules = modules;
+  if (auto steps = given("steps")) {
+    f.steps = py::str(*steps).cast<std::string>();
+    if (py::isinstance<py::int_>(*steps)) f.steps_shown = *f.steps;
+  }
+  if (auto rows = given("rows")) f.rows = rows->cast<std::vector<int64_t>>();
+  const auto value = given("value");
+  if (value) f.value = "python:value";
+  PlanStep step = runtime::make_step(f, fmt::format("{}: intervention {} at {}", source, i, f.at));
+  if (value) {
+    step.value_tensor = value->cast<torch::Tensor>().contiguous();
     step.value = record.attr("value_name").cast<std::string>();
   }
   return step;
 }
 
-Plan make_plan(const py::list& records, const std::string& source) {
+Plan make_plan(const py::list& records, const std::string& source, int64_t& read) {
   Plan plan;
   plan.source = source;
   for (const auto& record : records) plan.steps.push_back(make_step(record, source, plan.steps.size()));
+  read += static_cast<int64_t>(plan.steps.size());
   return plan;
 }
 
@@ -110,20 +106,20 @@ py::dict saved_dict(const program::SavedTensors& saved) {
   return out;
 }
 
-/// A .pt2 program run by torch.export in Python (python/fragments/_exported.py: ExportedRunner) for the
+/// A .pt2 program run by torch.export in Python (python/fragments/local/pt2_torch_export.py: Pt2Runner) for the
 /// C++ plan engine. Each call takes the GIL (the forward is entered with it released) and stays on the
 /// calling thread, so the rank context and intervention runtime ShardedModel::forward made current there
 /// are the ones the graph's ops find.
-class PythonProgram : public program::ExportedRankProgram {
+class Pt2TorchExportProgram : public program::Pt2Program {
  public:
-  PythonProgram(const std::string& path, program::PreparedExport& prepared, py::object runner)
-      : ExportedRankProgram(path, prepared), runner_(std::move(runner)) {}
-  ~PythonProgram() override {
+  Pt2TorchExportProgram(const std::string& path, program::PreparedPt2& prepared, py::object runner)
+      : Pt2Program(path, prepared), runner_(std::move(runner)) {}
+  ~Pt2TorchExportProgram() override {
     py::gil_scoped_acquire gil;
     runner_ = py::object();
   }
-  PythonProgram(const PythonProgram&) = delete;
-  PythonProgram& operator=(const PythonProgram&) = delete;
+  Pt2TorchExportProgram(const Pt2TorchExportProgram&) = delete;
+  Pt2TorchExportProgram& operator=(const Pt2TorchExportProgram&) = delete;
 
   std::optional<Arity> forward_arity(const std::string& module) const override {
     auto arity = call([&] {
@@ -175,6 +171,7 @@ struct PyModel {
   std::shared_ptr<ShardedModel> model;
   std::string path;
   int64_t python_calls = 0;  ///< Python callables run (benchmarks count them)
+  int64_t steps_read = 0;    ///< Python steps read into plan steps (a repeated plan is not read again)
   /// model->registration_changes() right after run() last registered a plan (-1: it did not): while
   /// unchanged, that plan is what is registered.
   int64_t run_plan_at = -1;
@@ -226,20 +223,25 @@ struct PyModel {
     model->on(location, hook, visit, label, /*edits=*/true);
   }
 
+  /// The plan of `records` and the callables ((location, fn, visit or None, label)), registered afresh.
+  void apply_with_callables(const py::list& records, const std::vector<py::tuple>& callables,
+                            const std::string& source) {
+    model->clear();
+    model->apply(make_plan(records, source, steps_read));
+    for (const auto& c : callables)
+      on(c[0].cast<std::string>(), c[1].cast<py::function>(),
+         c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
+  }
+
   /// Registers `records` (and `callables`) as run() does, for the forwards that follow (generation driven
   /// from Python through Decoder); finish() drops callables and saved tensors after.
   void prepare(const py::list& records, const std::vector<py::tuple>& callables) {
     model->clear_saved();
     try {
-      if (callables.empty()) {
-        model->set_plan(make_plan(records, "model.generate"));
-      } else {
-        model->clear();
-        model->apply(make_plan(records, "model.generate"));
-        for (const auto& c : callables)
-          on(c[0].cast<std::string>(), c[1].cast<py::function>(),
-             c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
-      }
+      if (callables.empty())
+        model->set_plan(make_plan(records, "model.generate", steps_read));
+      else
+        apply_with_callables(records, callables, "model.generate");
     } catch (...) {
       model->clear();
       throw;
@@ -267,14 +269,10 @@ struct PyModel {
     run_plan_at = -1;
     try {
       if (callables.empty()) {
-        if (!current) model->set_plan(make_plan(records, "model.trace"));
+        if (!current) model->set_plan(make_plan(records, "model.trace", steps_read));
         run_plan_at = model->registration_changes();
       } else {  // Python functions: registered for this forward only, so the model holds none after it
-        model->clear();
-        model->apply(make_plan(records, "model.trace"));
-        for (const auto& c : callables)
-          on(c[0].cast<std::string>(), c[1].cast<py::function>(),
-             c[2].is_none() ? std::nullopt : std::optional<int64_t>(c[2].cast<int64_t>()), c[3].cast<std::string>());
+        apply_with_callables(records, callables, "model.trace");
       }
       torch::Tensor out;
       {
@@ -379,28 +377,28 @@ PyModelClass bind_model_loading(py::module& m) {
            }),
            py::arg("context"), py::arg("path"), py::arg("device") = "cpu")
       .def_static(
-          "exported",
+          "pt2",
           [](std::shared_ptr<RankContext> context, const std::string& path, const std::string& device,
              const py::function& make_runner) {
             // C++ prepares (checks across ranks, rewrites in memory, indexes the table); Python loads and runs.
-            frag::program::PreparedExport prepared;
+            frag::program::PreparedPt2 prepared;
             std::string rewritten;  // the archive torch.export loads, where C++ rewrote a plain export
             {
               py::gil_scoped_release release;
-              prepared = frag::program::prepare_exported_rank(*context, path);
+              prepared = frag::program::prepare_pt2_rank(*context, path);
               if (prepared.rewritten_here) rewritten = frag::runtime::rewritten_archive(path, prepared.model, {});
             }
             py::list names;
             for (size_t id = 0; id < prepared.locations->size(); ++id)
               names.append(prepared.locations->at(static_cast<int64_t>(id)).name);
             py::object runner = make_runner(path, py::bytes(rewritten), names, device);
-            auto program = std::make_shared<PythonProgram>(path, prepared, std::move(runner));
+            auto program = std::make_shared<Pt2TorchExportProgram>(path, prepared, std::move(runner));
             auto model = std::make_shared<ShardedModel>(ShardedModel::over(context, std::move(program)));
             return PyModel{context, model, path};
           },
           py::arg("context"), py::arg("path"), py::arg("device"), py::arg("make_runner"),
           "One rank of a .pt2 program: C++ prepares it and runs its plans, make_runner(path, rewritten bytes, "
-          "location names in id order, device) returns what runs it (fragments._exported.ExportedRunner).");
+          "location names in id order, device) returns what runs it (fragments.local.pt2_torch_export.Pt2Runner).");
   return cls;
 }
 
@@ -409,6 +407,7 @@ void bind_model_properties(PyModelClass& model) {
       .def_property_readonly("rank", [](const PyModel& m) { return m.context->rank(); })
       .def_property_readonly("world_size", [](const PyModel& m) { return m.context->world_size(); })
       .def_property_readonly("python_calls", [](const PyModel& m) { return m.python_calls; })
+      .def_property_readonly("steps_read", [](const PyModel& m) { return m.steps_read; })
       .def_property(
           "cuda_graphs", [](const PyModel& m) { return m.model->cuda_graphs(); },
           [](PyModel& m, bool on) { m.model->set_cuda_graphs(on); })

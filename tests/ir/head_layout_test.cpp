@@ -1,4 +1,4 @@
-// ir/head_layout: the regions must equal python/fragments/_model.py Model._head_layout's.
+// ir/head_layout: the regions must equal python/fragments/local/model.py Model._head_layout's.
 #include "ir/head_layout.h"
 
 #include <gtest/gtest.h>

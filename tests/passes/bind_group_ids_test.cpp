@@ -83,7 +83,7 @@ graph(%x : Tensor):
   }
 }
 
-TEST(BindGroupIdsExported, TargetsAndArgumentsBecomeTheGroupOverloads) {
+TEST(BindGroupIdsPt2, TargetsAndArgumentsBecomeTheGroupOverloads) {
   auto model = nlohmann::json::parse(R"({"graph_module": {"graph": {"nodes": [
     {"name": "all_reduce", "target": "torch.ops.frag.all_reduce.default",
      "inputs": [{"name": "x", "arg": {"as_tensor": {"name": "d"}}, "kind": 1},
@@ -93,7 +93,7 @@ TEST(BindGroupIdsExported, TargetsAndArgumentsBecomeTheGroupOverloads) {
                 {"name": "dim", "arg": {"as_int": -1}, "kind": 1},
                 {"name": "group", "arg": {"as_string": "tp×ep"}, "kind": 1}]},
     {"name": "linear", "target": "torch.ops.aten.linear.default", "inputs": []}]}}})");
-  EXPECT_EQ(bind_group_ids_exported(model, "model.pt2"), 2);
+  EXPECT_EQ(bind_group_ids_pt2(model, "model.pt2"), 2);
   const auto& nodes = model["graph_module"]["graph"]["nodes"];
   EXPECT_EQ(nodes[0]["target"], "torch.ops.frag.all_reduce.group");
   EXPECT_EQ(nodes[0]["inputs"][1]["arg"]["as_int"], static_cast<int>(ir::GroupId::kTp));
@@ -108,7 +108,7 @@ TEST(BindGroupIdsExported, TargetsAndArgumentsBecomeTheGroupOverloads) {
   EXPECT_THROW(
       {
         try {
-          bind_group_ids_exported(bad, "model.pt2");
+          bind_group_ids_pt2(bad, "model.pt2");
         } catch (const Error& e) {
           EXPECT_THAT(e.what(), HasSubstr("model.pt2: node r (torch.ops.frag.all_reduce.default) names the group 'dp'"));
           throw;

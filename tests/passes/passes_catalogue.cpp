@@ -21,11 +21,11 @@
 #include "passes/bind_location_ids.h"
 #include "passes/classify_parallel_layers.h"
 #include "passes/insert_fragment_ops.h"
-#include "passes/insert_fragment_ops_exported.h"
+#include "passes/insert_fragment_ops_pt2.h"
 #include "passes/method_specializer.h"
 #include "passes/remove_fragment_ops.h"
 #include "passes/rewrite_for_fragments.h"
-#include "runtime/exported_program.h"
+#include "runtime/pt2_archive.h"
 #include "runtime/rank_module.h"
 
 #include <nlohmann/json.hpp>
@@ -240,33 +240,33 @@ void exported_sections(const std::string& file) {
   const ir::FragmentTable classified = passes::classify_parallel_layers(program.modules, {}, path);
   print_table(classified);
 
-  section("insert_fragment_ops_exported after");
+  section("insert_fragment_ops_pt2 after");
   json model = program.model;
   ir::FragmentTable table = classified;
-  passes::insert_fragment_ops_exported(model, table, path);
+  passes::insert_fragment_ops_pt2(model, table, path);
   print_exported(model);
   print_table(table);
 
-  section("insert_fragment_ops_exported refuses");
+  section("insert_fragment_ops_pt2 refuses");
   print_refusal([&] {
     json again = model;
     ir::FragmentTable t = classified;
-    passes::insert_fragment_ops_exported(again, t, path);
+    passes::insert_fragment_ops_pt2(again, t, path);
   });
   print_refusal([&] {
     json unsigned_calls = program.model;
     for (auto& call : unsigned_calls["graph_module"]["module_call_graph"]) call["signature"] = nullptr;
     ir::FragmentTable t = classified;
-    passes::insert_fragment_ops_exported(unsigned_calls, t, path);
+    passes::insert_fragment_ops_pt2(unsigned_calls, t, path);
   });
 
-  section("bind_location_ids_exported after");
+  section("bind_location_ids_pt2 after");
   json bound = model;
-  std::cout << "bound " << passes::bind_location_ids_exported(bound, ir::LocationTable(table), path) << " ops\n";
+  std::cout << "bound " << passes::bind_location_ids_pt2(bound, ir::LocationTable(table), path) << " ops\n";
   print_exported(bound);
 
-  section("bind_group_ids_exported after");
-  std::cout << "bound " << passes::bind_group_ids_exported(bound, path) << " collectives\n";
+  section("bind_group_ids_pt2 after");
+  std::cout << "bound " << passes::bind_group_ids_pt2(bound, path) << " collectives\n";
   print_exported(bound);
 }
 

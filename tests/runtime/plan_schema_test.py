@@ -31,7 +31,8 @@ import torch
 
 import fragments  # noqa: F401  (loads fragments._C)
 from fragments import _C
-from fragments._model import Step, Trace
+from fragments import Trace
+from fragments.core.step import Step
 
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
 del sys.argv[1:]

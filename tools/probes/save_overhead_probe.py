@@ -17,7 +17,7 @@ import time
 import torch
 
 import fragments
-from fragments import _model
+from fragments import Trace
 
 sys.path.insert(0, "bench")
 from peer_benchmark import fragmented_locations, location_of  # noqa: E402
@@ -76,14 +76,14 @@ def main():
 
     # The C++ call alone, with the steps a saving trace records (their recording timed apart).
     recorded = {}
-    orig_run = _model.Trace._run
+    orig_run = Trace._run
 
     def keep(self):
         recorded["steps"], recorded["ids"] = list(self._steps), self._ids
         return orig_run(self)
-    _model.Trace._run = keep
+    Trace._run = keep
     saving()
-    _model.Trace._run = orig_run
+    Trace._run = orig_run
 
     def c_call():  # as a repeated trace calls it: the plan still registered, not parsed again
         model._c.run(recorded["steps"], [], recorded["ids"], 0, True)
@@ -92,7 +92,7 @@ def main():
         model._c.run([], [], recorded["ids"], 0, True)
 
     def record_only():
-        t = _model.Trace(model, ids)
+        t = Trace(model, ids)
         model._trace = t
         try:
             for n in names:

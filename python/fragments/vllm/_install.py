@@ -107,7 +107,7 @@ def install() -> None:
 
     # vLLM's collective_rpc finds worker methods by name (its worker_extension_cls does the same by
     # inheritance); these are fragments' own.
-    for name in ("take_saves", "model_record", "call", "program", "compile_stats"):
+    for name in ("take_saves", "model_record", "call", "python_steps", "compile_stats"):
         setattr(worker_base.WorkerBase, f"fragments_{name}", _RPC[name])
 
 
@@ -182,18 +182,18 @@ def _rpc_call(self, modules, data):
     return _worker.current.call(modules, data) if _worker.current is not None else None
 
 
-def _rpc_program(self, group, blob):
+def _rpc_python_steps(self, group, blob):
     """A VLLM trace's Python steps (cloudpickle bytes) under its group id; blob None drops them."""
     s = _worker.current
     if s is None:
         return None
     if blob is None:
-        s.programs.pop(group, None)
+        s.python_steps.pop(group, None)
         for k in [k for k in s.py_live if k[0].startswith(group + ".")]:  # its captures
             del s.py_live[k]
     else:
         import cloudpickle
-        s.programs[group] = cloudpickle.loads(blob)
+        s.python_steps[group] = cloudpickle.loads(blob)
     return True
 
 
@@ -202,5 +202,5 @@ def _rpc_compile_stats(self):
 
 
 _RPC = {"take_saves": _rpc_take_saves, "model_record": _rpc_model_record, "call": _rpc_call,
-        "program": _rpc_program, "compile_stats": _rpc_compile_stats}
+        "python_steps": _rpc_python_steps, "compile_stats": _rpc_compile_stats}
 

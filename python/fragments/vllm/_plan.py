@@ -14,7 +14,9 @@ request and its steps are skipped, on every rank alike).
           {"at": "model.layers.1.output", "do": "add", "value": "steer.safetensors:v", "step": "all"}]}})
 
 "step": 0 = the prefill forward (every chunk of it), k = the k-th decode step, a list of those,
-"prefill", "decode" or "all" (the default).
+"prefill", "decode" or "all" (the default). A parsed plan is a list of Scheduled: each the step itself (a
+fragments.core.step.Step as the C++ parser typed it, or a PythonStep of a VLLM trace: _python.py) with the engine
+steps it acts at.
 
 Steering vectors registered by name: FRAGMENTS_VLLM_VECTORS names safetensors files (separated by ","),
 each tensor a vector under its own name; a plan's "value": "@name" refers to one (resolved here, before
@@ -32,19 +34,25 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _C
+from ..core.step import PythonStep, Step
 
 EXTRA_KEY = "fragments"
 _STEP_WORDS = ("all", "prefill", "decode")
 
 
-class Step:
-    __slots__ = ("at", "do", "as_", "by", "index", "value", "steps", "logits")
+class Scheduled:
+    """A step of a request's plan as the workers schedule it: `step` (what acts: a plan Step, or a PythonStep of a
+    VLLM trace; its fields read through), `steps` (the engine steps it acts at: "all", "prefill", "decode" or a
+    frozenset of step numbers), `logits` (it acts at the logits processor: one row per request), `group` (a
+    trace's Python steps: their group, _python.py). `do` is "python" for a Python step."""
+    __slots__ = ("step", "at", "do", "steps", "logits", "group")
 
-    def __init__(self, d: dict, steps, logits: bool):
-        self.at, self.do, self.as_, self.by, self.index = d["at"], d["do"], d["as"], d["by"], d["index"]
-        self.value = d["value"]
-        self.steps = steps
-        self.logits = logits
+    def __init__(self, step, steps, logits: bool, group=None):
+        self.step, self.at, self.steps, self.logits, self.group = step, step.at, steps, logits, group
+        self.do = "python" if isinstance(step, PythonStep) else step.do
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
 
     def runs_at(self, step: int) -> bool:
         s = self.steps
@@ -60,7 +68,7 @@ class Step:
 class RequestPlan:
     __slots__ = ("key", "steps", "error")
 
-    def __init__(self, key: str, steps: List[Step], error: Optional[str]):
+    def __init__(self, key: str, steps: List[Scheduled], error: Optional[str]):
         self.key, self.steps, self.error = key, steps, error
 
     @staticmethod
@@ -78,21 +86,21 @@ class RequestPlan:
             return RequestPlan(key, [], f"fragments plan of request {key}: {e}")
 
 
-def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
+def _parse(spec, record: dict, modules: Optional[set]) -> List[Scheduled]:
     if isinstance(spec, str):
         spec = json.loads(spec)
     if isinstance(spec, list):
         spec = {"interventions": spec}
     if not isinstance(spec, dict):
         raise ValueError(f'extra_args["{EXTRA_KEY}"] must be a plan object or list, found {type(spec).__name__}')
-    unknown = sorted(set(spec) - {"format", "interventions", "key", "base", "program"})
+    unknown = sorted(set(spec) - {"format", "interventions", "key", "base", "python_steps"})
     if unknown:
         raise ValueError(f'unknown field(s) {unknown}; a request plan has "format", "interventions", "key" and '
                          '"base"')
-    program = spec.get("program")  # [group, invoke]: a VLLM trace's Python steps, registered by RPC (_python.py)
-    if program is not None and not (isinstance(program, list) and len(program) == 2 and isinstance(program[0], str)
-                                    and (program[1] is None or isinstance(program[1], int))):
-        raise ValueError(f'"program" must be [group id, invoke number or null], found {json.dumps(program)}')
+    ref = spec.get("python_steps")  # [group, invoke]: a VLLM trace's Python steps, registered by RPC (_python.py)
+    if ref is not None and not (isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], str)
+                                and (ref[1] is None or isinstance(ref[1], int))):
+        raise ValueError(f'"python_steps" must be [group id, invoke number or null], found {json.dumps(ref)}')
     interventions = spec.get("interventions")
     if not isinstance(interventions, list):
         raise ValueError('"interventions" must be a list')
@@ -101,7 +109,7 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
         if not isinstance(item, dict):
             raise ValueError(f"intervention {i} is not an object")
         item = copy.copy(item)
-        step_sets.append(_steps(item.pop("step", "all"), i))
+        step_sets.append(engine_steps(item.pop("step", "all"), i))
         stripped.append(item)
     base = spec.get("base") or os.getcwd()
     named = [item.get("value") for item in stripped]  # as the user wrote them ("@steer", not its file)
@@ -111,12 +119,12 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
     plan = {"interventions": stripped}
     if "format" in spec:  # the C++ parser refuses a version it does not read
         plan["format"] = spec["format"]
-    parsed = _C.parse_plan(json.dumps(plan), "request plan", base,
-                           json.dumps(record["table"]), record["qkv_attributes"])
+    parsed = [_typed(d) for d in _C.parse_plan(json.dumps(plan), "request plan", base,
+                                               json.dumps(record["table"]), record["qkv_attributes"])]
     module_set = modules if modules is not None else set(record["modules"])
     steps = []
     for i, d in enumerate(parsed):
-        at = d["at"]
+        at = d.at
         path, _, side = at.rpartition(".")
         where = f"intervention {i} at {at}"
         if side not in ("input", "output") or path not in module_set:
@@ -131,14 +139,20 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Step]:
             raise ValueError(f"{where}: this vLLM engine is compiled (enforce_eager=False) and {at} is not tapped; "
                              "the compiled graph is fixed at start: declare it with LLM(..., additional_config="
                              f'{{"fragments_taps": ["{at}"]}}) (globs allowed), or use enforce_eager=True')
-        if d["do"] == "call":
+        if d.do == "call":
             raise ValueError(f'{where}: "call" (ad-hoc module calls, logit lens) is not supported inside vLLM yet')
-        if d["visit"] not in (None, 0):
-            raise ValueError(f'{where}: "visit" {d["visit"]}: vLLM calls each module once per forward; use 0')
-        if d["index"] or isinstance(d["value"], torch.Tensor):
+        if d.visit not in (None, 0):
+            raise ValueError(f'{where}: "visit" {d.visit}: vLLM calls each module once per forward; use 0')
+        if d.index or isinstance(d.value, torch.Tensor):
             _check_fits(d, (record.get("widths") or {}).get(at), where, named[i])
-        steps.append(Step(d, step_sets[i], path in record.get("logits_modules", ())))
+        steps.append(Scheduled(d, step_sets[i], path in record.get("logits_modules", ())))
     return steps
+
+
+def _typed(d: dict) -> Step:
+    """A step as the C++ parser returns it (runtime::PlanStep's fields, "segment"/"heads" resolved into the index)."""
+    return Step(at=d["at"], do=d["do"], as_=d["as"], by=d["by"], index=d["index"], visit=d["visit"],
+                modules=d["modules"], value=d["value"], value_name=d["value_name"])
 
 
 def _did_you_mean(at: str, modules) -> str:
@@ -148,22 +162,22 @@ def _did_you_mean(at: str, modules) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def _check_fits(d: dict, width: Optional[int], where: str, named) -> None:
+def _check_fits(d: Step, width: Optional[int], where: str, named) -> None:
     """An index or a value that cannot fit its location, refused at submission where the location's width is
     known (record["widths"]) and the index, if any, keeps the rows whole ("...,a:b", "segment"/"heads"): the
     index must select within the width, and a value's last dims must broadcast to the target's (the rows,
     unknown until it runs, must be 1 or match)."""
-    index = d["index"]
+    index = d.index
     if width is None or (index and not index.lstrip().startswith("...")):
         return
     probe = torch.empty((1, width), device="meta")
     try:
-        target = _C.index_view(index, probe, d["at"]) if index else probe
+        target = _C.index_view(index, probe, d.at) if index else probe
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{where}: index {index}: {e}") from None
-    if d["do"] not in ("add", "set") or not isinstance(d["value"], torch.Tensor):
+    if d.do not in ("add", "set") or not isinstance(d.value, torch.Tensor):
         return
-    value = tuple(d["value"].shape)
+    value = tuple(d.value.shape)
     fits = len(value) <= len(target.shape) and all(
         v in (1, t) for v, t in zip(value[::-1], target.shape[1:][::-1]))
     if not fits:
@@ -172,7 +186,7 @@ def _check_fits(d: dict, width: Optional[int], where: str, named) -> None:
         raise ValueError(f"{where}: the value of shape {list(value)} ({named}) does not fit: {into}")
 
 
-def _steps(value, i):
+def engine_steps(value, i):
     if isinstance(value, str):
         if value not in _STEP_WORDS:
             raise ValueError(f'intervention {i}: "step" "{value}" is not one of {", ".join(_STEP_WORDS)} or a '

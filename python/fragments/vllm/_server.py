@@ -128,9 +128,9 @@ def prepare(spec) -> Tuple[str, str, RequestPlan]:
         spec = dict(_plan.load_untrusted(spec))
     except ValueError as e:
         raise BadPlan(f"vllm_xargs.{EXTRA_KEY}: {e}", "bounds") from None
-    if "program" in spec:  # Python steps run only for an in-process LLM's traces (fragments/vllm/_python.py)
-        raise BadPlan('fragments plan: "program" (Python steps of fragments.vllm.VLLM\'s traces) is refused over '
-                      'HTTP', "program")
+    if "python_steps" in spec:  # Python steps run only for an in-process LLM's traces (fragments/vllm/_python.py)
+        raise BadPlan('fragments plan: "python_steps" (Python steps of fragments.vllm.VLLM\'s traces) are refused '
+                      'over HTTP', "python_steps")
     if os.environ.get("FRAGMENTS_VLLM_ALLOW_FILES") != "1":
         if "base" in spec:
             raise BadPlan('fragments plan: "base" (a folder on the server) is refused; refer to registered '

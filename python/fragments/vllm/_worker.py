@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
+from ..core import executor
 from . import _layers, _plan, _python, _runner, _saves, _stages, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
@@ -84,7 +85,7 @@ class WorkerState:
         self._record = None
         self.publish = None  # _install._publish: the front end's copy of the model record, rewritten on change
         self._failed = False  # a plan failed in a forward: its hooks go at the next step
-        self.programs: Dict[str, list] = {}  # Python steps of VLLM traces by group (_python.py)
+        self.python_steps: Dict[str, list] = {}  # Python steps of VLLM traces by group (_python.py)
         self.py_live: Dict[tuple, tuple] = {}  # (request key, location, step) -> (forward, its rows)
         self.py_forward = 0  # forwards run, for py_live
         self.taps: List[str] = []  # compiled mode: the locations with a fragments::tap (fixed at start)
@@ -112,6 +113,7 @@ class WorkerState:
                   "table": self.table, "qkv_attributes": self.qkv_attributes,
                   "fragmented": {loc: _C.describe_rule(json.dumps(rule)) for loc, rule in self.fragmented.items()},
                   "refused": dict(self.refused), "modules": sorted(p for p in self.modules if p),
+                  "classes": {p: type(m).__name__ for p, m in self.modules.items()},
                   "logits_modules": self.logits_modules, "taps": self.taps,
                   "widths": _layers.widths(self.modules, self.runner.model_config.get_hidden_size())}
         return _stages.own(record, self.model) if self.pp is not None else record
@@ -128,8 +130,7 @@ class WorkerState:
         t0 = time.perf_counter()
         self._begin_step(scheduler_output)
         self.host_s["begin_step"] += time.perf_counter() - t0
-        self.step_counts["steps"] += 1
-        self.step_counts["acting"] += int(self.in_step)
+        self.step_counts.update(steps=1, acting=int(self.in_step))
 
     def _begin_step(self, scheduler_output):
         self.step_work = None
@@ -220,7 +221,7 @@ class WorkerState:
             _python.attach(self, plan, spec)  # a VLLM trace's Python steps (.apply, edits read from locations)
             for s in plan.steps:  # values (files, registered vectors) onto the model's device, once
                 if isinstance(getattr(s, "value", None), torch.Tensor):
-                    s.value = s.value.to(self.device)
+                    s.step.value = s.value.to(self.device)
             self.saves.open(plan.key, plan.error)
         self.plans[req_id] = plan
         return plan
@@ -362,17 +363,7 @@ class WorkerState:
             self.saves.add(w.key, s.as_, part, step=w.at_step)  # copied to the host if the store keeps it
             return False
         target = _C.index_view(s.index, view, location) if s.index else view
-        if s.do == "add":
-            update = target + s.value.to(target.dtype)
-        elif s.do == "set":
-            update = s.value.to(target.dtype).expand_as(target)
-        elif s.do == "scale":
-            update = target * s.by
-        else:  # zero
-            update = torch.zeros_like(target)
-        if update.shape != target.shape:
-            raise ValueError(f"value of shape {tuple(s.value.shape)} does not fit {tuple(target.shape)}")
-        target.copy_(update)
+        executor.edit(target, s.do, s.value, s.by)  # the one switch over an edit in Python (fragments.core)
         return True
 
     def _host_copy(self, part: torch.Tensor) -> torch.Tensor:

@@ -333,41 +333,33 @@ with tempfile.TemporaryDirectory() as out:
         self.assertFalse(model.cuda_graphs)
 
     def test_a_repeated_trace_reuses_its_plan_only_while_it_is_registered(self):
-        # A trace whose steps equal the last one's is not parsed again (Step.to_json is what C++'s parser
-        # reads); a registration made in between (here: generation's own plan) makes it register again.
-        from fragments import _model
+        # A trace whose steps equal the last one's is not parsed again (fragments._C counts the steps it reads
+        # into plan steps); a registration made in between (here: generation's own plan) makes it register again.
         model = fragments.load(os.path.join(MODELS, "llama_tp1", "rank0.pt"))
-        parsed = []
-        to_json = _model.Step.to_json
+        start = model._c.steps_read
 
-        def counting(step, *args, **kwargs):
-            parsed.append(step.at)
-            return to_json(step, *args, **kwargs)
+        def parsed():
+            return model._c.steps_read - start
 
         def trace(location="output"):
             with model.trace(token_ids(1)):
                 saved = getattr(model.model.layers[1], location).save()
             return saved.value
 
-        _model.Step.to_json = counting
-        try:
-            first = trace()
-            self.assertEqual(len(parsed), 1)
-            self.assertTrue(torch.equal(trace(), first))
-            self.assertEqual(len(parsed), 1, "the same steps again: not parsed again")
-            with model.generate(token_ids(1), max_new_tokens=1):
-                model.model.layers[0].output.save()
-            self.assertEqual(len(parsed), 2)
-            again = trace()
-            self.assertEqual(len(parsed), 3, "registration changed in between: parsed and registered again")
-            self.assertTrue(torch.equal(again, first))
-            trace("input")
-            self.assertEqual(len(parsed), 4, "other steps: parsed")
-            self.assertTrue(torch.equal(trace(), first))
-            self.assertEqual(len(parsed), 5)
-        finally:
-            _model.Step.to_json = to_json
-
+        first = trace()
+        self.assertEqual(parsed(), 1)
+        self.assertTrue(torch.equal(trace(), first))
+        self.assertEqual(parsed(), 1, "the same steps again: not parsed again")
+        with model.generate(token_ids(1), max_new_tokens=1):
+            model.model.layers[0].output.save()
+        self.assertEqual(parsed(), 2)
+        again = trace()
+        self.assertEqual(parsed(), 3, "registration changed in between: parsed and registered again")
+        self.assertTrue(torch.equal(again, first))
+        trace("input")
+        self.assertEqual(parsed(), 4, "other steps: parsed")
+        self.assertTrue(torch.equal(trace(), first))
+        self.assertEqual(parsed(), 5)
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

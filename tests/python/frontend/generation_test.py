@@ -1,4 +1,4 @@
-"""Cached generation through the Python API (fragments._generate) on the reference exports.
+"""Cached generation through the Python API (fragments.local.generate) on the reference exports.
 
 The ground truth is the uncached forward at tp=1 (the whole sequence again for every token): a ragged batch's
 greedy tokens must equal each prompt's own recomputed run, at tp 1 and on launched ranks at tp 2 (Llama and

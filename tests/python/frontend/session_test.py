@@ -1,4 +1,4 @@
-"""fragments.LanguageModel (python/fragments/_session.py): a model kept loaded on rank processes, driven from
+"""fragments.LanguageModel (python/fragments/session/): a model kept loaded on rank processes, driven from
 code on standard input (`python -`, no main guard) and from an interactive REPL (`python -i`), on the
 reference Llama export at tp 2 over Gloo against tp 1 of the same weights computed here with the plain
 `fragments.load` API and torch (fp32, <= 1e-5 relative).

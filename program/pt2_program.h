@@ -1,18 +1,18 @@
-//===- program/exported_rank.h - A .pt2 rank file made ready for torch.export -*- C++ -*-===//
+//===- program/pt2_program.h - A .pt2 rank file made ready for torch.export -*- C++ -*-===//
 //
 // The preparation of a torch.export archive for a process that runs it with
 // PyTorch (the Python front end): read the archive, check it across ranks
 // (one export, rank order), rewrite a plain export in memory
-// (passes/insert_fragment_ops_exported) or take the rewritten file's embedded
+// (passes/insert_fragment_ops_pt2) or take the rewritten file's embedded
 // table, and index the table once (ir::LocationTable). The graph itself is run
 // by torch.export in Python, its fragment ops bound there to the same ids
-// (python/fragments/_exported.py).
+// (python/fragments/local/pt2_torch_export.py).
 //
 //===----------------------------------------------------------------------===//
 #pragma once
 
 #include "ir/location_table.h"
-#include "runtime/exported_program.h"
+#include "runtime/pt2_archive.h"
 #include "program/rank_program.h"
 #include "runtime/rank_context.h"
 
@@ -29,7 +29,7 @@
 
 namespace frag::program {
 
-struct PreparedExport {
+struct PreparedPt2 {
   std::shared_ptr<const ir::LocationTable> locations;
   /// The rewritten graph (models/model.json), ops in the file's form.
   nlohmann::json model;
@@ -49,16 +49,16 @@ struct PreparedExport {
 };
 
 /// Prepares this rank's .pt2 file; every rank fails alike if any rank fails.
-PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::string& path,
+PreparedPt2 prepare_pt2_rank(runtime::RankContext& context, const std::string& path,
                                      const std::string& rules_file = "");
 
-/// What every executor of a .pt2 (NativeRtProgram here, PythonProgram in python/fragments/_C.cpp) answers
+/// What every executor of a .pt2 (Pt2NativeRtProgram here, Pt2TorchExportProgram in python/fragments/_C.cpp) answers
 /// from its preparation alone: the dtype, the modules, their recorded integer config and the KV cache; and
 /// the arguments a cached archive's forward(input_ids, positions, kv_cache, cache_len) takes.
-class ExportedRankProgram : public RankProgram {
+class Pt2Program : public RankProgram {
  public:
   /// Takes `prepared`'s locations, modules and config (moved out of it).
-  ExportedRankProgram(const std::string& path, PreparedExport& prepared);
+  Pt2Program(const std::string& path, PreparedPt2& prepared);
 
   at::ScalarType dtype() const override { return dtype_; }
   std::vector<std::pair<std::string, std::string>> named_modules() const override { return modules_; }

@@ -1,4 +1,4 @@
-//===- passes/insert_fragment_ops_exported.h - The rewrite of a .pt2 graph -*- C++ -*-===//
+//===- passes/insert_fragment_ops_pt2.h - The rewrite of a .pt2 graph -*- C++ -*-===//
 //
 // The rewrite of insert_fragment_ops.h for a torch.export archive's graph
 // (models/model.json, schema 8), with the same locations, ops and tables:
@@ -35,9 +35,9 @@ namespace frag::passes {
 /// Rewrites the graph of `model` (a parsed models/model.json) in place and fills table.whole and
 /// table.rank_local. Refused (frag::Error naming `source`): a graph without preserved call signatures,
 /// one that already holds fragment ops, a node the pass cannot place (a nested graph).
-void insert_fragment_ops_exported(nlohmann::json& model, ir::FragmentTable& table, const std::string& source);
+void insert_fragment_ops_pt2(nlohmann::json& model, ir::FragmentTable& table, const std::string& source);
 
-/// Whether the graph of `model` already holds ops inserted by insert_fragment_ops_exported.
-bool has_fragment_ops_exported(const nlohmann::json& model);
+/// Whether the graph of `model` already holds ops inserted by insert_fragment_ops_pt2.
+bool has_fragment_ops_pt2(const nlohmann::json& model);
 
 }  // namespace frag::passes

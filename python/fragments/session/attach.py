@@ -1,4 +1,5 @@
-"""A client of ranks that are already running (`python -m fragments.ranks`): `LanguageModel.attach(...)`.
+"""A client of ranks that are already running (`python -m fragments.ranks`, fragments.session.host):
+`LanguageModel.attach(...)`.
 
 The ranks' host (fragments.ranks) holds the rank processes and one listening socket on this machine
 (127.0.0.1 only), authenticated with a random authkey (multiprocessing.connection's HMAC challenge) that
@@ -15,7 +16,7 @@ import os
 import pickle
 from multiprocessing.connection import AuthenticationError, Client
 
-from ._model import FragmentsError
+from ..core.errors import FragmentsError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 

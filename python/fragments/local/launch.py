@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from . import _C
+from .. import _C
 
 _CONTEXT = None
 

@@ -1,5 +1,5 @@
-//===- passes/insert_fragment_ops_exported.cpp - The rewrite of a .pt2 graph ===//
-#include "passes/insert_fragment_ops_exported.h"
+//===- passes/insert_fragment_ops_pt2.cpp - The rewrite of a .pt2 graph ===//
+#include "passes/insert_fragment_ops_pt2.h"
 
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
@@ -118,9 +118,9 @@ SymbolicInt operator*(const SymbolicInt& a, const SymbolicInt& b) {
   return out;
 }
 
-class ExportedFragmentOpInserter {
+class Pt2FragmentOpInserter {
  public:
-  ExportedFragmentOpInserter(json& model, ir::FragmentTable& table, const std::string& source)
+  Pt2FragmentOpInserter(json& model, ir::FragmentTable& table, const std::string& source)
       : graph_(graph_of(model, source)), module_(model.at("graph_module")), table_(table), source_(source) {}
 
   void run() {
@@ -489,15 +489,15 @@ class ExportedFragmentOpInserter {
 
 }  // namespace
 
-void insert_fragment_ops_exported(json& model, ir::FragmentTable& table, const std::string& source) {
+void insert_fragment_ops_pt2(json& model, ir::FragmentTable& table, const std::string& source) {
   try {
-    ExportedFragmentOpInserter(model, table, source).run();
+    Pt2FragmentOpInserter(model, table, source).run();
   } catch (const json::exception& e) {
     fail("{}: models/model.json is not a graph this pass reads: {}", source, e.what());
   }
 }
 
-bool has_fragment_ops_exported(const json& model) {
+bool has_fragment_ops_pt2(const json& model) {
   const auto& graph = model.at("graph_module").at("graph");
   for (const auto& node : graph.at("nodes"))
     if (is_fragment_target(node.at("target").get<std::string>())) return true;

@@ -1,14 +1,14 @@
-//===- tests/passes/insert_fragment_ops_exported_test.cpp - The .pt2 rewrite, shown as a graph ===//
+//===- tests/passes/insert_fragment_ops_pt2_test.cpp - The .pt2 rewrite, shown as a graph ===//
 //
 // Graph in (a hand-written models/model.json: an MLP whose up projection is
 // column-parallel and down projection row-parallel at tp 2, each module's call
 // signature preserved as the kit exports it), pass, FileCheck of the graph
 // printed one node a line. Then the table's whole / rank-local lists, the
 // inserted nodes' metadata, the outputs, the refusals, and the graph bound to
-// location ids (passes/bind_location_ids_exported).
+// location ids (passes/bind_location_ids_pt2).
 //
 //===----------------------------------------------------------------------===//
-#include "passes/insert_fragment_ops_exported.h"
+#include "passes/insert_fragment_ops_pt2.h"
 
 #include "ir/error.h"
 #include "ir/fragment_rule.h"
@@ -105,10 +105,10 @@ std::string print(const json& model) {
   return text;
 }
 
-TEST(InsertFragmentOpsExported, TriplesAtFragmentedBoundariesLoneIntervenesAtWholeOnes) {
+TEST(InsertFragmentOpsPt2, TriplesAtFragmentedBoundariesLoneIntervenesAtWholeOnes) {
   json model = mlp_model();
   auto table = mlp_table();
-  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  insert_fragment_ops_pt2(model, table, "mlp.pt2");
   const std::string graph = print(model);
   FileCheck()
       // x enters mlp, then mlp.up: whole at both.
@@ -144,10 +144,10 @@ TEST(InsertFragmentOpsExported, TriplesAtFragmentedBoundariesLoneIntervenesAtWho
   EXPECT_EQ(table.rank_local[1].whole_at, "mlp.down.input");  // gathered whole as down's input
 }
 
-TEST(InsertFragmentOpsExported, InsertedNodesCarryMetadataAndTheSignatureFollowsTheOutputs) {
+TEST(InsertFragmentOpsPt2, InsertedNodesCarryMetadataAndTheSignatureFollowsTheOutputs) {
   json model = mlp_model();
   auto table = mlp_table();
-  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  insert_fragment_ops_pt2(model, table, "mlp.pt2");
   const auto& graph = model["graph_module"]["graph"];
   const auto& values = graph["tensor_values"];
   // The gathered whole: 8 columns (the piece has 4), contiguous; the symbolic batch dim kept.
@@ -171,7 +171,7 @@ TEST(InsertFragmentOpsExported, InsertedNodesCarryMetadataAndTheSignatureFollows
   EXPECT_EQ(model["graph_module"]["signature"]["output_specs"][0]["user_output"]["arg"], graph["outputs"][0]);
 }
 
-TEST(InsertFragmentOpsExported, InsertedNodesKeepTheGraphsRootEntry) {
+TEST(InsertFragmentOpsPt2, InsertedNodesKeepTheGraphsRootEntry) {
   // PyTorch 2.11 starts every stack with the root ("L__self__,,<class>"); torch.export.unflatten needs it
   // on every node that has a stack, so inserted nodes carry it too (at the root: the root alone).
   json model = mlp_model();
@@ -182,7 +182,7 @@ TEST(InsertFragmentOpsExported, InsertedNodesKeepTheGraphsRootEntry) {
         metadata.contains("nn_module_stack") ? root + ";" + metadata["nn_module_stack"].get<std::string>() : root;
   }
   auto table = mlp_table();
-  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  insert_fragment_ops_pt2(model, table, "mlp.pt2");
   int checked = 0;
   for (const auto& n : model["graph_module"]["graph"]["nodes"]) {
     const std::string name = n["name"];
@@ -198,15 +198,15 @@ TEST(InsertFragmentOpsExported, InsertedNodesKeepTheGraphsRootEntry) {
   EXPECT_EQ(checked, 2);
 }
 
-TEST(InsertFragmentOpsExported, BindingNamesEveryLocationById) {
-  // passes::bind_location_ids_exported, the C++ executor's step (program/nativert_program): the ops'
+TEST(InsertFragmentOpsPt2, BindingNamesEveryLocationById) {
+  // passes::bind_location_ids_pt2, the C++ executor's step (program/pt2_nativert_program): the ops'
   // ".at" overloads, the location an int of the table, no rule text left.
   json model = mlp_model();
   auto table = mlp_table();
-  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  insert_fragment_ops_pt2(model, table, "mlp.pt2");
   const ir::LocationTable locations(table);
   const auto id = [&](const char* name) { return std::to_string(*locations.find(name)); };
-  EXPECT_EQ(bind_location_ids_exported(model, locations, "mlp.pt2"),
+  EXPECT_EQ(bind_location_ids_pt2(model, locations, "mlp.pt2"),
             static_cast<int64_t>(3 * 2 + table.whole.size()));
   const std::string text = print(model);
   FileCheck()
@@ -222,17 +222,17 @@ TEST(InsertFragmentOpsExported, BindingNamesEveryLocationById) {
   for (const char* op : {"frag.gather.default", "frag.intervene.default", "frag.split.default"})
     EXPECT_EQ(text.find(op), std::string::npos) << op << " left in\n" << text;
   // Bound again: nothing left in the file's form.
-  EXPECT_EQ(bind_location_ids_exported(model, locations, "mlp.pt2"), 0);
+  EXPECT_EQ(bind_location_ids_pt2(model, locations, "mlp.pt2"), 0);
 }
 
-TEST(InsertFragmentOpsExported, BindingRefusesAGraphItsTableDoesNotDescribe) {
+TEST(InsertFragmentOpsPt2, BindingRefusesAGraphItsTableDoesNotDescribe) {
   json model = mlp_model();
   auto table = mlp_table();
-  insert_fragment_ops_exported(model, table, "mlp.pt2");
+  insert_fragment_ops_pt2(model, table, "mlp.pt2");
   auto other = table;
   other.layers[0].output->rule = ir::FragmentRule::shard(0, ir::kTpGroup, 2);  // another rule at up.output
   try {
-    bind_location_ids_exported(model, ir::LocationTable(other), "mlp.pt2");
+    bind_location_ids_pt2(model, ir::LocationTable(other), "mlp.pt2");
     FAIL() << "bound a graph to a table with another rule";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("mlp.pt2: the graph's rule at mlp.up.output differs"), std::string::npos)
@@ -241,34 +241,34 @@ TEST(InsertFragmentOpsExported, BindingRefusesAGraphItsTableDoesNotDescribe) {
   auto fewer = table;
   fewer.whole.clear();
   try {
-    bind_location_ids_exported(model, ir::LocationTable(fewer), "mlp.pt2");
+    bind_location_ids_pt2(model, ir::LocationTable(fewer), "mlp.pt2");
     FAIL() << "bound a graph with locations its table does not list";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("which its fragment table does not list"), std::string::npos) << e.what();
   }
 }
 
-TEST(InsertFragmentOpsExported, RefusesARewrittenGraph) {
+TEST(InsertFragmentOpsPt2, RefusesARewrittenGraph) {
   json model = mlp_model();
   auto table = mlp_table();
-  insert_fragment_ops_exported(model, table, "mlp.pt2");
-  EXPECT_TRUE(has_fragment_ops_exported(model));
-  EXPECT_FALSE(has_fragment_ops_exported(mlp_model()));
+  insert_fragment_ops_pt2(model, table, "mlp.pt2");
+  EXPECT_TRUE(has_fragment_ops_pt2(model));
+  EXPECT_FALSE(has_fragment_ops_pt2(mlp_model()));
   auto again = mlp_table();
   try {
-    insert_fragment_ops_exported(model, again, "mlp.pt2");
+    insert_fragment_ops_pt2(model, again, "mlp.pt2");
     FAIL() << "a rewritten graph was rewritten again";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("mlp.pt2: already rewritten"), std::string::npos) << e.what();
   }
 }
 
-TEST(InsertFragmentOpsExported, RefusesAGraphWithoutCallSignatures) {
+TEST(InsertFragmentOpsPt2, RefusesAGraphWithoutCallSignatures) {
   json model = mlp_model();
   for (auto& c : model["graph_module"]["module_call_graph"]) c["signature"] = nullptr;
   auto table = mlp_table();
   try {
-    insert_fragment_ops_exported(model, table, "mlp.pt2");
+    insert_fragment_ops_pt2(model, table, "mlp.pt2");
     FAIL() << "no signatures, no boundaries: must be refused";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("mlp.pt2: module_call_graph keeps no module's call signature"),

@@ -1,9 +1,9 @@
 """A torch.export rank file (.pt2) run by PyTorch under fragments' C++ plan engine.
 
-The C++ side prepares the archive (program/exported_rank.h: checks across ranks, rewrites a plain export
+The C++ side prepares the archive (program/pt2_program.h: checks across ranks, rewrites a plain export
 in memory, indexes the fragment table) and owns the plan: checks, saves, edits, cross-rank agreement, width
 probes and call wrappers (program::ShardedModel). This module is the program it runs
-(program::RankProgram, bound in _C.cpp as PythonProgram):
+(program::RankProgram, bound in _C.cpp as Pt2TorchExportProgram):
 
   rewritten archive ──torch.export.load──▶ ExportedProgram ──.module()──▶ fx.GraphModule
     its frag.gather/intervene/split (location names, the file's form) rebound to the table's ids
@@ -75,7 +75,7 @@ def _bind(graph, ids, source):
             node.target, node.args = ops.split.at, (node.args[0], node.args[1], ids[location])
 
 
-class ExportedRunner:
+class Pt2Runner:
     """One rank's .pt2 program: forward, and the module tree for call wrappers."""
 
     def __init__(self, path, rewritten, locations, device):

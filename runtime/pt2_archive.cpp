@@ -1,5 +1,5 @@
-//===- runtime/exported_program.cpp - One rank's torch.export archive ----===//
-#include "runtime/exported_program.h"
+//===- runtime/pt2_archive.cpp - One rank's torch.export archive ----===//
+#include "runtime/pt2_archive.h"
 
 #include "ir/error.h"
 #include "ir/module_path.h"

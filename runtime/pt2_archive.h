@@ -1,4 +1,4 @@
-//===- runtime/exported_program.h - One rank's torch.export archive -*- C++ -*-===//
+//===- runtime/pt2_archive.h - One rank's torch.export archive -*- C++ -*-===//
 //
 // Reads a .pt2 archive (torch.export.save: a zip written by PyTorch's stream
 // writer, read here with LibTorch's PyTorchStreamReader): the graph

@@ -1,10 +1,10 @@
-//===- program/exported_rank.cpp - A .pt2 rank file made ready for torch.export ===//
-#include "program/exported_rank.h"
+//===- program/pt2_program.cpp - A .pt2 rank file made ready for torch.export ===//
+#include "program/pt2_program.h"
 
 #include "ir/error.h"
-#include "passes/insert_fragment_ops_exported.h"
+#include "passes/insert_fragment_ops_pt2.h"
 #include "passes/rewrite_for_fragments.h"
-#include "runtime/exported_program.h"
+#include "runtime/pt2_archive.h"
 
 #include <fmt/format.h>
 
@@ -38,9 +38,9 @@ at::ScalarType parameters_dtype(const nlohmann::json& model) {
 
 }  // namespace
 
-PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::string& path,
+PreparedPt2 prepare_pt2_rank(runtime::RankContext& context, const std::string& path,
                                      const std::string& rules_file) {
-  PreparedExport prepared;
+  PreparedPt2 prepared;
   runtime::ExportedProgram program;
   std::string error;
   try {
@@ -60,12 +60,12 @@ PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::s
       }
       table = ir::table_from_json(json, path);
     } else {
-      if (passes::has_fragment_ops_exported(program.model))
+      if (passes::has_fragment_ops_pt2(program.model))
         fail("{}: its graph holds fragment ops but no fragment table: give the original export or frag "
              "rewrite's output",
              path);
       auto aliases = rules_file.empty() ? passes::LayerAliases{} : passes::LayerAliases::from_file(rules_file);
-      table = passes::rewrite_exported_for_fragments(program.model, program.modules, aliases, path);
+      table = passes::rewrite_pt2_for_fragments(program.model, program.modules, aliases, path);
       prepared.rewritten_here = true;
     }
     prepared.locations = std::make_shared<const ir::LocationTable>(std::move(table));
@@ -93,19 +93,19 @@ PreparedExport prepare_exported_rank(runtime::RankContext& context, const std::s
   return prepared;
 }
 
-ExportedRankProgram::ExportedRankProgram(const std::string& path, PreparedExport& prepared)
+Pt2Program::Pt2Program(const std::string& path, PreparedPt2& prepared)
     : RankProgram(path, prepared.locations),
       modules_(std::move(prepared.modules)),
       attributes_(std::move(prepared.attributes)),
       dtype_(prepared.dtype),
       kv_cache_(prepared.kv_cache) {}
 
-std::vector<int64_t> ExportedRankProgram::kv_cache_shape(int64_t max_batch, int64_t max_len) const {
+std::vector<int64_t> Pt2Program::kv_cache_shape(int64_t max_batch, int64_t max_len) const {
   if (!kv_cache_) return {};
   return {kv_cache_->layers, 2, max_batch, kv_cache_->kv_heads, max_len, kv_cache_->head_size};
 }
 
-torch::Tensor ExportedRankProgram::forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
+torch::Tensor Pt2Program::forward(const torch::Tensor& input_ids, const std::vector<ir::LocationId>* kept,
                                            Use use) {
   if (!kv_cache_) return run_graph(input_ids, nullptr, kept, use);
   // A cached program's plain forward: the sequence's own positions into a scratch cache of its length.
@@ -118,7 +118,7 @@ torch::Tensor ExportedRankProgram::forward(const torch::Tensor& input_ids, const
   return run_graph(input_ids, &scratch, kept, use);
 }
 
-torch::Tensor ExportedRankProgram::forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
+torch::Tensor Pt2Program::forward_cached(const torch::Tensor& input_ids, const CachedStep& step,
                                                   const std::vector<ir::LocationId>* kept) {
   // The program attends over the cache it is given (its cache_len is the constant 0): the span travels as
   // a view of the cache's first cache_len slots, and the new k/v land in the cache through it.
@@ -127,7 +127,7 @@ torch::Tensor ExportedRankProgram::forward_cached(const torch::Tensor& input_ids
   return run_graph(input_ids, &narrowed, kept, Use::kRepeated);
 }
 
-std::map<std::string, int64_t> ExportedRankProgram::int_attributes(const std::string& path) const {
+std::map<std::string, int64_t> Pt2Program::int_attributes(const std::string& path) const {
   auto found = attributes_.find(path);
   return found == attributes_.end() ? std::map<std::string, int64_t>{} : found->second;
 }

@@ -1,11 +1,11 @@
-//===- program/nativert_program.cpp - A .pt2 rank file run by NativeRT in C++ ===//
-#include "program/nativert_program.h"
+//===- program/pt2_nativert_program.cpp - A .pt2 rank file run by NativeRT in C++ ===//
+#include "program/pt2_nativert_program.h"
 
 #include "ir/error.h"
 #include "passes/bind_group_ids.h"
 #include "passes/bind_location_ids.h"
-#include "program/exported_rank.h"
-#include "runtime/exported_program.h"
+#include "program/pt2_program.h"
+#include "runtime/pt2_archive.h"
 #include "runtime/rank_module.h"
 
 #include <torch/version.h>
@@ -89,10 +89,10 @@ class SilencedStdout {
 
 }  // namespace
 
-std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& context, const std::string& path,
+std::shared_ptr<Pt2NativeRtProgram> Pt2NativeRtProgram::load(runtime::RankContext& context, const std::string& path,
                                                        const torch::Device& device, const std::string& rules_file) {
-  PreparedExport prepared = prepare_exported_rank(context, path, rules_file);
-  std::shared_ptr<NativeRtProgram> program(new NativeRtProgram(path, prepared));
+  PreparedPt2 prepared = prepare_pt2_rank(context, path, rules_file);
+  std::shared_ptr<Pt2NativeRtProgram> program(new Pt2NativeRtProgram(path, prepared));
   std::string error;
   try {
     if (!device.is_cpu())
@@ -105,8 +105,8 @@ std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& con
          "load it with fragments.load in Python, or build against torch 2.11",
          path, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
 #endif
-    passes::bind_location_ids_exported(prepared.model, *prepared.locations, path);
-    passes::bind_group_ids_exported(prepared.model, path);
+    passes::bind_location_ids_pt2(prepared.model, *prepared.locations, path);
+    passes::bind_group_ids_pt2(prepared.model, path);
     // NativeRT reads a package from a file: the bound archive goes to a private temporary file, which is
     // removed as soon as it is read (NativeRT keeps the weights in memory).
     const std::string bound =
@@ -129,23 +129,23 @@ std::shared_ptr<NativeRtProgram> NativeRtProgram::load(runtime::RankContext& con
   return program;
 }
 
-NativeRtProgram::NativeRtProgram(const std::string& path, PreparedExport& prepared)
-    : ExportedRankProgram(path, prepared) {}
+Pt2NativeRtProgram::Pt2NativeRtProgram(const std::string& path, PreparedPt2& prepared)
+    : Pt2Program(path, prepared) {}
 
-NativeRtProgram::~NativeRtProgram() = default;
+Pt2NativeRtProgram::~Pt2NativeRtProgram() = default;
 
-std::optional<runtime::ModuleTree::Arity> NativeRtProgram::forward_arity(const std::string& module) const {
+std::optional<runtime::ModuleTree::Arity> Pt2NativeRtProgram::forward_arity(const std::string& module) const {
   fail("{}: calling {} on its own (a logit lens, a \"call\" step) needs the Python front end for a .pt2 rank file "
        "(fragments.load): frag run and the C++ API run the archive's whole graph (NativeRT)",
        path(), module);
 }
 
-torch::Tensor NativeRtProgram::run(const std::string& module, const std::vector<torch::Tensor>&) const {
+torch::Tensor Pt2NativeRtProgram::run(const std::string& module, const std::vector<torch::Tensor>&) const {
   forward_arity(module);
   return {};
 }
 
-torch::Tensor NativeRtProgram::run_graph(const torch::Tensor& input_ids, const CachedStep* step,
+torch::Tensor Pt2NativeRtProgram::run_graph(const torch::Tensor& input_ids, const CachedStep* step,
                                          const std::vector<ir::LocationId>*, Use) {
   // Every location's ops stay in the graph (NativeRT runs it whole); where nothing waits they are a lookup.
   torch::NoGradGuard no_grad;

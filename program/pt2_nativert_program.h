@@ -1,7 +1,7 @@
-//===- program/nativert_program.h - A .pt2 rank file run by NativeRT in C++ -*- C++ -*-===//
+//===- program/pt2_nativert_program.h - A .pt2 rank file run by NativeRT in C++ -*- C++ -*-===//
 //
 // For frag run and the C++ API on torch.export archives, without Python:
-// program/exported_rank.h prepares the archive (checks across ranks, rewrites
+// program/pt2_program.h prepares the archive (checks across ranks, rewrites
 // a plain export in memory, indexes the table), passes/bind_location_ids
 // binds its graph's fragment ops to the table's ids, and PyTorch's native
 // runtime for exported programs (torch::nativert::ModelRunnerHandle) runs it.
@@ -14,7 +14,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
-#include "program/exported_rank.h"
+#include "program/pt2_program.h"
 #include "runtime/rank_context.h"
 
 #include <map>
@@ -29,14 +29,14 @@ class ModelRunnerHandle;
 
 namespace frag::program {
 
-class NativeRtProgram : public ExportedRankProgram {
+class Pt2NativeRtProgram : public Pt2Program {
  public:
   /// Prepares and loads this rank's .pt2 (CPU only); every rank fails alike.
-  static std::shared_ptr<NativeRtProgram> load(runtime::RankContext& context, const std::string& path,
+  static std::shared_ptr<Pt2NativeRtProgram> load(runtime::RankContext& context, const std::string& path,
                                                const torch::Device& device, const std::string& rules_file = "");
-  ~NativeRtProgram() override;
-  NativeRtProgram(const NativeRtProgram&) = delete;
-  NativeRtProgram& operator=(const NativeRtProgram&) = delete;
+  ~Pt2NativeRtProgram() override;
+  Pt2NativeRtProgram(const Pt2NativeRtProgram&) = delete;
+  Pt2NativeRtProgram& operator=(const Pt2NativeRtProgram&) = delete;
 
   std::optional<Arity> forward_arity(const std::string& path) const override;
   torch::Tensor run(const std::string& path, const std::vector<torch::Tensor>& inputs) const override;
@@ -46,7 +46,7 @@ class NativeRtProgram : public ExportedRankProgram {
                           const std::vector<ir::LocationId>* kept, Use use) override;
 
  private:
-  NativeRtProgram(const std::string& path, PreparedExport& prepared);
+  Pt2NativeRtProgram(const std::string& path, PreparedPt2& prepared);
 
   std::unique_ptr<torch::nativert::ModelRunnerHandle> runner_;
 };

@@ -1,0 +1,71 @@
+"""The Python API's host cost per traced call, two checkouts side by side in one run: rounds that alternate
+between them (a shared machine's load falls on both alike), the median of each row per checkout.
+
+    PY=$(bash tools/python_env.sh)
+    $PY tools/probes/host_cost_compare.py OLD/python python MODELS [--rounds 5]
+
+Rows: tools/probes/save_overhead_probe.py on llama_tp1 (one rank: a trace per call and `plan.run`, output only
+and with a save at every fragmented location, and the C++ call alone) and bench/python_trace_overhead.py on
+llama_tp2 (world 2, 128 tokens: a trace per call, and the same steps handed to C++ directly). Each checkout's
+`fragments` is the one its python/ folder holds (PYTHONPATH); the probes are this checkout's.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def run(python_dir, args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([python_dir, ROOT]))
+    done = subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed with {python_dir}:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def save_probe(python_dir, models, repeats):
+    out = run(python_dir, [os.path.join(HERE, "save_overhead_probe.py"), os.path.join(models, "llama_tp1", "rank0.pt"),
+                           "--repeats", str(repeats)])
+    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.{36}) +([0-9.]+) us$", out, re.M)}
+
+
+def trace_overhead(python_dir, models, repeats):
+    out = run(python_dir, [os.path.join(ROOT, "bench", "python_trace_overhead.py"),
+                           os.path.join(models, "llama_tp2", "rank{rank}.pt"), "--world", "2", "--repeats",
+                           str(repeats), "--frag", os.path.join(models, "..", "..", "cli", "frag")])
+    rows = {}
+    for name in ("C++ steps from Python", "trace (Python API)"):
+        found = re.search(re.escape(name) + r" +([0-9.]+) ms", out)
+        rows[f"{name}, world 2 (ms)"] = float(found.group(1)) * 1e3  # as us, like the other rows
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("models")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=200)
+    a = p.parse_args()
+    results = {"old": {}, "new": {}}
+    for r in range(a.rounds):
+        for tag, python_dir in (("old", a.old), ("new", a.new)) if r % 2 == 0 else (("new", a.new), ("old", a.old)):
+            rows = save_probe(python_dir, a.models, a.repeats)
+            rows.update(trace_overhead(python_dir, a.models, max(10, a.repeats // 10)))
+            for name, us in rows.items():
+                results[tag].setdefault(name, []).append(us)
+        print(f"round {r + 1} of {a.rounds} done", flush=True)
+    print(f"{'median over ' + str(a.rounds) + ' rounds (us)':<44} {'old':>10} {'new':>10} {'new/old':>8}")
+    for name in results["old"]:
+        old, new = statistics.median(results["old"][name]), statistics.median(results["new"][name])
+        print(f"{name:<44} {old:10.1f} {new:10.1f} {new / old:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
