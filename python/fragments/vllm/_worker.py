@@ -308,7 +308,6 @@ class WorkerState:
                            f"{'' if not isinstance(value, torch.Tensor) else ' of ' + str(value.dtype)}, "
                            "not a floating-point activation (vLLM calls this module with it first)")
             return None
-        value = self._token_rows(value)
         rule = self.fragmented.get(location)
         rows = sorted({r for w in work for r in range(w.start, w.stop)})
         if rows and rows[-1] >= value.shape[0]:
@@ -427,9 +426,10 @@ class WorkerState:
             self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
         if not work:
             return
-        acted = self._act(location, x, work)
+        rows = self._token_rows(x)  # a view: _write edits x itself
+        acted = self._act(location, rows, work)
         if acted is not None:
-            _write(x, *acted)
+            _write(rows, *acted)
 
     def _slot_copy(self, location: str, x) -> None:
         """In a FULL graph being captured: x copied into the location's slot (one buffer for every graph: vLLM
@@ -452,7 +452,7 @@ class WorkerState:
                 continue  # not in the compiled forward (the logits processor): its tap ran eagerly
             self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
             if work.get(location):
-                self._act(location, self.slots[location], work[location])
+                self._act(location, self._token_rows(self.slots[location]), work[location])
 
     def compile_stats(self) -> dict:
         from . import _compile
