@@ -123,33 +123,35 @@ def vllm_runner(args, mode):
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
 
-    detail = {}
-
     def generate(column):
-        detail.clear()
+        """Runs the column's requests; returns (values saved, the outputs)."""
         if column == "quarter":
             from fragments import vllm as fv
             plan = [{"at": loc, "do": "save", "as": loc, "step": "all"} for loc in LOCATIONS]
-            before = llm.collective_rpc("fragments_compile_stats")[0] or {}
             outs = fv.generate(llm, ps, [plan if i % 4 == 0 else None for i in range(len(ps))], **sampling)
             assert all(o.fragments_error is None for o in outs)
             assert all(len(o.fragments) == 4 for o in outs[::4])
             saved = sum(len(o.fragments) for o in outs)
-            after = llm.collective_rpc("fragments_compile_stats")[0] or {}
-            # where the plugin's time went in this run: the worker's host seconds by phase, its steps (and how
-            # many replayed a FULL graph), and the front end's fetch of the saves (fv.timings)
-            detail.update({f"worker_{k}_s": v - before.get("host_s", {}).get(k, 0.0)
-                           for k, v in after.get("host_s", {}).items()})
-            detail.update({f"{k}_steps": v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()})
-            detail.update({k: v for k, v in fv.timings.items()},
-                          saved_mb=sum(t.numel() * t.element_size() for o in outs for t in o.fragments.values()) / 2**20)
         else:
             if column not in ("plain", "none"):
                 raise ValueError(f"column {column} is not run by a vLLM engine")
             outs = llm.generate(ps, SamplingParams(**sampling), use_tqdm=False)
             saved = 0
         assert sum(len(o.outputs[0].token_ids) for o in outs) == tokens
-        return saved
+        return saved, outs
+
+    def stats():
+        return llm.collective_rpc("fragments_compile_stats")[0] or {}
+
+    def where_time_went(before, after, outs):
+        """The saving column's run: the worker's host seconds by phase, its steps (and how many replayed a FULL
+        graph), the front end's fetch of the saves (fv.timings) and their size; read outside the timed run."""
+        from fragments import vllm as fv
+        detail = {f"worker_{k}_s": v - before.get("host_s", {}).get(k, 0.0) for k, v in after.get("host_s", {}).items()}
+        detail.update({f"{k}_steps": v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()})
+        detail.update(fv.timings)
+        detail["saved_mb"] = sum(t.numel() * t.element_size() for o in outs for t in o.fragments.values()) / 2**20
+        return detail
 
     def step_rate(column):
         """Batch-1 decode: one request, (t(1 + n new tokens) - t(1 new token)) / n per step (the prefill and the
@@ -176,11 +178,12 @@ def vllm_runner(args, mode):
         if column.startswith("b1_"):
             rate = step_rate(column)
             return rate, rate, int(column == "b1_quarter") * len(LOCATIONS), {}
+        before = stats() if column == "quarter" else None
         out = {}
-        wall, cpu = timed(lambda: out.setdefault("saved", generate(column)))
-        if detail:
-            detail["wall_s"] = wall
-        return tokens / wall, tokens / cpu, out["saved"], dict(detail)
+        wall, cpu = timed(lambda: out.setdefault("run", generate(column)))
+        saved, outs = out["run"]
+        detail = {} if before is None else dict(where_time_went(before, stats(), outs), wall_s=wall)
+        return tokens / wall, tokens / cpu, saved, detail
     return run
 
 

@@ -130,7 +130,7 @@ class WorkerState:
         t0 = time.perf_counter()
         self._begin_step(scheduler_output)
         self.host_s["begin_step"] += time.perf_counter() - t0
-        self.step_counts.update(steps=1, acting=int(self.in_step))
+        self.step_counts.update(all=1, acting=int(self.in_step))
 
     def _begin_step(self, scheduler_output):
         self.step_work = None
