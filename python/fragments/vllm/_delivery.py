@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import mmap
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 SHM = os.environ.get("FRAGMENTS_VLLM_SHM_DIR", "/dev/shm")
+log = logging.getLogger("fragments.vllm")
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -77,7 +79,16 @@ _count = itertools.count()
 
 def write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optional[str]:
     """name -> its row blocks, written as one safetensors file (the blocks of a name concatenated in order)
-    with one copy each; the path, or None when shared memory has no room for it (the caller gets bytes)."""
+    with one copy each; the path, or None when shared memory has no room for it or cannot be written (the
+    caller gets bytes)."""
+    try:
+        return _write(parts, folder, key)
+    except OSError as e:
+        log.warning("fragments: the saves of %s go back as bytes: %s could not be written (%s)", key, folder, e)
+        return None
+
+
+def _write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optional[str]:
     # larger elements first (as safetensors orders them): every tensor starts aligned to its own element size
     parts = dict(sorted(parts.items(), key=lambda kv: (-kv[1][0].element_size(), kv[0])))
     header, offset = {}, 0

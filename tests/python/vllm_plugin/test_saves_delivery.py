@@ -89,6 +89,12 @@ class DeliveryTest(unittest.TestCase):
         self.assertTrue(torch.equal(load(entry["data"])["h"], expected["a"]))
         self.assertEqual(os.listdir(self.dir), [])
 
+    def test_a_folder_that_cannot_be_written_answers_bytes(self):
+        s, expected = filled()
+        entry = s.take("a", folder=os.path.join(self.dir, "no-such-folder"))
+        self.assertNotIn("file", entry)
+        self.assertTrue(torch.equal(load(entry["data"])["h"], expected["a"]))
+
     def test_a_caller_on_another_machine_gets_bytes(self):
         folder = _delivery.Folder()
         self.assertIsNone(folder.get({"dir": self.dir, "host": "another-boot-id"}))
