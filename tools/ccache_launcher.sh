@@ -14,19 +14,27 @@
 # hash and a PCH whose inputs exist, in every clone.
 set -euo pipefail
 store=${FRAG_PCH_INPUTS:-$HOME/.cache/fragments/pch-inputs}
+# stored FILE: the copy's path (made once; written aside and renamed, so parallel compiles never see half).
+stored() {
+  local digest copy tmp
+  digest=$(sha256sum "$1" | cut -c1-32)
+  copy="$store/$digest/$(basename "$1")"
+  if [ ! -f "$copy" ]; then
+    mkdir -p "$store/$digest"
+    tmp=$(mktemp "$store/$digest/.tmp.XXXXXX")
+    cp "$1" "$tmp" && mv -f "$tmp" "$copy"
+  fi
+  echo "$copy"
+}
 args=()
 for arg in "$@"; do
   case "$arg" in
     /*/CMakeFiles/*.dir/cmake_pch.hxx | /*/CMakeFiles/*.dir/cmake_pch.hxx.cxx)
       if [ -f "$arg" ]; then
-        digest=$(sha256sum "$arg" | cut -c1-32)
-        copy="$store/$digest/$(basename "$arg")"
-        if [ ! -f "$copy" ]; then
-          mkdir -p "$store/$digest"
-          tmp=$(mktemp "$store/$digest/.tmp.XXXXXX")
-          cp "$arg" "$tmp" && mv -f "$tmp" "$copy"
-        fi
-        arg=$copy
+        # A PCH records both files (the header and the source it was built from): a compile that uses
+        # one puts both back, should the store have been deleted since the PCH was made.
+        [ "${arg%.cxx}" = "$arg" ] && [ -f "$arg.cxx" ] && stored "$arg.cxx" > /dev/null
+        arg=$(stored "$arg")
       fi ;;
   esac
   args+=("$arg")
