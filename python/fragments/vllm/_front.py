@@ -25,18 +25,20 @@ def sampling_params(plan: Any = None, key: Optional[str] = None, base: Optional[
 def take_saves(llm, keys: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     """The saves of finished requests, by key (rank 0's copy; every rank drops its own). Each entry is
     {"error": str|None, "saves": {name: tensor}}."""
-    from safetensors.torch import load
+    from . import _delivery
     from ._saves import finished_tokens
     from ._stages import merge_takes
-    # with the tokens each request produced: rows of steps past them (async scheduling) are left out
+    # with the tokens each request produced: rows of steps past them (async scheduling) are left out; saves
+    # come back as files in shared memory when the workers are on this machine (_delivery.py)
     t0 = time.perf_counter()
-    answers = llm.collective_rpc("fragments_take_saves", args=({k: finished_tokens.pop(k) for k in keys},))
+    answers = llm.collective_rpc("fragments_take_saves",
+                                 args=({k: finished_tokens.pop(k) for k in keys}, _delivery.route()))
     timings["take_rpc_s"] = time.perf_counter() - t0  # the benchmark's view of what returning saves costs
     first = merge_takes(answers, keys) if any(a is not None for a in answers) else None  # every stage's
     if first is None:
         raise RuntimeError("fragments: no worker answered fragments_take_saves; is the plugin loaded?")
     t0 = time.perf_counter()
-    out = {key: {"error": v["error"], "saves": load(v["data"]) if v["data"] else {}} for key, v in first.items()}
+    out = {key: {"error": v["error"], "saves": _delivery.tensors(v)} for key, v in first.items()}
     timings["load_s"] = time.perf_counter() - t0
     return out
 

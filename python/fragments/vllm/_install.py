@@ -170,8 +170,8 @@ def _count_tokens() -> None:
     _wrap(output_processor.OutputProcessor, "abort_requests", abort_requests)
 
 
-def _rpc_take_saves(self, keys: List[str]):
-    return _worker.current.take_saves(keys) if _worker.current is not None else None
+def _rpc_take_saves(self, keys: List[str], route=None):
+    return _worker.current.take_saves(keys, route) if _worker.current is not None else None
 
 
 def _rpc_model_record(self):

@@ -45,11 +45,13 @@ class Scheduled:
     VLLM trace; its fields read through), `steps` (the engine steps it acts at: "all", "prefill", "decode" or a
     frozenset of step numbers), `logits` (it acts at the logits processor: one row per request), `group` (a
     trace's Python steps: their group, _python.py). `do` is "python" for a Python step."""
-    __slots__ = ("step", "at", "do", "steps", "logits", "group")
+    __slots__ = ("step", "at", "do", "steps", "logits", "group", "as_", "index")
 
     def __init__(self, step, steps, logits: bool, group=None):
         self.step, self.at, self.steps, self.logits, self.group = step, step.at, steps, logits, group
         self.do = "python" if isinstance(step, PythonStep) else step.do
+        # read at every step of every request: fields of their own, not through __getattr__
+        self.as_, self.index = getattr(step, "as_", None), getattr(step, "index", None)
 
     def __getattr__(self, name):
         return getattr(self.step, name)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional
 
+import torch
+
 from . import _vllm_api
 
 
@@ -164,3 +166,22 @@ def adapt(runner) -> Runner:
 
 def describe(runner: Optional[Runner]) -> str:
     return runner.kind if runner is not None else "?"
+
+
+def row_index(rows: List[int], device) -> object:
+    """The forward's rows a location's work reads: a range when they are contiguous (a narrow view, no index
+    tensor), else an index tensor on the value's device, sent without waiting for the GPU."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return range(rows[0], rows[-1] + 1)
+    index = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+def write_rows(target, where, new_piece) -> None:
+    """An edit's new piece written back to the forward's rows (`where`: row_index's)."""
+    if isinstance(where, range):
+        target.narrow(0, where.start, len(where)).copy_(new_piece)
+    else:
+        target.index_copy_(0, where, new_piece)

@@ -25,6 +25,8 @@ import time
 from collections import Counter, OrderedDict
 from typing import Callable, Dict, List, Optional
 
+from . import _delivery
+
 log = logging.getLogger("fragments.vllm")
 
 # name -> (default, what it bounds); docs/vllm.md lists them beside the server's other settings
@@ -106,30 +108,46 @@ class SavesStore:
 
     def add(self, key: str, name: str, tensor, copied: bool = False, step: int = 0) -> None:
         """One step's rows of a save (this rank's whole value); copied to the host when kept (`copied`: the
-        tensor is that copy already, e.g. a view of one copy made for several requests' rows). `step`: the
-        request's step (0 = prefill), so that take can leave out steps whose tokens the request never had."""
+        tensor is that copy already). `step`: the request's step (0 = prefill), so that take can leave out
+        steps whose tokens the request never had."""
         with self._lock:
-            record = self._records.get(key)
-            if record is None:  # taken, dropped or never opened: a late step of an aborted request
-                return
-            if not self.keep or record.truncated:
-                return
-            size = tensor.numel() * tensor.element_size()
-            if record.bytes + size > self.request_bytes:
-                self._truncate(key, record, REQUEST_CAP,
-                               f"saves truncated: {name} would bring them past {self.request_bytes} bytes "
-                               "(FRAGMENTS_VLLM_MAX_SAVE_BYTES); the rows of later steps were not kept")
-                return
-            if self.bytes + size > self.max_bytes:
-                self._evict(lambda: self.bytes + size <= self.max_bytes, STORE_FULL, spare=key)
-            if self.bytes + size > self.max_bytes:
-                self._truncate(key, record, STORE_FULL,
-                               f"saves truncated: the server's saves store is full ({self.max_bytes} bytes, "
-                               "FRAGMENTS_VLLM_SAVES_MAX_BYTES); the rows of later steps were not kept")
-                return
-            record.saves.setdefault(name, []).append((step, tensor if copied else self._copy(tensor)))
-            record.bytes += size
-            self.bytes += size
+            if self._room(key, name, tensor.numel() * tensor.element_size()):
+                self._records[key].saves.setdefault(name, []).append(
+                    (step, tensor if copied else self._copy(tensor), None, None))
+
+    def add_rows(self, name: str, host, parts) -> None:
+        """One step's rows of several requests' saves of `name`, all in `host` (one host copy for all): `parts`
+        is [(key, first row, row past the last, step)]. Kept as (host, rows): the views are cut when taken,
+        so a decode step costs a tuple per request here."""
+        row_bytes = host[0].numel() * host.element_size() if host.dim() > 0 and host.shape[0] else 0
+        with self._lock:
+            for key, lo, hi, step in parts:
+                if self._room(key, name, (hi - lo) * row_bytes):
+                    self._records[key].saves.setdefault(name, []).append((step, host, lo, hi))
+
+    def _room(self, key: str, name: str, size: int) -> bool:
+        """Whether `size` more bytes of `name` are kept for `key` (counted if so); a request past its cap, or a
+        full store, is truncated with the reason."""
+        record = self._records.get(key)
+        if record is None:  # taken, dropped or never opened: a late step of an aborted request
+            return False
+        if not self.keep or record.truncated:
+            return False
+        if record.bytes + size > self.request_bytes:
+            self._truncate(key, record, REQUEST_CAP,
+                           f"saves truncated: {name} would bring them past {self.request_bytes} bytes "
+                           "(FRAGMENTS_VLLM_MAX_SAVE_BYTES); the rows of later steps were not kept")
+            return False
+        if self.bytes + size > self.max_bytes:
+            self._evict(lambda: self.bytes + size <= self.max_bytes, STORE_FULL, spare=key)
+        if self.bytes + size > self.max_bytes:
+            self._truncate(key, record, STORE_FULL,
+                           f"saves truncated: the server's saves store is full ({self.max_bytes} bytes, "
+                           "FRAGMENTS_VLLM_SAVES_MAX_BYTES); the rows of later steps were not kept")
+            return False
+        record.bytes += size
+        self.bytes += size
+        return True
 
     def fail(self, key: str, message: str) -> str:
         """A step of the request failed: the first failure is its error. Returns that error."""
@@ -148,9 +166,10 @@ class SavesStore:
                 self._finished[key] = self._clock()
 
     # ---- what the caller calls (RPC) -----------------------------------------------------------------
-    def take(self, key: str, steps: Optional[int] = None) -> dict:
+    def take(self, key: str, steps: Optional[int] = None, folder: Optional[str] = None) -> dict:
         """{"status": "ok" | "taken" | "dropped" | "unknown", "error", "data": safetensors bytes or None,
-        "bytes": tensor bytes}. A key fetches its saves once. `steps`: the tokens the request produced (the
+        "bytes": tensor bytes}, or the same safetensors as a "file" in `folder` (shared memory on the caller's
+        machine: _delivery.py). A key fetches its saves once. `steps`: the tokens the request produced (the
         front end's count, FinishedTokens): rows of later steps are left out. vLLM's async scheduling (its
         GPU default) runs a request one step past the token that ends it, and a stop string ends it after
         steps that already ran; those steps' tokens are discarded, and so are their rows here."""
@@ -163,8 +182,15 @@ class SavesStore:
             if self._wait is not None and record.saves:
                 self._wait()
             self._remember(key, "taken", f"the saves of {key} were already fetched (a key fetches its saves once)")
-        return {"status": "ok", "error": "; ".join(filter(None, (record.error, record.truncated))) or None,
-                "data": _serialize(record.saves, steps) if self.keep else None, "bytes": record.bytes}
+        answer = {"status": "ok", "error": "; ".join(filter(None, (record.error, record.truncated))) or None,
+                  "data": None, "bytes": record.bytes}
+        kept = _kept(record.saves, steps) if self.keep else {}
+        path = _delivery.write(kept, folder, key) if kept and folder else None
+        if path is not None:
+            answer["file"] = path
+        elif kept:
+            answer["data"] = _serialize(kept)
+        return answer
 
     def drop(self, key: str, reason: str, why: str) -> None:
         """The server gives up the saves of `key` (e.g. its client disconnected); later steps keep nothing,
@@ -230,15 +256,17 @@ class SavesStore:
             self._gone.popitem(last=False)
 
 
-def _serialize(saves: Dict[str, List], steps: Optional[int] = None) -> Optional[bytes]:
-    """name -> its (step, rows) parts in step order, as one safetensors file (rows concatenated; scalars
-    stacked); parts of steps >= `steps` left out (SavesStore.take)."""
+def _kept(saves: Dict[str, List], steps: Optional[int]) -> Dict[str, list]:
+    """name -> its row blocks in step order, leaving out steps >= `steps` (SavesStore.take); names with none go."""
+    kept = {name: [t if lo is None else t[lo:hi] for step, t, lo, hi in parts if steps is None or step < steps]
+            for name, parts in saves.items()}
+    return {name: parts for name, parts in kept.items() if parts}
+
+
+def _serialize(kept: Dict[str, List]) -> bytes:
+    """name -> its row blocks as one safetensors file in memory (rows concatenated; scalars stacked)."""
     import torch
     from safetensors.torch import save
-    kept = {name: [t for step, t in parts if steps is None or step < steps] for name, parts in saves.items()}
-    kept = {name: parts for name, parts in kept.items() if parts}
-    if not kept:
-        return None
     return save({name: torch.cat(parts, 0).contiguous() if parts[0].dim() > 0 else torch.stack(parts)
                  for name, parts in kept.items()})
 

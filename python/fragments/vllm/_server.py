@@ -38,7 +38,7 @@ from collections import OrderedDict
 from typing import Optional, Tuple
 
 from .. import _C
-from . import _plan, _saves
+from . import _delivery, _plan, _saves
 from ._metrics import metrics
 from ._plan import EXTRA_KEY, RequestPlan, registered_vectors
 
@@ -208,8 +208,8 @@ async def take(app, key: str) -> dict:
     {"status", "error", "data", "bytes"}; "status" is "error" when the engine did not answer."""
     try:
         steps = {key: _saves.finished_tokens.pop(key)}  # rows of steps past the request's tokens left out
-        answers = await asyncio.wait_for(app.state.engine_client.collective_rpc("fragments_take_saves",
-                                                                                args=(steps,)), RPC_TIMEOUT_S)
+        answers = await asyncio.wait_for(app.state.engine_client.collective_rpc(
+            "fragments_take_saves", args=(steps, _delivery.route())), RPC_TIMEOUT_S)
     except Exception as e:  # the engine is dead or hung: the client hears it, the server does not crash
         return {"status": "error", "error": f"fragments: the saves could not be fetched from the engine: "
                 f"{type(e).__name__}: {e}"[:500], "data": None, "bytes": 0}
@@ -221,7 +221,7 @@ async def take(app, key: str) -> dict:
 def fragments_object(key: str, entry: dict) -> dict:
     """The "fragments" object of an answer: the key, the saves as base64 safetensors (or null), their size
     and the error (a failed step, a truncation, or why the saves are gone)."""
-    data = entry.get("data") or b""
+    data = _delivery.payload(entry)  # bytes in the answer, or a file in shared memory (read and removed)
     if data:
         metrics().returned.inc(len(data))
     error = entry.get("error")
@@ -335,6 +335,7 @@ class FragmentsServer:
             if isinstance(answer, dict):  # vLLM answers null to a client that left: nothing to add
                 answer[EXTRA_KEY] = fragments_object(key, entry)
                 out = json.dumps(answer).encode()
+        _delivery.discard(entry)  # saves no answer carries (vLLM refused, the client left): their file goes
         headers = [(k, v) for k, v in (start or {}).get("headers", []) if k.lower() != b"content-length"]
         headers += [(b"content-length", str(len(out)).encode()), (b"x-fragments-key", key.encode())]
         await send({"type": "http.response.start", "status": (start or {}).get("status", 500), "headers": headers})

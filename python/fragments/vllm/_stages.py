@@ -160,7 +160,8 @@ def merge_takes(answers, keys, cap: Optional[int] = None) -> Dict[str, dict]:
     pipeline_parallel_size > 1 each stage's tensor-parallel rank 0 answers with its own stage's saves. Each stage
     holds at most FRAGMENTS_VLLM_MAX_SAVE_BYTES of a request (`cap`); together they may pass it, so whole saves
     are kept in stage order up to the cap and the others dropped, the reason in the request's error."""
-    from safetensors.torch import load, save
+    from safetensors.torch import save
+    from . import _delivery
     from ._saves import setting
     answers = [a for a in answers if a is not None]
     if len(answers) <= 1:
@@ -175,7 +176,7 @@ def merge_takes(answers, keys, cap: Optional[int] = None) -> Dict[str, dict]:
             continue
         tensors, size, dropped = {}, 0, []
         for e in ok:
-            for name, t in (load(e["data"]) if e["data"] else {}).items():
+            for name, t in _delivery.tensors(e).items():  # a file is read and removed
                 n = t.numel() * t.element_size()
                 if size + n > cap:
                     dropped.append(name)

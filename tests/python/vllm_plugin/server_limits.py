@@ -54,9 +54,9 @@ def hostile_bodies(model, good_at="model.layers.1.mlp.down_proj.input"):
         ("10^5 save steps", body(json.dumps([dict(save, **{"as": f"x{i}"}) for i in range(100_000)])), "bytes"),
         ("2000 save steps", body(json.dumps([{"at": "model.norm.output", "do": "save", "as": "x"}] * 2000)),
          "interventions"),
-        ("a plan nested 3000 deep (JSON text)", body(deep), "nested"),
+        ("a plan nested 3000 deep (JSON text)", body(deep), "nest"),  # "nested" or "nests": per Python version
         ("a plan nested 3000 deep (object)", b'{"model": "m", "prompt": [1], "vllm_xargs": {"fragments": '
-         + deep.encode() + b'}}', "nested"),
+         + deep.encode() + b'}}', "nest"),
         ("a plan nested 5 deep", body(json.dumps([{"at": good_at, "do": "save", "as": "x", "heads": [[[1]]]}])),
          "nests deeper"),
         ("NaN", body('[{"at": "%s", "do": "scale", "by": NaN}]' % good_at), "NaN"),

@@ -2,7 +2,8 @@
 
     python trace_check.py TP
 
-A tiny Llama (transformers' save_pretrained; 4 heads, 2 kv heads) at tensor_parallel_size TP, fp32, eager:
+A tiny Llama (transformers' save_pretrained; 4 heads, 2 kv heads) at tensor_parallel_size TP, fp32, eager (vLLM's CPU
+build, or its CUDA build on the GPU machine: engine_env.py):
   trace: whole q|k|v at layer 0, one v head (`.v.heads[1]`), the embedding, the logits (`model.output`), a logit
     lens over every position (`model.lm_head(model.model.norm.output)`) and one over layer 0's MLP output
     (`model.lm_head(model.model.norm(h))`);
@@ -46,7 +47,7 @@ def check_invokes_apply_patching(model, hf, folder, cfg, prompt_a, prompt_b, wan
         handles = [named[m].register_forward_hook(fn) for m, fn in hooks]
         try:
             with torch.no_grad():
-                return families.capture(hf, mods, lambda: hf(torch.tensor([prompt])).logits[0])
+                return families.capture(hf, mods, lambda: hf(torch.tensor([prompt], device=hf.device)).logits[0])
         finally:
             for h in handles:
                 h.remove()
@@ -138,11 +139,8 @@ def main():
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cores = max(os.cpu_count() or 1, 1)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tp)) \
-        if args.tp > 1 else f"0-{cores - 1}"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import engine_env  # vLLM's CPU build here, its CUDA build on the GPU machine (float32 without TF32 there)
+    engine_env.setup(args.tp)
 
     import torch
     import families
@@ -155,8 +153,8 @@ def main():
     prompt_a = torch.randint(1, cfg.vocab_size, (7,), generator=g).tolist()
     prompt_b = torch.randint(1, cfg.vocab_size, (5,), generator=g).tolist()
 
-    model = VLLM(folder, tensor_parallel_size=args.tp, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-                 enable_prefix_caching=False, max_num_seqs=8, seed=0)
+    model = VLLM(folder, tensor_parallel_size=args.tp, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
+                 max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs())
     trace_checks(model, folder, cfg, prompt_a, prompt_b, g)
     model.close()
     print(f"{{\"tp\": {args.tp}, \"failed\": {FAILED}}}", flush=True)
@@ -187,7 +185,8 @@ def trace_checks(model, folder, cfg, prompt_a, prompt_b, g):
     a = "model.layers.0.self_attn"
     mods = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", "model.embed_tokens", "model.layers.0.mlp.down_proj"]
     with torch.no_grad():
-        cap, hf_logits = families.capture(hf, mods, lambda: hf(torch.tensor([prompt_a])).logits[0])
+        cap, hf_logits = families.capture(hf, mods,
+                                          lambda: hf(torch.tensor([prompt_a], device=hf.device)).logits[0])
         want_lens0 = hf.lm_head(hf.model.norm(cap[("model.layers.0.mlp.down_proj", "output")]))
     want_qkv = torch.cat([cap[(f"{a}.{p}_proj", "output")] for p in "qkv"], -1)
     for name, got, want in [("q|k|v whole", qkv, want_qkv),
@@ -215,7 +214,7 @@ def trace_checks(model, folder, cfg, prompt_a, prompt_b, g):
     b = "model.layers.1.self_attn"
     with torch.no_grad():
         cap_e, hf_logits_e = families.capture(hf, [f"{b}.{p}_proj" for p in "qkv"],
-                                              lambda: hf(torch.tensor([prompt_a])).logits[0])
+                                              lambda: hf(torch.tensor([prompt_a], device=hf.device)).logits[0])
     for h in hooks:
         h.remove()
     e = rel(qkv1.value, torch.cat([cap_e[(f"{b}.{p}_proj", "output")] for p in "qkv"], -1))
@@ -233,11 +232,12 @@ def trace_checks(model, folder, cfg, prompt_a, prompt_b, g):
     tokens = list(gen.output.outputs[0].token_ids)
 
     def steer_decode(m, args):  # decode steps only: one new position per forward
-        return (args[0] + steer,) if args[0].shape[1] == 1 else None
+        return (args[0] + steer.to(args[0].device),) if args[0].shape[1] == 1 else None
     hook = named["model.layers.1.mlp.down_proj"].register_forward_pre_hook(steer_decode)
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_b]), max_new_tokens=n, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt_b), dtype=torch.long))
+        out = hf.generate(torch.tensor([prompt_b], device=hf.device), max_new_tokens=n, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True,
+                          attention_mask=torch.ones(1, len(prompt_b), dtype=torch.long, device=hf.device))
     hook.remove()
     hf_tokens = out.sequences[0, len(prompt_b):].tolist()
     check("generate: tokens equal transformers' under a decode-only edit (gen.iter[1:])", tokens == hf_tokens,

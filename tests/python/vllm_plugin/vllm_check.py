@@ -71,9 +71,11 @@ def plugin_dist(folder):
 
 
 def down0_input(locs, reader):
-    """Layer 0's MLP down projection input (every family's reader has one)."""
+    """Layer 0's MLP down projection input (every family's reader has one), read at every step; where `locs`
+    has none left (Qwen2-MoE compiled on a GPU: its shared expert is refused), layer 0's attention output."""
     p = reader.layer_prefix(0)
-    return next(l for l in locs if l.startswith(p + ".") and l.endswith(("down_proj.input", "dense_4h_to_h.input")))
+    return next((l for l in locs if l.startswith(p + ".") and l.endswith(("down_proj.input", "dense_4h_to_h.input"))),
+                None) or next(l for l in locs if l.startswith(p + ".") and l.endswith(("o_proj.input", "dense.input")))
 
 
 def read_plan(locs, down0_in):

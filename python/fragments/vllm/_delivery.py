@@ -1,0 +1,166 @@
+"""How a request's saves travel from the worker that holds them to the caller (docs/vllm.md, "Data flow").
+
+vLLM answers `collective_rpc` by pickling the answer through its engine-core process: a few hundred MB of
+saves would be copied four or five times (concatenated, serialized, pickled, sent, loaded) while the engine
+core waits. So when the caller runs on the worker's machine (the same boot id) and shared memory has room,
+the worker writes each request's saves once, as a safetensors file in /dev/shm, and answers with its path;
+the caller reads it (safetensors' own loader) and unlinks it. Otherwise (another node, no room) the answer
+carries the bytes, as before. Every reader goes through `tensors` or `payload`, so the
+two forms are one switch.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import os
+import re
+from typing import Dict, List, Optional
+
+import torch
+
+SHM = os.environ.get("FRAGMENTS_VLLM_SHM_DIR", "/dev/shm")
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+def host_id() -> str:
+    """This machine's boot id: equal for processes that share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def route() -> Optional[dict]:
+    """What the caller sends with its take: where it can read files, and which machine it is on."""
+    return {"dir": SHM, "host": host_id()} if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else None
+
+
+class Folder:
+    """Where this worker writes answers for a caller on its machine: shared memory itself, files named by the
+    writer's pid (mode 0600). The reader removes each file; files of writers that died unread are swept at
+    the first take of a later worker."""
+
+    def __init__(self):
+        self.swept = False
+
+    def get(self, route_: Optional[dict]) -> Optional[str]:
+        if not route_ or not route_.get("host") or route_.get("host") != host_id():
+            return None  # another machine, or a caller that reads bytes only
+        folder = route_["dir"]
+        if not self.swept:
+            self.swept = True
+            _sweep(folder)
+        return folder
+
+
+def _sweep(folder: str) -> None:
+    for name in os.listdir(folder):
+        m = _NAME.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:  # its writer is gone: nobody will read it
+            _remove(os.path.join(folder, name))
+        except OSError:  # another user's process: alive
+            pass
+
+
+_NAME = re.compile(r"^fragments-saves-(\d+)-")
+_count = itertools.count()
+
+
+def write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optional[str]:
+    """name -> its row blocks, written as one safetensors file (the blocks of a name concatenated in order)
+    with one copy each; the path, or None when shared memory has no room for it (the caller gets bytes)."""
+    # larger elements first (as safetensors orders them): every tensor starts aligned to its own element size
+    parts = dict(sorted(parts.items(), key=lambda kv: (-kv[1][0].element_size(), kv[0])))
+    header, offset = {}, 0
+    for name, blocks in parts.items():
+        rows = sum(b.shape[0] for b in blocks) if blocks[0].dim() > 0 else len(blocks)
+        shape = [rows] + list(blocks[0].shape[1:]) if blocks[0].dim() > 0 else [rows]
+        size = rows * (blocks[0][0].numel() if blocks[0].dim() > 0 else 1) * blocks[0].element_size()
+        header[name] = {"dtype": _DTYPES[blocks[0].dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format's alignment of the data
+    start, total = 8 + len(text), 8 + len(text) + offset
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64]
+    path = os.path.join(folder, f"fragments-saves-{os.getpid()}-{next(_count)}-{safe}.safetensors")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total)  # tmpfs refuses here when full, not later with a SIGBUS
+        except OSError:
+            _remove(path)
+            return None
+        try:
+            with mmap.mmap(fd, total) as mm:
+                mm[:8] = len(text).to_bytes(8, "little")
+                mm[8:start] = text
+                _fill(mm, start, offset, parts, header)
+        except BaseException:
+            _remove(path)
+            raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def _fill(mm, start: int, size: int, parts: Dict[str, List[torch.Tensor]], header: dict) -> None:
+    """Each name's blocks copied to its place in the file (the views on the mapping end with this call, so the
+    mapping can close)."""
+    if not size:
+        return
+    data = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=start)
+    for name, blocks in parts.items():  # one cat per name, straight into the file: no copy in between
+        lo, hi = header[name]["data_offsets"]
+        dest = data[lo:hi].view(blocks[0].dtype).view(header[name]["shape"])
+        if blocks[0].dim() > 0:
+            torch.cat(blocks, 0, out=dest)
+        else:
+            torch.stack(blocks, out=dest)
+
+
+def tensors(entry: dict) -> Dict[str, torch.Tensor]:
+    """The saves of a take's answer (either form), as tensors; a file is read once and removed."""
+    if entry.get("file"):
+        from safetensors.torch import load_file
+        try:
+            return load_file(entry["file"])
+        finally:
+            _remove(entry["file"])
+    if entry.get("data"):
+        from safetensors.torch import load
+        return load(entry["data"])
+    return {}
+
+
+def payload(entry: dict) -> bytes:
+    """The saves of a take's answer (either form) as safetensors bytes (the server's answer); a file is read
+    once and removed."""
+    if entry.get("file"):
+        try:
+            with open(entry["file"], "rb") as f:
+                return f.read()
+        finally:
+            _remove(entry["file"])
+    return entry.get("data") or b""
+
+
+def discard(entry: dict) -> None:
+    """An answer nobody will read (a merged or failed take): its file goes."""
+    if entry.get("file"):
+        _remove(entry["file"])
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

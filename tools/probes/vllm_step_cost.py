@@ -1,0 +1,103 @@
+"""The vLLM worker's host work per decode step and per take, without vLLM or a GPU: a WorkerState with a fake
+runner view, `rows` requests decoding one token each, every `every`-th saving LOCATIONS at every step (the
+throughput benchmark's "quarter" column), the tapped values in FULL-graph slots. Prints ms per step (the slots
+drained: bench/vllm_throughput.py's worker_end_step_s) and the take of every saving request.
+
+    python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16]
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.join(ROOT, "python"))  # after PYTHONPATH (the GPU machine: the built package)
+
+import torch  # noqa: E402
+
+from fragments.vllm import _delivery, _plan, _runner, _saves, _worker  # noqa: E402
+
+WIDTHS = {"model.layers.0.self_attn.qkv_proj.output": 6144, "model.layers.1.mlp.down_proj.input": 14336,
+          "model.layers.2.output": 4096, "model.norm.output": 4096}
+
+
+class _SaveStep:
+    def __init__(self, at):
+        self.at, self.do, self.as_, self.index, self.value, self.by = at, "save", at, None, None, None
+
+
+class _View:
+    def __init__(self, n):
+        self.n, self.computed = n, 128
+        self.full = True
+
+    def rows(self):
+        return [_runner.Row(f"r{i}", i, i, i + 1, self.computed, 128) for i in range(self.n)]
+
+    def begin_step(self):
+        pass
+
+
+def state(rows, every, dtype, device):
+    s = _worker.WorkerState.__new__(_worker.WorkerState)
+    s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = _View(rows), torch.device(device), 0, None, 0, {}
+    s.fragmented, s.copies_pending, s.leading_batch = {}, False, False
+    s.saves = _saves.SavesStore(copy=s._host_copy, wait=s._wait_copies)
+    s.saves.max_bytes = s.saves.request_bytes = 1 << 40
+    s.answers, s.plans, s.last_rows = _delivery.Folder(), {}, (None, None)
+    for i in range(rows):
+        if i % every == 0:
+            steps = [_plan.Scheduled(_SaveStep(at), "all", False) for at in WIDTHS]
+            s.plans[f"r{i}"] = _plan.RequestPlan(f"k{i}", steps, None)
+            s.saves.open(f"k{i}")
+        else:
+            s.plans[f"r{i}"] = None
+    s.taps = list(WIDTHS)
+    s.slots = {at: torch.randn(512, w, device=device).to(dtype) for at, w in WIDTHS.items()}
+    s.tap_calls, s.host_s, s.step_counts = collections.Counter(), collections.Counter(), collections.Counter()
+    s.in_step, s.executing, s.logits_done = True, True, set()
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true", help="cProfile the steps: the 15 costliest functions")
+    ap.add_argument("--bytes", action="store_true", help="answers as bytes (the caller on another machine)")
+    args = ap.parse_args()
+    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device)
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        s.view.computed = 128 + step
+        s.step_work = None
+        s._drain_slots()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    keys = {p.key: None for p in s.plans.values() if p is not None}
+    out = s.take_saves(keys, None if args.bytes else _delivery.route())
+    read = {k: _delivery.tensors(v) for k, v in out.items()}
+    t2 = time.perf_counter()
+    assert all(len(r) == len(WIDTHS) for r in read.values())
+    mb = sum(v["bytes"] for v in out.values()) / 2**20
+    print(f"vllm_step_cost ({args.device}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
+          f"{(t1 - t0) / args.steps * 1e3:.2f} ms per step (drain), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
+          f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)")
+
+
+if __name__ == "__main__":
+    main()
