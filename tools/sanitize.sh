@@ -54,7 +54,14 @@ if command -v ccache > /dev/null; then
   export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
   # Precompiled headers (CMakeLists.txt, FRAG_PCH): ccache caches them and the sources using them only so.
   export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros}
-  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  # Through tools/ccache_launcher.sh: CMake names each PCH's header by its absolute path in the build
+  # folder, which ccache does not rewrite; the launcher gives them one path in every clone (its header).
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER="$PWD/tools/ccache_launcher.sh")
+fi
+# A build folder configured with another launcher (plain ccache, before that script) is brought to it.
+if [ -f "$build/build.ninja" ] && [ ${#launcher[@]} -gt 0 ] &&
+   ! grep -qE "^CMAKE_CXX_COMPILER_LAUNCHER:[A-Z]+=$PWD/tools/ccache_launcher.sh\$" "$build/CMakeCache.txt"; then
+  cmake -S . -B "$build" "${launcher[@]}" > "$log" 2>&1 || rm -f "$build/build.ninja"
 fi
 if [ ! -f "$build/build.ninja" ]; then
   # -O1 -g1: fast enough to run the suites, line tables for the sanitizers' stack traces; asserts stay on.
@@ -73,9 +80,18 @@ if [ "$mode" = tier ]; then
   for suite in "${tier[@]}"; do targets+=("$(basename "$suite")"); done
 fi
 target_args=(); for t in "${targets[@]}"; do target_args+=(--target "$t"); done
+# ccache's counters before and after, so the log says how much of the build the cache served.
+ccache_counts() { command -v ccache > /dev/null && ccache --print-stats 2>/dev/null |
+                  awk '$1 ~ /^(direct_cache_hit|preprocessed_cache_hit|cache_miss)$/ {n[$1] = $2}
+                       END {print n["direct_cache_hit"] + n["preprocessed_cache_hit"], n["cache_miss"] + 0}'; }
+counts_before=$(ccache_counts || true); build_start=$SECONDS
 if ! cmake --build "$build" -j"${FRAG_BUILD_JOBS:-2}" "${target_args[@]}" >> "$log" 2>&1; then
   echo "sanitize: building in $build failed (log $log):"; grep -E "error|FAILED" "$log" | head -20
   echo "[  FAILED  ] 1 test, building the sanitized build"; exit 1
+fi
+if [ -n "$counts_before" ]; then
+  read -r hits0 misses0 <<< "$counts_before"; read -r hits1 misses1 <<< "$(ccache_counts)"
+  echo "sanitize: build took $((SECONDS - build_start)) s; ccache served $((hits1 - hits0)) objects, compiled $((misses1 - misses0))"
 fi
 [ "$mode" = build ] && exit 0
 if [ "$(sed -n 's/^FRAG_EXPORT_MODELS:BOOL=//p' "$build/CMakeCache.txt")" = OFF ]; then

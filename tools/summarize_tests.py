@@ -5,11 +5,13 @@ GoogleTest logs end with "[  PASSED  ] N tests." / "[  FAILED  ] N tests," / "[ 
 unittest logs with "Ran N tests" and "FAILED (failures=F, errors=E, skipped=S)" or "OK (skipped=S)".
 A target whose log has neither (it did not build, crashed or timed out) counts as one failure.
 Shell tests print GoogleTest's summary lines themselves. `--log FILE` adds a log written outside Bazel
-(tools/fuzz.sh's), counted the same way.
+(tools/fuzz.sh's), counted the same way. Before that line it lists the 10 slowest Bazel tests (`--slowest N`,
+0: none) by their test.xml times, so a slow CI run shows where its time went.
 """
 import pathlib
 import re
 import sys
+import xml.etree.ElementTree as ET
 
 
 def count(log: str):
@@ -31,9 +33,29 @@ def count(log: str):
     return found, passed, failed, skipped
 
 
+def seconds(xml_path: pathlib.Path):
+    """A test's run time from its test.xml: GoogleTest's total, else the time Bazel wrote for the target."""
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    for node in [root] + list(root.iter("testsuite")) + list(root.iter("testcase")):
+        if node.get("time"):
+            try:
+                return float(node.get("time"))
+            except ValueError:
+                return None
+    return None
+
+
 def main() -> int:
     args = sys.argv[1:]
     extra_logs = []
+    slowest = 10
+    if "--slowest" in args:
+        i = args.index("--slowest")
+        slowest = int(args[i + 1])
+        del args[i:i + 2]
     while "--log" in args:
         i = args.index("--log")
         extra_logs.append(pathlib.Path(args[i + 1]))
@@ -56,6 +78,17 @@ def main() -> int:
             print("summarize: %s: no test results in it; counted as 1 failure" % log_path)
             f = 1
         totals[0] += p; totals[1] += f; totals[2] += s
+    times = []
+    for label in seen:
+        t = seconds(root / label / "test.xml")
+        if t is not None:
+            times.append((t, label))
+    times.sort(reverse=True)
+    if slowest and times:
+        print("summarize: the %d slowest tests (s, test.xml; a cached result keeps its first run's time; "
+              "%d tests, %.0f s in all):" % (min(slowest, len(times)), len(times), sum(t for t, _ in times)))
+        for t, label in times[:slowest]:
+            print("summarize:   %6.0f  %s" % (t, label))
     for label in sorted(expected - seen):
         print("summarize: %s: no log (did not build or run); counted as 1 failure" % label)
         totals[1] += 1

@@ -37,6 +37,10 @@ if [ "${FRAG_SLOW:-0}" = 1 ]; then
   slow=(--test_env=FRAG_SLOW=1 --test_timeout=3600)
 fi
 
+# FRAG_CI_NOCACHE=1: every test runs, none answered from Bazel's caches (the disk cache keeps results across
+# clones), as on a machine that never ran them; for timing CI cold.
+[ "${FRAG_CI_NOCACHE:-0}" = 1 ] && slow+=(--nocache_test_results)
+
 stage "bazel test //..."
 labels=$(bazel query 'tests(//...)' 2>/dev/null | sed 's|^//||; s|:|/|')
 bazel test //... --test_output=errors "${slow[@]}" 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)'

@@ -13,7 +13,10 @@ in memory, each rank filled and exported by fragkit.export.export_ranks) of the 
   API (torch.export.load; at tp > 1 in gloo processes running the kit's collectives), which at tp 1 and 2
   also equal Hugging Face transformers' (fp32).
 
-FRAG_SLOW=1 adds tp 4 (and tp 1 for bf16, the byte comparison and --jobs).
+FRAG_SLOW=1 adds tp 4 (and tp 1 for the byte comparison) and three cases the default tier skips (slow_tier.py, for
+CI time): bf16 (the streaming import's dtypes), GGUF with --jobs and Qwen2-MoE (tp and ep), each of which
+checkpoint_stream_test.py runs through the same writer path with TorchScript ranks; the .pt2 writer keeps the
+Llama case (byte for byte, logits against transformers) in the default tier.
 """
 import contextlib
 import json
@@ -30,6 +33,7 @@ import fragkit_testutil as U
 import fragkit_tp_worker
 from checkpoint_testutil import WorkDirCase, hf_model, logits_of, relative, save_gguf, save_hf
 from fragkit.checkpoint import CheckpointError, export_checkpoint
+from slow_tier import slow_tier
 
 SLOW = os.environ.get("FRAG_SLOW") == "1"
 EXTRA = "extra/fragkit.json"
@@ -162,6 +166,8 @@ class StreamedPt2(WorkDirCase):
         self.check(folder, (1, 2), hf=model, expect_dtype=torch.float32)
         self.run_pending()
 
+    @slow_tier("the streaming import's dtypes stay in the default tier in checkpoint_stream_test.py (bf16 kept, "
+               "fp32 as bf16), the .pt2 writer in this file's Llama and Qwen2-MoE cases")
     def test_bf16_checkpoint_stays_bf16_and_fp32_imported_as_bf16(self):
         model, _ = hf_model("qwen2")
         self.check(save_hf(model.to(torch.bfloat16), self.path("hf_bf16")), (1, 2, 4) if SLOW else (2,),
@@ -170,6 +176,9 @@ class StreamedPt2(WorkDirCase):
         self.check(save_hf(model, self.path("hf_fp32")), (2,), dtype="bfloat16", expect_dtype=torch.bfloat16)
         self.run_pending()
 
+    @slow_tier("Qwen2-MoE through the streaming import (tp and ep) stays in the default tier in "
+               "checkpoint_stream_test.py (test_qwen2_moe_tp_and_ep, test_mixtral_tp_and_ep_bf16), the .pt2 writer "
+               "in this file's Llama case")
     def test_moe_tp_and_ep(self):
         model, _ = hf_model("qwen2_moe")
         folder = save_hf(model, self.path("hf"))
@@ -177,6 +186,9 @@ class StreamedPt2(WorkDirCase):
         self.check(folder, (2,), ep=True)
         self.run_pending()
 
+    @slow_tier("GGUF and --jobs through the streaming import stay in the default tier in checkpoint_stream_test.py "
+               "(test_gguf_llama_permuted_qk, test_jobs_write_the_same_files...), the .pt2 writer in this file's "
+               "Llama and Qwen2-MoE cases")
     def test_gguf_and_jobs(self):
         model, config = hf_model("llama", tie_word_embeddings=False)
         gguf = save_gguf(model, config, self.path("m.gguf"))

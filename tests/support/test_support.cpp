@@ -141,6 +141,11 @@ std::vector<std::string> run_ranks(
     const std::function<void(int rank, const std::shared_ptr<runtime::RankContext>& context)>& body) {
   const int port = cli::find_free_port();
   std::vector<std::string> errors(world);
+  // Every rank's context outlives every rank's body: rank 0's holds the TCP store's server, and a rank 0 that
+  // finished (or failed) first would otherwise close it while another rank still reads the last exchange's
+  // values, which then fails with "Failed to recv ... Connection was likely closed" instead of its own result
+  // (seen in ad_hoc_call_test under the sanitizers on a loaded machine).
+  std::vector<std::shared_ptr<runtime::RankContext>> contexts(world);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
@@ -150,13 +155,15 @@ std::vector<std::string> run_ranks(
         options.world_size = world;
         options.master_port = port;
         options.timeout = timeout;
-        body(rank, runtime::RankContext::connect(options));
+        contexts[rank] = runtime::RankContext::connect(options);
+        body(rank, contexts[rank]);
       } catch (const std::exception& e) {
         errors[rank] = e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
+  contexts.clear();
   return errors;
 }
 

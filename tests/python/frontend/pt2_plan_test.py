@@ -11,7 +11,7 @@ fragments.launch (Gloo), the same worker (frontend_worker.every_location) on bot
   largest value of the tensor) — on every rank;
 - edits (add at a whole location; zero across q|k of qkv; set across gate|up; scale a shard) and a logit
   lens give what the TorchScript path and tp=1 give;
-- frag rewrite's archive behaves as the plain export rewritten in memory;
+- frag rewrite's archive behaves as the plain export rewritten in memory (FRAG_SLOW=1; CI time);
 - Llama at tp 2 runs frontend_worker.scenarios (reads, edits, head views, patching, a Python callable, a
   logit lens, generation) as on its TorchScript export;
 - ranks that set up torch.distributed first run fragments' collectives on its default process group, with
@@ -37,6 +37,9 @@ import fragments  # noqa: E402
 import frontend_worker as worker  # noqa: E402
 
 ROOT = os.environ.get("FRAG_TEST_ROOT", os.getcwd())
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from slow_tier import slow_tier  # noqa: E402
+
 MODELS = os.path.join(ROOT, "tests", "models")
 FRAG = os.path.join(ROOT, "cli", "frag")
 TOLERANCE = 1e-5
@@ -66,10 +69,7 @@ class Pt2PlanTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.ids = token_ids()
-        cls.tp1 = {}
-        for _, _, tp1, _ in CASES:
-            if tp1 not in cls.tp1:
-                cls.tp1[tp1] = worker.every_location(fragments.load(pattern(tp1, "pt")), cls.ids)
+        cls.tp1 = {}  # tp=1's saves, by export (made when a case first needs them: some cases are the slow tier's)
 
     def check_close(self, got, want, what):
         self.assertEqual(got.shape, want.shape, what)
@@ -79,6 +79,8 @@ class Pt2PlanTest(unittest.TestCase):
         ids = self.ids
         exported = fragments.launch(worker.every_location_on_rank, world=world, args=(pattern(pt2, "pt2"), ids))
         torchscript = fragments.launch(worker.every_location_on_rank, world=world, args=(pattern(script, "pt"), ids))
+        if tp1 not in self.tp1:
+            self.tp1[tp1] = worker.every_location(fragments.load(pattern(tp1, "pt")), ids)
         reference = self.tp1[tp1]
         inspect = subprocess.run([FRAG, "inspect", "--json", *[pattern(pt2, "pt2").format(rank=r) for r in range(world)]],
                                  capture_output=True, text=True, check=True)
@@ -120,6 +122,10 @@ class Pt2PlanTest(unittest.TestCase):
     def test_llama_kv_replicated_tp4(self):
         self.check_case(*CASES[2])
 
+    # Qwen2-MoE in the slow tier too (CI time): this Python path runs on Llama at tp 2 and 4 by default, and plans on
+    # Qwen2-MoE's .pt2 (saves everywhere, edits, against TorchScript) in tests/cli:frag_run_pt2_test.
+    @slow_tier("plans on .pt2 stay in the default tier on Llama (tp 2, kv-replicated tp 4) here, and on Qwen2-MoE's "
+               ".pt2 at tp 2 in tests/cli:frag_run_pt2_test (frag run: saves and edits against TorchScript)")
     def test_moe_tp2(self):
         self.check_case(*CASES[3])
 
@@ -127,6 +133,8 @@ class Pt2PlanTest(unittest.TestCase):
     def test_moe_tp4(self):
         self.check_case(*CASES[4])
 
+    @slow_tier("frag rewrite's .pt2 output runs bit-identical to the original in pt2_run_test (every archive), "
+               "and plans on .pt2 (rewritten in memory, the same rewrite) in test_llama_tp2")
     def test_frag_rewrite_output_runs_as_the_plain_export(self):
         folder = tempfile.mkdtemp(prefix="frag_pt2_plan_")
         try:

@@ -1,5 +1,5 @@
 """tests/python/notebooks/smollm2_session.ipynb run headless (nbclient, a fresh ipykernel), then the same
-cells typed into a plain interactive Python (`python -i`, code on standard input).
+cells typed into a plain interactive Python (`python -i`, code on standard input; FRAG_SLOW=1 only, for CI time).
 
 The notebook loads SmolLM2 at tp 3 once (fragments.LanguageModel) and its cells assert, each against nnsight
 on transformers at tp 1 (the same GGUF weights), a saved layer, a logit lens keeping the top 5 tokens per
@@ -25,6 +25,7 @@ EXPORT = os.path.abspath(os.environ.get("SMOLLM2_TP3", os.path.join(ROOT, "tests
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 from process_watch import alive, wait_gone  # noqa: E402
+from slow_tier import slow_tier  # noqa: E402
 
 
 def environment():
@@ -57,6 +58,10 @@ class NotebookTest(unittest.TestCase):
         pids = pids_in(text)
         self.assertEqual(wait_gone(pids, seconds=20), [], "rank processes left after the kernel shut down")
 
+    # The REPL half is the slow tier's (CI time): the notebook runs the same cells against nnsight by default,
+    # and frontend/session_test drives a loaded model from `python -i` (test_interactive_repl).
+    @slow_tier("the same cells run in the default tier in test_notebook, and a session typed into `python -i` "
+               "in tests/python/frontend:session_test (test_interactive_repl)")
     def test_repl(self):
         with open(NOTEBOOK) as f:
             nb = json.load(f)
