@@ -168,7 +168,7 @@ class Location(Proxy):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "_visit", visit)
         trace = model._trace  # a session's invoke (its rows), a vLLM trace's invoke: where the value was taken
-        object.__setattr__(self, "_context", context if context is not None or trace is None else trace._context())
+        object.__setattr__(self, "_context", context if context is not None or trace is None else trace._context)
 
     @property
     def _trace(self):
@@ -226,8 +226,8 @@ class Location(Proxy):
         return Location(self._model, self.name, None, self._context)
 
     def save(self):
-        where = user_line()
-        return self._model._active_trace(f"{self.name}.save()")._save_node(self._node, where, self)
+        trace = self._model._trace or self._model._active_trace(f"{self.name}.save()")
+        return trace._save_here(self)
 
     def apply(self, fn):
         """Runs `fn(whole)` at every visit (or `.visit(k)`'s); it returns the replacement or None."""
