@@ -7,7 +7,9 @@ between them (a shared machine's load falls on both alike), the median of each r
 Rows: tools/probes/save_overhead_probe.py on llama_tp1 (one rank: a trace per call and `plan.run`, output only
 and with a save at every fragmented location, and the C++ call alone) and bench/python_trace_overhead.py on
 llama_tp2 (world 2, 128 tokens: a trace per call, and the same steps handed to C++ directly). Each checkout's
-`fragments` is the one its python/ folder holds (PYTHONPATH); the probes are this checkout's.
+`fragments` is the one its python/ folder holds (PYTHONPATH); the probes are this checkout's. Each row prints
+its median per checkout, then the spread: each checkout's range over the rounds and the range of the per-round
+ratios (a round's old and new run back to back).
 """
 import argparse
 import os
@@ -60,11 +62,16 @@ def main():
             rows.update(trace_overhead(python_dir, a.models, max(10, a.repeats // 10)))
             for name, us in rows.items():
                 results[tag].setdefault(name, []).append(us)
-        print(f"round {r + 1} of {a.rounds} done", flush=True)
-    print(f"{'median over ' + str(a.rounds) + ' rounds (us)':<44} {'old':>10} {'new':>10} {'new/old':>8}")
+        print(f"round {r + 1} of {a.rounds} done (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})",
+              flush=True)
+    print(f"{'median over ' + str(a.rounds) + ' rounds (us)':<44} {'old':>10} {'new':>10} {'new/old':>8}   "
+          "range old | new | new/old per round")
     for name in results["old"]:
-        old, new = statistics.median(results["old"][name]), statistics.median(results["new"][name])
-        print(f"{name:<44} {old:10.1f} {new:10.1f} {new / old:8.3f}")
+        olds, news = results["old"][name], results["new"][name]
+        old, new = statistics.median(olds), statistics.median(news)
+        ratios = [n / o for o, n in zip(olds, news)]  # a round's two runs are next to each other
+        print(f"{name:<44} {old:10.1f} {new:10.1f} {new / old:8.3f}   {min(olds):.1f}-{max(olds):.1f} | "
+              f"{min(news):.1f}-{max(news):.1f} | {min(ratios):.3f}-{max(ratios):.3f}")
 
 
 if __name__ == "__main__":

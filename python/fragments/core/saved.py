@@ -5,10 +5,11 @@ from .errors import FragmentsError
 class SavedValue:
     """What `.save()` returns: the whole tensor once its trace has run (a list when several visits)."""
 
+    _ready = False
+    _value = None
+
     def __init__(self, what, post=None):
         self._what = what
-        self._ready = False
-        self._value = None
         self._post = post  # a view of the saved whole (a head), applied when the value arrives
 
     def _set(self, value):

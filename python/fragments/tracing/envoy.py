@@ -164,11 +164,9 @@ class Location(Proxy):
     (`.q`, `.k`, `.v`) and heads (`.heads[i]`) where it is laid out in attention heads."""
 
     def __init__(self, model, name, visit=None, context=None):
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "_visit", visit)
         trace = model._trace  # a session's invoke (its rows), a vLLM trace's invoke: where the value was taken
-        object.__setattr__(self, "_context", context if context is not None or trace is None else trace._context)
+        self.__dict__.update(_model=model, name=name, _visit=visit,
+                             _context=context if context is not None or trace is None else trace._context)
 
     @property
     def _trace(self):

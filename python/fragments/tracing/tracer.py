@@ -16,7 +16,6 @@ were recorded before it); a backend's `_finish` runs them (fragments.local, .ses
 """
 import contextlib
 import dataclasses
-import itertools
 import numbers
 
 import torch
@@ -88,7 +87,6 @@ class Tracer:
         self._expressions = []    # a SavedValue per recorded.expressions (node, where)
         self._scope = _EVERY
         self._context = None      # the open invoke (see the class's docstring)
-        self._order = itertools.count()
         self.output = None
 
     @property
@@ -180,7 +178,7 @@ class Tracer:
 
     def _position(self):
         """Where a Python step runs among the plan steps at its location: after those recorded before it."""
-        return (len(self._steps), next(self._order))
+        return (len(self._steps), len(self._python))  # (each is appended to _python next)
 
     def _save_here(self, location):
         """`location.save()`: taken where nothing narrows it (no invoke), the location is saved as it is, with no

@@ -297,7 +297,7 @@ class VllmTrace(Tracer):
     def _position(self):
         """How many plan steps the open invoke (or the trace) has so far: a Python step runs after them and before
         those recorded later, at the same location (_python.attach); then its place among the Python steps."""
-        return (sum(1 for step in self._steps if step.invoke == self._context), next(self._order))
+        return (sum(1 for step in self._steps if step.invoke == self._context), len(self._python))
 
     def _save_output(self):
         if self._model._logits_at is not None:
