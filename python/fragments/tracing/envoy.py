@@ -225,7 +225,11 @@ class Location(Proxy):
 
     def save(self):
         trace = self._model._trace or self._model._active_trace(f"{self.name}.save()")
-        return trace._save_here(self)
+        if self._context is not None:  # taken in an invoke: its node says which part
+            return trace._save_node(self._node, user_line(), self)
+        if self.name == "output":  # (as _save_node saves the nodes of these two, without making them)
+            return trace._save_output()
+        return trace._save_location(self.name, self._visit, user_line(), self._where())
 
     def apply(self, fn):
         """Runs `fn(whole)` at every visit (or `.visit(k)`'s); it returns the replacement or None."""

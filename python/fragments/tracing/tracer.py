@@ -180,15 +180,6 @@ class Tracer:
         """Where a Python step runs among the plan steps at its location: after those recorded before it."""
         return (len(self._steps), len(self._python))  # (each is appended to _python next)
 
-    def _save_here(self, location):
-        """`location.save()`: taken where nothing narrows it (no invoke), the location is saved as it is, with no
-        node of the graph made for it; otherwise its node is (`_save_node`)."""
-        if location._context is not None:
-            return self._save_node(location._node, user_line(), location)
-        if location.name == "output":
-            return self._save_output()
-        return self._save_location(location.name, location._visit, user_line(), location._where())
-
     def _save_node(self, node, where, location=None, region=None):
         """`.save()` of a value of the trace: a location's save, the output, a module call's, or an expression."""
         if isinstance(node, graph.Loc):
