@@ -7,7 +7,9 @@ between them (a shared machine's load falls on both alike), the median of each r
 Rows: tools/probes/save_overhead_probe.py on llama_tp1 (one rank: a trace per call and `plan.run`, output only
 and with a save at every fragmented location, and the C++ call alone) and bench/python_trace_overhead.py on
 llama_tp2 (world 2, 128 tokens: a trace per call, and the same steps handed to C++ directly). Each checkout's
-`fragments` is the one its python/ folder holds (PYTHONPATH); the probes are this checkout's.
+`fragments` is the one its python/ folder holds (PYTHONPATH); the probes are this checkout's. Each row prints
+its median per checkout, then the spread: each checkout's range over the rounds and the range of the per-round
+ratios (a round's old and new run back to back).
 """
 import argparse
 import os
@@ -15,6 +17,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -45,6 +48,17 @@ def trace_overhead(python_dir, models, repeats):
     return rows
 
 
+def wait_for_idle(most, limit_s=120):
+    """Waits (up to limit_s) until at most `most` tasks are runnable besides this one (/proc/loadavg's count),
+    seen twice 0.5 s apart: on a shared machine a run then starts with fewer others on the cores."""
+    quiet, end = 0, time.time() + limit_s
+    while quiet < 2 and time.time() < end:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0]) - 1
+        quiet = quiet + 1 if running <= most else 0
+        time.sleep(0.5)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("old")
@@ -52,19 +66,31 @@ def main():
     p.add_argument("models")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--idle", type=int, default=None,
+                   help="before each pair of runs, wait (up to 2 minutes) until at most this many other tasks are "
+                   "runnable (a shared machine)")
     a = p.parse_args()
     results = {"old": {}, "new": {}}
+    probes = (lambda d: save_probe(d, a.models, a.repeats),
+              lambda d: trace_overhead(d, a.models, max(10, a.repeats // 10)))
     for r in range(a.rounds):
-        for tag, python_dir in (("old", a.old), ("new", a.new)) if r % 2 == 0 else (("new", a.new), ("old", a.old)):
-            rows = save_probe(python_dir, a.models, a.repeats)
-            rows.update(trace_overhead(python_dir, a.models, max(10, a.repeats // 10)))
-            for name, us in rows.items():
-                results[tag].setdefault(name, []).append(us)
-        print(f"round {r + 1} of {a.rounds} done", flush=True)
-    print(f"{'median over ' + str(a.rounds) + ' rounds (us)':<44} {'old':>10} {'new':>10} {'new/old':>8}")
+        for probe in probes:  # each probe's old and new runs back to back, in turn first
+            if a.idle is not None:
+                wait_for_idle(a.idle)
+            for tag, python_dir in (("old", a.old), ("new", a.new))[::1 if r % 2 == 0 else -1]:
+                for name, us in probe(python_dir).items():
+                    results[tag].setdefault(name, []).append(us)
+        print(f"round {r + 1} of {a.rounds} done (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})",
+              flush=True)
+    print(f"{'median over ' + str(a.rounds) + ' rounds (us)':<44} {'old':>10} {'new':>10} {'new/old':>8}   "
+          "range old | new | new/old per round")
     for name in results["old"]:
-        old, new = statistics.median(results["old"][name]), statistics.median(results["new"][name])
-        print(f"{name:<44} {old:10.1f} {new:10.1f} {new / old:8.3f}")
+        olds, news = results["old"][name], results["new"][name]
+        old, new = statistics.median(olds), statistics.median(news)
+        ratios = sorted(n / o for o, n in zip(olds, news))  # a round's two runs are back to back
+        print(f"{name:<44} {old:10.1f} {new:10.1f} {new / old:8.3f}   {min(olds):.1f}-{max(olds):.1f} | "
+              f"{min(news):.1f}-{max(news):.1f} | {ratios[0]:.3f}-{ratios[-1]:.3f} (median "
+              f"{statistics.median(ratios):.3f})")
 
 
 if __name__ == "__main__":

@@ -46,8 +46,10 @@ def user_line():
     frame = sys._getframe(1)
     try:
         while frame is not None:
-            if not _ours(frame.f_code.co_filename):
-                return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            filename = frame.f_code.co_filename
+            ours = _OURS.get(filename)
+            if not (_ours(filename) if ours is None else ours):
+                return f"{filename}:{frame.f_lineno}"
             frame = frame.f_back
         return "?"
     finally:

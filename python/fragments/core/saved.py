@@ -5,11 +5,12 @@ from .errors import FragmentsError
 class SavedValue:
     """What `.save()` returns: the whole tensor once its trace has run (a list when several visits)."""
 
-    def __init__(self, what):
+    _ready = False
+    _value = None
+
+    def __init__(self, what, post=None):
         self._what = what
-        self._ready = False
-        self._value = None
-        self._post = None  # a view of the saved whole (a head), applied when the value arrives
+        self._post = post  # a view of the saved whole (a head), applied when the value arrives
 
     def _set(self, value):
         if self._post is not None:

@@ -17,9 +17,10 @@ def token_ids(ids):
             raise FragmentsError(f"token ids must be a LongTensor or lists of ints: {e}") from None
     if t.dtype != torch.long:
         raise FragmentsError(f"token ids must be integers (torch.long), got {t.dtype}")
-    if t.dim() == 1:
+    dim = t.dim()
+    if dim == 1:
         t = t.unsqueeze(0)
-    if t.dim() != 2:
+    elif dim != 2:
         raise FragmentsError(f"token ids must be [batch, tokens] (or [tokens]), got shape {list(t.shape)}")
     return t.contiguous()
 
@@ -59,8 +60,9 @@ def batch(ids):
     lists; C++ moves it to the model's device, ShardedModel::forward), lists of ids right-padded."""
     if isinstance(ids, torch.Tensor):
         ids = token_ids(ids)
-        if ids.shape[1] == 0:
+        rows, tokens = ids.shape
+        if tokens == 0:
             raise FragmentsError("token ids: prompt 0 has no tokens")
-        return ids, [ids.shape[1]] * ids.shape[0]
+        return ids, [tokens] * rows
     rows = token_rows(ids)
     return padded(rows), [len(r) for r in rows]  # a ragged batch runs right-padded: see unpad()

@@ -20,13 +20,14 @@ class Prepared:
     label) for fragments._C), `key` (plan_key, when there are no callables), and where each save's value is."""
 
     def __init__(self, recording, weights=None, generate=0):
-        _unscoped(recording.python, generate)
         self.recording = recording
         self.weights = weights or {}
-        self._hooks, self._live, self._stores = {}, {}, {}
+        self._stores = {}
         if not recording.python:  # the common trace: its plan steps as they are
             self.steps, self.callables = recording.steps, []
         else:
+            _unscoped(recording.python, generate)
+            self._hooks, self._live = {}, {}
             self.steps, self.callables = self._split(recording)
         self.key = None if self.callables else plan_key(self.steps)
 
@@ -79,7 +80,14 @@ class Prepared:
         """(each save's value in the recording's order, each saved expression's value) after the forward:
         `saved` the engine's saves (name -> tensors; "step{k}.name" under generation), `call(modules, x)` an
         ad-hoc module call."""
-        values = [out if name is None else self._value(name, saved, generate, call) for name in self.recording.saves]
+        if self._stores or generate:
+            values = [out if name is None else self._value(name, saved, generate, call)
+                      for name in self.recording.saves]
+        else:  # a forward's own saves: each the tensor (a list when several visits)
+            values = []
+            for name in self.recording.saves:
+                tensors = out if name is None else saved.get(name, [])
+                values.append(tensors[0] if name is not None and len(tensors) == 1 else tensors)
         computed = []
         if self.recording.expressions:
             leaves = {key: values[i] for key, i in self.recording.captured.items()}

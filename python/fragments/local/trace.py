@@ -76,13 +76,15 @@ class Trace(Tracer):
             json.dump({"format": _C.PLAN_FORMAT, "interventions": entries}, f, indent=1)
         return path
 
-    def _prepare(self, weights=None):
+    def _prepare(self):
         if self._prepared is None:  # once: a run again has it already
-            self._prepared = run.Prepared(self._recording(), weights, self._generate)
+            self._prepared = run.Prepared(self._recorded, None, self._generate)
         return self._prepared
 
     def _run(self):
-        prepared = self._prepare()
+        prepared = self._prepared
+        if prepared is None:  # (as _prepare: a trace's one run calls no more than it must)
+            prepared = self._prepared = run.Prepared(self._recorded, None, self._generate)
         key = prepared.key
         same = key is not None and key == self._model._plan_key  # the same object when this plan ran last
         self._model._plan_key = None
@@ -92,7 +94,8 @@ class Trace(Tracer):
         except _C.FragError as e:  # a step refused during the forward: said at the line that wrote it
             raise at_line(e, prepared.records()) from None
         self._model._plan_key = key
-        run.warn_unreached(unreached)
+        if unreached:
+            run.warn_unreached(unreached)
         self.output = out
         self._results = prepared.results(out, saved, self._generate, self._model._call)
         self._deliver(*self._results)

@@ -24,7 +24,6 @@ class SessionTrace(Tracer):
         self._options = dict(options or {})
         self._given = None if prompt is None else session._rows(prompt)
         self._invokes = []  # token-id rows per invoke
-        self._part = None   # the open invoke's Part
         self._opened_at = user_line()
         self.lengths = None if self._given is None else [len(r) for r in self._given]
 
@@ -40,10 +39,7 @@ class SessionTrace(Tracer):
         """Each row of a value of this trace's whole batch trimmed to its prompt's tokens (a list)."""
         return unpad(value, self.lengths)
 
-    # ---- invokes: a location's rows and tokens
-    def _context(self):
-        return self._part
-
+    # ---- invokes: a location's rows and tokens (`_context`: the open invoke's Part)
     def _locate(self, name, visit, context):
         node = super()._locate(name, visit, context)
         return node if context is None else graph.Op(operator.getitem, (node, context.index()))
@@ -83,9 +79,10 @@ class SessionTrace(Tracer):
         for r in range(1, len(replies)):
             for i, d in enumerate(replies[r][2]):
                 if digests[i] != d:
+                    where = self._recorded.expressions[i][1]
                     raise FragmentsError(f"a value computed in the trace differs across ranks (expression {i}, "
-                                         f"recorded at {self._expressions[i][2]}: rank 0 {digests[i]}, rank {r} "
-                                         f"{d}): the computation must be deterministic")
+                                         f"recorded at {where}: rank 0 {digests[i]}, rank {r} {d}): the "
+                                         "computation must be deterministic")
         self._deliver(values, computed)
 
 
@@ -98,9 +95,9 @@ class _Invoke:
         start = sum(len(i) for i in t._invokes)
         t._invokes.append(self._ids)
         length = None if t._generate else max(len(r) for r in self._ids)
-        t._part = Part(slice(start, start + len(self._ids)), length)
+        t._context = Part(slice(start, start + len(self._ids)), length)
         return t
 
     def __exit__(self, *exc):
-        self._trace._part = None
+        self._trace._context = None
         return False

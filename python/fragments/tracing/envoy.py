@@ -164,11 +164,9 @@ class Location(Proxy):
     (`.q`, `.k`, `.v`) and heads (`.heads[i]`) where it is laid out in attention heads."""
 
     def __init__(self, model, name, visit=None, context=None):
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "_visit", visit)
         trace = model._trace  # a session's invoke (its rows), a vLLM trace's invoke: where the value was taken
-        object.__setattr__(self, "_context", context if context is not None or trace is None else trace._context())
+        self.__dict__.update(_model=model, name=name, _visit=visit,
+                             _context=context if context is not None or trace is None else trace._context)
 
     @property
     def _trace(self):
@@ -226,8 +224,12 @@ class Location(Proxy):
         return Location(self._model, self.name, None, self._context)
 
     def save(self):
-        where = user_line()
-        return self._model._active_trace(f"{self.name}.save()")._save_node(self._node, where, self)
+        trace = self._model._trace or self._model._active_trace(f"{self.name}.save()")
+        if self._context is not None:  # taken in an invoke: its node says which part
+            return trace._save_node(self._node, user_line(), self)
+        if self.name == "output":  # (as _save_node saves the nodes of these two, without making them)
+            return trace._save_output()
+        return trace._save_location(self.name, self._visit, user_line(), self._where())
 
     def apply(self, fn):
         """Runs `fn(whole)` at every visit (or `.visit(k)`'s); it returns the replacement or None."""

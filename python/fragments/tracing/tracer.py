@@ -16,7 +16,6 @@ were recorded before it); a backend's `_finish` runs them (fragments.local, .ses
 """
 import contextlib
 import dataclasses
-import itertools
 import numbers
 
 import torch
@@ -43,11 +42,14 @@ class Recording:
 
 class Scope:
     """The generation steps (plan text: "prefill", "decode", "k", "a:b"; None: every step) and rows that steps
-    recorded inside a scope act at."""
+    recorded inside a scope act at (a scope opened inside another is a new Scope: none is changed)."""
 
-    def __init__(self):
-        self.steps = None
-        self.rows = None
+    def __init__(self, steps=None, rows=None):
+        self.steps = steps
+        self.rows = rows
+
+
+_EVERY = Scope()  # outside any scope: every generation step, all rows
 
 
 class Iter:
@@ -70,20 +72,27 @@ class Iter:
 
 
 class Tracer:
-    """The recording of one block; a backend's subclass runs it (`_finish`) and may add invokes (`_context`,
+    """The recording of one block; a backend's subclass runs it (`_finish`) and may add invokes (`_context`: what a
+    location taken now belongs to, None outside an invoke: a session's Part, a vLLM trace's invoke number;
     `_locate`, `_whole_index`), checks (`_check`) and shapes (`_meta`)."""
 
     def __init__(self, model, generate=0):
         self._model = model
         self._generate = generate
-        self._steps, self._python = [], []
-        self._saves = []         # (SavedValue, the plan step's "as" name; None: the output)
-        self._expressions = []   # (SavedValue, node, where): computed after the forward from `_captured`
-        self._captured = {}      # leaf key -> the SavedValue that keeps its whole
-        self._scope = Scope()
-        self._order = itertools.count()
+        # The Recording is made as the block records (what runs reads it as it is, no copy per run); beside it
+        # the SavedValues its saves and expressions deliver to, in the same order.
+        self._recorded = recorded = Recording([], [], [], [], {})
+        self._steps, self._python = recorded.steps, recorded.python
+        self._saves = []          # a SavedValue per recorded.saves name
+        self._expressions = []    # a SavedValue per recorded.expressions (node, where)
+        self._scope = _EVERY
+        self._context = None      # the open invoke (see the class's docstring)
         self.output = None
-        self.iter = Iter(self)
+
+    @property
+    def iter(self):
+        """`gen.iter[a:b]` / `gen.iter[k]`: steps recorded inside act at those generation steps."""
+        return Iter(self)
 
     # ---- the block
     def __enter__(self):
@@ -102,30 +111,24 @@ class Tracer:
         raise NotImplementedError
 
     def _recording(self):
-        index = {id(saved): i for i, (saved, _) in enumerate(self._saves)}
-        return Recording(self._steps, self._python, [name for _, name in self._saves],
-                         [(node, where) for _, node, where in self._expressions],
-                         {key: index[id(saved)] for key, saved in self._captured.items()})
+        return self._recorded
 
     def _deliver(self, values, computed):
         """The values the run gave back (in the order of `_recording`'s saves and expressions) to the SavedValues."""
-        for (saved, _), value in zip(self._saves, values):
+        for saved, value in zip(self._saves, values):
             saved._set(value)
-        for (saved, _, _), value in zip(self._expressions, computed):
+        for saved, value in zip(self._expressions, computed):
             saved._set(value)
 
     # ---- generation scopes (nnsight's tracer.all() / tracer.iter[...])
     @contextlib.contextmanager
     def _scoped(self, steps=None, rows=None):
-        old = (self._scope.steps, self._scope.rows)
-        if steps is not None:
-            self._scope.steps = steps
-        if rows is not None:
-            self._scope.rows = rows
+        old = self._scope
+        self._scope = Scope(old.steps if steps is None else steps, old.rows if rows is None else rows)
         try:
             yield self
         finally:
-            self._scope.steps, self._scope.rows = old
+            self._scope = old
 
     def all(self):
         """Steps recorded inside act at every generation step (the default)."""
@@ -146,10 +149,6 @@ class Tracer:
         return self._scoped(rows=rows)
 
     # ---- what a backend with invokes or checks changes
-    def _context(self):
-        """What a location taken now belongs to (a session's invoke: its rows; a vLLM trace's: its number)."""
-        return None
-
     def _locate(self, name, visit, context):
         """The node of a location taken in `context`."""
         return graph.Output() if name == "output" else graph.Loc(name, visit)
@@ -179,58 +178,66 @@ class Tracer:
 
     def _position(self):
         """Where a Python step runs among the plan steps at its location: after those recorded before it."""
-        return (len(self._steps), next(self._order))
-
-    def _name(self):
-        return f"save{len(self._steps)}"
+        return (len(self._steps), len(self._python))  # (each is appended to _python next)
 
     def _save_node(self, node, where, location=None, region=None):
         """`.save()` of a value of the trace: a location's save, the output, a module call's, or an expression."""
         if isinstance(node, graph.Loc):
-            return self._save_location(node, where, location)
+            what = location._where() if location is not None else repr(node)
+            return self._save_location(node.name, node.visit, where, what)
         if isinstance(node, graph.Output):
             return self._save_output()
         if region is not None and isinstance(node.args[0], graph.Loc):  # a part of a location: saved whole, viewed
             start, stop, what = region
-            return self._save_location(node.args[0], where, location, post=lambda t: t[..., start:stop], what=what)
+            return self._save_location(node.args[0].name, node.args[0].visit, where, what,
+                                       post=lambda t: t[..., start:stop])
         if isinstance(node, graph.Call) and isinstance(node.arg, graph.Loc):
             return self._save_call(node.arg, node.modules, where)
         if not isinstance(node, graph.Node):
             raise FragmentsError(f"{where}: save() of {type(node).__name__}: save a value of the trace")
         return self._save_expression(node, where)
 
-    def _save_location(self, node, where, location=None, post=None, what=None):
-        self._check(node.name, where)
-        step = Step(at=node.name, do="save", as_=self._name(), visit=node.visit)
+    def _save_location(self, name, visit, where, what, post=None):
+        """A plan save of the location `name` (at `visit`); `what` names it in messages, `post` views the value."""
+        self._check(name, where)
+        step = Step(at=name, do="save", as_=f"save{len(self._steps)}", visit=visit)
         self._add(step, where)
-        saved = SavedValue(what or (location._where() if location is not None else repr(node)))
-        saved._post = post
-        self._saves.append((saved, step.as_))
+        saved = SavedValue(what, post)
+        self._saves.append(saved)
+        self._recorded.saves.append(step.as_)
         return saved
 
     def _save_output(self):
         saved = SavedValue("model.output")
-        self._saves.append((saved, None))
+        self._saves.append(saved)
+        self._recorded.saves.append(None)
         return saved
 
     def _save_call(self, node, modules, where):
         self._check(node.name, where)
-        step = Step(at=node.name, do="call", as_=self._name(), visit=node.visit, modules=list(modules))
+        step = Step(at=node.name, do="call", as_=f"save{len(self._steps)}", visit=node.visit, modules=list(modules))
         self._add(step, where)
         where_ = node.name + (f" (visit {node.visit})" if node.visit is not None else "")
         saved = SavedValue(f"{'('.join(modules[::-1])}({where_}{')' * len(modules)}")
-        self._saves.append((saved, step.as_))
+        self._saves.append(saved)
+        self._recorded.saves.append(step.as_)
         return saved
 
     def _save_expression(self, node, where):
         """An expression's leaves saved by the plan (once each); its value computed after the forward."""
+        captured = self._recorded.captured  # leaf key -> the index of the save that keeps its whole
         for leaf in graph.leaves_of(node):
             key = graph.leaf_key(leaf)
-            if key in self._captured or key[0] == "weight":
+            if key in captured or key[0] == "weight":
                 continue
-            self._captured[key] = self._save_output() if key[0] == "output" else self._save_location(leaf, where)
+            captured[key] = len(self._saves)
+            if key[0] == "output":
+                self._save_output()
+            else:
+                self._save_location(leaf.name, leaf.visit, where, repr(leaf))
         saved = SavedValue(repr(node))
-        self._expressions.append((saved, node, where))
+        self._expressions.append(saved)
+        self._recorded.expressions.append((node, where))
         return saved
 
     def _leaf_proxy(self, node):

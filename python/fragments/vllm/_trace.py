@@ -242,7 +242,7 @@ class VllmTrace(Tracer):
         self._prompts = [self._prompt(p) for p in prompts]
         self._sampling, self._single = dict(sampling), single
         self._sampling.setdefault("temperature", 0.0)
-        self._invokes, self._invoke_now = [], None
+        self._invokes, self._context = [], None
         self._output_invokes = {}  # id(SavedValue of model.output) -> its invoke
         self._vllm_expressions = []  # (SavedValue, node, {id(leaf): SavedValue}): computed after the trace
 
@@ -265,21 +265,18 @@ class VllmTrace(Tracer):
         if self._given:
             raise FragmentsError("invoke: this trace was given its prompts; use `model.trace()` (no prompt) with "
                                  "one invoke per prompt")
-        if self._invoke_now is not None:
+        if self._context is not None:
             raise FragmentsError("invoke: invokes do not nest")
         if not self._invokes and (self._steps or self._python or self._saves):
             raise FragmentsError("invoke: something was recorded outside the invokes; record inside them")
-        self._invoke_now = len(self._invokes)
+        self._context = len(self._invokes)
         self._invokes.append(self._prompt(prompt))
         try:
             yield self
         finally:
-            self._invoke_now = None
+            self._context = None
 
     # ---- the recorder's hooks: invokes, taps, what vLLM can run
-    def _context(self):
-        return self._invoke_now
-
     def _locate(self, name, visit, context):
         return graph.Output() if name == "output" else graph.Loc(name, visit, invoke=context)
 
@@ -288,25 +285,25 @@ class VllmTrace(Tracer):
         self._model._require_tap(name, where)
 
     def _in_invoke(self):
-        if self._invokes and self._invoke_now is None:
+        if self._invokes and self._context is None:
             raise FragmentsError("this trace has invokes: record inside `with tr.invoke(prompt):` (each invoke is "
                                  "one prompt's request; steps outside would have no prompt)")
 
     def _add(self, step, where):
         self._in_invoke()
-        step.invoke = self._invoke_now
+        step.invoke = self._context
         super()._add(step, where)
 
     def _position(self):
         """How many plan steps the open invoke (or the trace) has so far: a Python step runs after them and before
         those recorded later, at the same location (_python.attach); then its place among the Python steps."""
-        return (sum(1 for step in self._steps if step.invoke == self._invoke_now), next(self._order))
+        return (sum(1 for step in self._steps if step.invoke == self._context), len(self._python))
 
     def _save_output(self):
         if self._model._logits_at is not None:
             self._model._require_tap(self._model._logits_at, "model.output")
         saved = super()._save_output()
-        self._output_invokes[id(saved)] = self._invoke_now
+        self._output_invokes[id(saved)] = self._context
         return saved
 
     def _leaves(self, node, where, what):
@@ -327,7 +324,7 @@ class VllmTrace(Tracer):
 
     def _edit_by_expression(self, location, index, do, node, where):
         """An edit whose value is read from locations: a Python step run in the workers (_python.py)."""
-        if self._invokes and self._invoke_now is None:
+        if self._invokes and self._context is None:
             raise FragmentsError(f"{where}: this trace has invokes: record inside `with tr.invoke(prompt):`")
         if location._visit not in (None, 0):
             raise FragmentsError(f"{where}: vLLM calls each module once per forward: no visit {location._visit}")
@@ -337,7 +334,7 @@ class VllmTrace(Tracer):
                 raise FragmentsError(f"{where}: {leaf!r} belongs to invoke {leaf.invoke}, which this trace does not "
                                      "have")
         self._python.append(PythonStep(kind="edit", at=location.name, visit=location._visit, index=index, do=do,
-                                       value=node, where=where, steps=self._scope.steps, invoke=self._invoke_now,
+                                       value=node, where=where, steps=self._scope.steps, invoke=self._context,
                                        pos=self._position()))
 
     def _apply(self, location, fn, where):
@@ -350,19 +347,19 @@ class VllmTrace(Tracer):
                                  "(the final norm's output)")
         self._check(location.name, f"{where}: {location.name}.apply")
         self._python.append(PythonStep(kind="apply", at=location.name, visit=location._visit, fn=fn, where=where,
-                                       steps=self._scope.steps, invoke=self._invoke_now, pos=self._position()))
+                                       steps=self._scope.steps, invoke=self._context, pos=self._position()))
 
     def _save_expression(self, node, where):
         """`.save()` of an expression: its locations saved (each in its invoke), computed after the trace."""
         values = {}
         for leaf in self._leaves(node, where, "save"):
             invoke = leaf.invoke if isinstance(leaf, graph.Loc) else None
-            now, self._invoke_now = self._invoke_now, invoke if invoke is not None else self._invoke_now
+            now, self._context = self._context, invoke if invoke is not None else self._context
             try:
                 values[id(leaf)] = self._save_output() if not isinstance(leaf, graph.Loc) else \
-                    self._save_location(graph.Loc(leaf.name), where)
+                    self._save_location(leaf.name, None, where, repr(graph.Loc(leaf.name)))
             finally:
-                self._invoke_now = now
+                self._context = now
         saved = SavedValue(repr(node))
         self._vllm_expressions.append((saved, node, values))
         return saved
@@ -389,7 +386,8 @@ class VllmTrace(Tracer):
                 entry["do"] = "save"
                 entry.pop("modules")
             entries.append(entry)
-        if any(name is None and self._output_invokes.get(id(v)) == invoke for v, name in self._saves):
+        if any(name is None and self._output_invokes.get(id(v)) == invoke
+               for v, name in zip(self._saves, self._recorded.saves)):
             if self._model._logits_at is None:
                 raise FragmentsError("model.output.save(): this vLLM model has no logits processor module")
             entries.append({"at": self._model._logits_at, "do": "save", "as": "__output", "step": "all"})
@@ -461,12 +459,12 @@ class VllmTrace(Tracer):
                 out.fragments[name] = self._model._call(modules, out.fragments[name])
         if self._invokes:  # each value is its invoke's
             invoke_of = {step.as_: step.invoke for step in self._steps if step.as_}
-            for value, name in self._saves:
+            for value, name in zip(self._saves, self._recorded.saves):
                 i = self._output_invokes.get(id(value)) if name is None else invoke_of[name]
                 value._set(outputs[i].fragments.get(name or "__output"))
             self.output = outputs
         else:
-            for value, name in self._saves:
+            for value, name in zip(self._saves, self._recorded.saves):
                 per_prompt = [out.fragments.get(name or "__output") for out in outputs]
                 value._set(per_prompt[0] if self._single else per_prompt)
             self.output = outputs[0] if self._single else outputs
