@@ -10,6 +10,7 @@ two forms are one switch.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -28,8 +29,9 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
            torch.bool: "BOOL"}
 
 
+@functools.lru_cache(maxsize=None)
 def host_id() -> str:
-    """This machine's boot id: equal for processes that share /dev/shm."""
+    """This machine's boot id: equal for processes that share /dev/shm (read once per process)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()

@@ -72,7 +72,7 @@ class WorkerState:
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
         self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies)
-        self.last_rows: tuple = (None, None)  # _where's last (rows, device) and what _rows made of them
+        self.last_rows: tuple = (None, None)  # _where's last (rows, device) and _runner.row_index's index
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.copies_pending = False  # saves copied to the host without waiting (GPU)
         self.in_step = False
@@ -192,14 +192,13 @@ class WorkerState:
         if self.step_work is not None:
             return self.step_work
         work: Dict[str, List[_Work]] = {}
-        plans, here = self.plans, self.here
         for row in self.view.rows():
-            plan = plans[row.req_id] if row.req_id in plans else self._plan_of(row.req_id)
+            plan = self._plan_of(row.req_id)
             if plan is None or plan.error:
                 continue
             step = row.step
             for s in plan.steps:
-                if (s.steps != "all" and not s.runs_at(step)) or not here(s.at):
+                if not s.runs_at(step) or not self.here(s.at):
                     continue
                 if s.logits:  # the logits processor sees one row per request: its sampled position
                     if row.samples:
