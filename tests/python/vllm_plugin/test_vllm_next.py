@@ -23,6 +23,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import child_output  # noqa: E402
 import next_env  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gpt_neox")  # families.FAMILIES (no vLLM import)
@@ -81,7 +82,7 @@ def _make(script, args):
                  if l.startswith(("ok", "FAIL", "engine", "{", "|", "vLLM ", "Ran ", "OK", "FAILED"))]
         print("\n".join(lines))
         if proc.returncode != 0:
-            print(proc.stderr[-6000:], file=sys.stderr)
+            print(child_output.excerpt(proc.stderr), file=sys.stderr)
         self.assertEqual(proc.returncode, 0, f"{script} {args}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
     return test
 

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import unittest
 
+import child_output
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Llama at tp 1 is in the slow tier (CI time): the server test serves it at tp 1 by default, with saves and edits
 DEFAULT = [("llama", 2, 4, 2), ("qwen2_moe", 2, 4, 2)]
@@ -53,7 +55,7 @@ def _make(family, tp, heads, kv):
         lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{"))]
         print("\n".join(lines))
         if proc.returncode != 0:
-            print(proc.stderr[-6000:], file=sys.stderr)
+            print(child_output.excerpt(proc.stderr), file=sys.stderr)
         self.assertEqual(proc.returncode, 0, f"{family} tp {tp}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
     return test
 
@@ -74,7 +76,7 @@ def _run_script(self, script, args, what, timeout=900, shown=()):
     lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{", "|") + tuple(shown))]
     print("\n".join(lines))
     if proc.returncode != 0:
-        print(proc.stderr[-6000:], file=sys.stderr)
+        print(child_output.excerpt(proc.stderr), file=sys.stderr)
     self.assertEqual(proc.returncode, 0, f"{what}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
     return lines
 

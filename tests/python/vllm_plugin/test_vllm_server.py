@@ -16,6 +16,8 @@ import subprocess
 import sys
 import unittest
 
+import child_output
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = [1] + ([2] if os.environ.get("FRAG_SLOW") == "1" else [])
 
@@ -55,7 +57,7 @@ def _make(tp):
         lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{"))]
         print("\n".join(lines))
         if proc.returncode != 0:
-            print(proc.stderr[-6000:], file=sys.stderr)
+            print(child_output.excerpt(proc.stderr), file=sys.stderr)
         self.assertEqual(proc.returncode, 0, f"tp {tp}: " + "; ".join(l for l in lines if l.startswith("FAIL")))
     return test
 

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import unittest
 
+import child_output
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from test_vllm_server import _missing  # noqa: E402
@@ -44,7 +46,7 @@ def _make(argv):
         lines = [l for l in proc.stdout.splitlines() if l.startswith(("ok", "FAIL", "engine", "{"))]
         print("\n".join(line[:400] for line in lines))
         if proc.returncode != 0:
-            print(proc.stderr[-6000:], file=sys.stderr)
+            print(child_output.excerpt(proc.stderr), file=sys.stderr)
         self.assertEqual(proc.returncode, 0, "; ".join(l[:300] for l in lines if l.startswith("FAIL")))
     return test
 
