@@ -5,7 +5,8 @@ between them (a shared machine's load falls on both alike), the median of each r
     $PY tools/probes/host_cost_compare.py OLD/python python MODELS [--rounds 5]
 
 Rows: tools/probes/save_overhead_probe.py on llama_tp1 (one rank: a trace per call and `plan.run`, output only
-and with a save at every fragmented location, and the C++ call alone) and bench/python_trace_overhead.py on
+and with a save at every fragmented location, and the C++ call alone), python_side_cost.py (the same traces' Python
+side alone: the C++ call answered from a recorded result) and bench/python_trace_overhead.py on
 llama_tp2 (world 2, 128 tokens: a trace per call, and the same steps handed to C++ directly). Each checkout's
 `fragments` is the one its python/ folder holds (PYTHONPATH); the probes are this checkout's. Each row prints
 its median per checkout, then the spread: each checkout's range over the rounds and the range of the per-round
@@ -34,6 +35,12 @@ def run(python_dir, args):
 def save_probe(python_dir, models, repeats):
     out = run(python_dir, [os.path.join(HERE, "save_overhead_probe.py"), os.path.join(models, "llama_tp1", "rank0.pt"),
                            "--repeats", str(repeats)])
+    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.{36}) +([0-9.]+) us$", out, re.M)}
+
+
+def python_side(python_dir, models, repeats):
+    out = run(python_dir, [os.path.join(HERE, "python_side_cost.py"), os.path.join(models, "llama_tp1", "rank0.pt"),
+                           "--repeats", str(repeats * 25)])
     return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.{36}) +([0-9.]+) us$", out, re.M)}
 
 
@@ -72,6 +79,7 @@ def main():
     a = p.parse_args()
     results = {"old": {}, "new": {}}
     probes = (lambda d: save_probe(d, a.models, a.repeats),
+              lambda d: python_side(d, a.models, a.repeats),
               lambda d: trace_overhead(d, a.models, max(10, a.repeats // 10)))
     for r in range(a.rounds):
         for probe in probes:  # each probe's old and new runs back to back, in turn first

@@ -8,6 +8,7 @@ as a callable, which the ranks compare as they do for `.apply`; every step at su
 Hook, in recorded order. Saved expressions are computed after the forward from the saves of their leaves (module
 calls run ad hoc then). Nothing of this runs where a trace has no Python steps.
 """
+import types
 import warnings
 
 from ..core import executor, graph
@@ -15,21 +16,27 @@ from ..core.errors import FragmentsError
 from ..core.step import PythonStep, Step, parse_index_text, plan_key
 
 
+_NONE = types.MappingProxyType({})  # (read-only: an empty default shared by every Prepared)
+
+
 class Prepared:
     """A recording as this rank's engine takes it: `steps` for the plan, `callables` ((location, fn, visit,
     label) for fragments._C), `key` (plan_key, when there are no callables), and where each save's value is."""
 
+    _stores = _NONE  # save name -> (modules, copies) of the saves a Hook keeps (see _python_step)
+
     def __init__(self, recording, weights=None, generate=0):
         self.recording = recording
-        self.weights = weights or {}
-        self._stores = {}
+        self.weights = weights or _NONE
         if not recording.python:  # the common trace: its plan steps as they are
             self.steps, self.callables = recording.steps, []
         else:
             _unscoped(recording.python, generate)
-            self._hooks, self._live = {}, {}
+            self._hooks, self._live, self._stores = {}, {}, {}
             self.steps, self.callables = self._split(recording)
         self.key = None if self.callables else plan_key(self.steps)
+        # each save the engine's own tensor, nothing computed after: results() hands them on as they are
+        self.direct = not self._stores and not recording.expressions
 
     def _split(self, recording):
         """(plan steps, callables): the steps at a location where Python runs go into its Hook, in recorded
@@ -80,14 +87,14 @@ class Prepared:
         """(each save's value in the recording's order, each saved expression's value) after the forward:
         `saved` the engine's saves (name -> tensors; "step{k}.name" under generation), `call(modules, x)` an
         ad-hoc module call."""
+        if self.direct and not generate:  # a forward's own saves: each the tensor (a list when several visits)
+            get = saved.get
+            return [out if name is None else one_or_all(get(name, [])) for name in self.recording.saves], ()
         if self._stores or generate:
             values = [out if name is None else self._value(name, saved, generate, call)
                       for name in self.recording.saves]
-        else:  # a forward's own saves: each the tensor (a list when several visits)
-            values = []
-            for name in self.recording.saves:
-                tensors = out if name is None else saved.get(name, [])
-                values.append(tensors[0] if name is not None and len(tensors) == 1 else tensors)
+        else:
+            values = [out if name is None else one_or_all(saved.get(name, [])) for name in self.recording.saves]
         computed = []
         if self.recording.expressions:
             leaves = {key: values[i] for key, i in self.recording.captured.items()}
@@ -104,8 +111,12 @@ class Prepared:
         if generate:
             return [saved[f"step{k}.{name}"][0] if len(saved[f"step{k}.{name}"]) == 1 else saved[f"step{k}.{name}"]
                     for k in range(generate) if f"step{k}.{name}" in saved]
-        tensors = saved.get(name, [])
-        return tensors[0] if len(tensors) == 1 else tensors
+        return one_or_all(saved.get(name, []))
+
+
+def one_or_all(tensors):
+    """A save's value: the tensor of its one visit, else the list (of each visit's; empty when none came)."""
+    return tensors[0] if len(tensors) == 1 else tensors
 
 
 def _hooked(python):

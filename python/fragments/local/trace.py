@@ -22,7 +22,7 @@ class Trace(Tracer):
     `model.plan()`: at each `run(ids)`)."""
 
     def __init__(self, model, ids, generate=0):
-        super().__init__(model, generate)
+        Tracer.__init__(self, model, generate)  # (not super(): a trace per call, its cost counted)
         self._plan = ids is None
         self._ids, self.lengths = (None, None) if ids is None else batch(ids)
         self._prepared = None  # run.Prepared, made at the first run: a run again reuses it
@@ -85,21 +85,24 @@ class Trace(Tracer):
         prepared = self._prepared
         if prepared is None:  # (as _prepare: a trace's one run calls no more than it must)
             prepared = self._prepared = run.Prepared(self._recorded, None, self._generate)
-        key = prepared.key
-        same = key is not None and key == self._model._plan_key  # the same object when this plan ran last
-        self._model._plan_key = None
+        model, key = self._model, prepared.key
+        same = key is not None and key == model._plan_key  # the same object when this plan ran last
+        model._plan_key = None
         try:
-            out, saved, unreached = self._model._c.run(prepared.steps, prepared.callables, self._ids,
-                                                       self._generate, same)
+            out, saved, unreached = model._c.run(prepared.steps, prepared.callables, self._ids, self._generate, same)
         except _C.FragError as e:  # a step refused during the forward: said at the line that wrote it
             raise at_line(e, prepared.records()) from None
-        self._model._plan_key = key
+        model._plan_key = key
         if unreached:
             run.warn_unreached(unreached)
         self.output = out
-        self._results = prepared.results(out, saved, self._generate, self._model._call)
+        if prepared.direct and not self._generate and prepared.recording is self._recorded:
+            # this trace's own saves, each the engine's tensor: handed to its SavedValues as they come
+            for value, name in zip(self._saves, self._recorded.saves):
+                value._set(out if name is None else run.one_or_all(saved.get(name, [])))
+            return
+        self._results = prepared.results(out, saved, self._generate, model._call)
         self._deliver(*self._results)
-
 
 def probed(model):
     """{location: (shape, dtype)} of one probe forward of this rank (made once per model)."""

@@ -117,8 +117,9 @@ class Tracer:
         """The values the run gave back (in the order of `_recording`'s saves and expressions) to the SavedValues."""
         for saved, value in zip(self._saves, values):
             saved._set(value)
-        for saved, value in zip(self._expressions, computed):
-            saved._set(value)
+        if computed:
+            for saved, value in zip(self._expressions, computed):
+                saved._set(value)
 
     # ---- generation scopes (nnsight's tracer.all() / tracer.iter[...])
     @contextlib.contextmanager
