@@ -11,6 +11,8 @@ Cases (tp 1; every family of families.FAMILIES):
   server-tp1                    server_check.py 1 (vllm serve with per-request plans)
   trace-eager, trace-cuda-graphs trace_check.py / compiled_check.py --trace (fragments.vllm.VLLM's traces)
   nnsight-<family>              nnsight_compare.py (nnsight's VLLM beside the plugin, values against transformers)
+  ray-llama                     vllm_check.py --executor ray (vLLM's ray executor at one GPU; ray from
+                                tools/device/vllm_stage.sh pack-ray, the case fails without it)
 with <runner> v2 and v1 (VLLM_USE_V2_MODEL_RUNNER 1 / 0; vLLM 0.24 picks V2 for Llama, Qwen3 and Qwen2-MoE by
 itself). Each case is its own process (vLLM engines do not share a process cleanly); its output goes to
 DIR/<case>.log. Prints one line per case as it ends and a table at the end, writes DIR/summary.json, and
@@ -59,6 +61,8 @@ def cases():
     # nnsight 0.8.1's VLLM (its own GPU worker, unpatched) and the plugin in one engine, both against transformers
     for family in ("llama", "qwen2_moe"):
         out.append((f"nnsight-{family}", ["nnsight_compare.py", family, "1"], {}))
+    # issue 42: the plugin through vLLM's ray executor on one GPU (ray staged apart: vllm_stage.sh pack-ray)
+    out.append(("ray-llama", ["vllm_check.py", "llama", "1", "--executor", "ray"], {}))
     return out
 
 

@@ -131,6 +131,13 @@ def check_edit(hf, edit, prompt, r, max_tokens):
     return worst
 
 
+def executor_of(llm) -> str:
+    """The executor vLLM resolved for the engine (parallel_config.distributed_executor_backend: "uni", "mp",
+    "ray" or a class)."""
+    backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+    return backend if isinstance(backend, str) else getattr(backend, "__name__", str(backend))
+
+
 def check_stages(info, pp, qkv0, down1):
     """Every stage's locations in one table, each with the stage acting there."""
     stage = info.get("stage", {})
@@ -147,6 +154,9 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (vLLM's mp executor)")
+    ap.add_argument("--executor", choices=("mp", "ray", "uni"), default=None,
+                    help="distributed_executor_backend (default: vLLM's choice; ray: the GPU machine's one-GPU "
+                    "check of issue 42, tools/device/vllm_stage.sh pack-ray)")
     args = ap.parse_args()
     use_bound(args.family)
 
@@ -179,10 +189,13 @@ def main():
 
     t0 = time.time()
     llm = LLM(folder, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, enforce_eager=True, dtype=engine_env.DTYPE, skip_tokenizer_init=True,
-              max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs())
+              max_model_len=64, enable_prefix_caching=False, max_num_seqs=8, seed=0, **engine_env.engine_kwargs(),
+              **({"distributed_executor_backend": args.executor} if args.executor else {}))
     start_s = time.time() - t0
     print(f"engine start {start_s:.1f} s ({engine_env.describe()})", flush=True)
 
+    if args.executor:
+        check(f"vLLM's {args.executor} executor runs the engine", executor_of(llm) == args.executor, executor_of(llm))
     info = fv.inspect(llm)
     want_runner = {"v1": "V1", "v2": "V2"}.get(engine_env.RUNNER) if engine_env.GPU else "V1"
     if want_runner:
@@ -277,7 +290,8 @@ def main():
     after = fv.generate(llm, [{"prompt_token_ids": prompt_a}], [None], **tokens)[0]
     check("engine unharmed after a bad plan", list(after.outputs[0].token_ids) == t0_ids)
 
-    print(json.dumps({"family": args.family, "tp": args.tp, "pp": args.pp, "platform": engine_env.describe(),
+    print(json.dumps({"family": args.family, "tp": args.tp, "pp": args.pp, "executor": executor_of(llm),
+                      "platform": engine_env.describe(),
                       "runner": info.get("runner"), "engine_start_s": round(start_s, 1),
                       "worst_rel": worst, "failed": FAILED}), flush=True)
     return 1 if FAILED else 0
