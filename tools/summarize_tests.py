@@ -3,7 +3,9 @@
 
 GoogleTest logs end with "[  PASSED  ] N tests." / "[  FAILED  ] N tests," / "[  SKIPPED ] N tests,";
 unittest logs with "Ran N tests" and "FAILED (failures=F, errors=E, skipped=S)" or "OK (skipped=S)".
-A target whose log has neither (it did not build, crashed or timed out) counts as one failure.
+A target whose log has neither (it did not build, crashed or timed out) counts as one failure. Given the
+labels of the build's tests, only their logs count: a target renamed or removed leaves its last log behind
+(stop 46 counted a renamed target's 7 old cases), and those are named as not counted.
 Shell tests print GoogleTest's summary lines themselves. `--log FILE` adds a log written outside Bazel
 (tools/fuzz.sh's), counted the same way. Before that line it lists the 10 slowest Bazel tests (`--slowest N`,
 0: none) by their test.xml times, so a slow CI run shows where its time went.
@@ -61,11 +63,14 @@ def main() -> int:
         extra_logs.append(pathlib.Path(args[i + 1]))
         del args[i:i + 2]
     root = pathlib.Path(args[0])
-    expected = set(args[1:])  # labels that must have a log
+    expected = set(args[1:])  # labels that must have a log; given, only their logs count
     totals = [0, 0, 0]
-    seen = set()
+    seen, stale = set(), []
     for log_path in sorted(root.rglob("test.log")):
         label = str(log_path.parent.relative_to(root))
+        if expected and label not in expected:  # a target renamed or removed since: its old log stays on disk
+            stale.append(label)
+            continue
         seen.add(label)
         found, p, f, s = count(log_path.read_text(errors="replace"))
         if not found:
@@ -89,6 +94,8 @@ def main() -> int:
               "%d tests, %.0f s in all):" % (min(slowest, len(times)), len(times), sum(t for t, _ in times)))
         for t, label in times[:slowest]:
             print("summarize:   %6.0f  %s" % (t, label))
+    if stale:
+        print("summarize: not counted, the logs of %d targets no longer in the build: %s" % (len(stale), ", ".join(stale)))
     for label in sorted(expected - seen):
         print("summarize: %s: no log (did not build or run); counted as 1 failure" % label)
         totals[1] += 1
