@@ -2,7 +2,8 @@
 """Counts test cases in Bazel's test logs and prints one line: "N passed, N failed, N skipped".
 
 GoogleTest logs end with "[  PASSED  ] N tests." / "[  FAILED  ] N tests," / "[  SKIPPED ] N tests,";
-unittest logs with "Ran N tests" and "FAILED (failures=F, errors=E, skipped=S)" or "OK (skipped=S)".
+unittest logs with "Ran N tests" and "FAILED (failures=F, errors=E, skipped=S)" or "OK (skipped=S)", each
+such run counted (a runner may run several files in one target).
 A target whose log has neither (it did not build, crashed or timed out) counts as one failure. Given the
 labels of the build's tests, only their logs count: a target renamed or removed leaves its last log behind
 (stop 46 counted a renamed target's 7 old cases), and those are named as not counted.
@@ -25,14 +26,20 @@ def count(log: str):
         failed += int(m.group(1)); found = True
     for m in re.finditer(r"^\[  SKIPPED \] (\d+) tests?,", log, re.M):
         skipped += int(m.group(1)); found = True
-    ran = re.search(r"^Ran (\d+) tests? in", log, re.M)
-    if ran:
+    # every unittest run in the log (a runner may run several files): "Ran N tests in Xs", a blank line, its result
+    for m in _UNITTEST_RUN.finditer(log):
         found = True
-        total = int(ran.group(1))
-        bad = sum(int(x) for x in re.findall(r"(?:failures|errors)=(\d+)", log))
-        skip = sum(int(x) for x in re.findall(r"skipped=(\d+)", log))
-        passed += total - bad - skip; failed += bad; skipped += skip
+        # "failures=1, errors=2, skipped=3, expected failures=4, unexpected successes=5"
+        details = {k.strip(): int(v) for k, v in (item.split("=") for item in (m.group(3) or "").split(", ") if item)}
+        bad = details.get("failures", 0) + details.get("errors", 0) + details.get("unexpected successes", 0)
+        skip = details.get("skipped", 0)
+        passed += int(m.group(1)) - bad - skip; failed += bad; skipped += skip  # (an expected failure passes)
+        if m.group(2) == "FAILED" and not bad:  # (a FAILED run always names its count; never read it as a pass)
+            failed += 1
     return found, passed, failed, skipped
+
+
+_UNITTEST_RUN = re.compile(r"^Ran (\d+) tests? in [0-9.]+s\n\n(OK|FAILED)(?: \(([^)\n]*)\))?$", re.M)
 
 
 def seconds(xml_path: pathlib.Path):
