@@ -8,6 +8,7 @@ per call and as `plan.run`); tools/probes/host_cost_compare.py runs it for two c
         bazel-bin/tests/models/llama_tp1/rank0.pt [--repeats 10000]
 """
 import argparse
+import os
 import sys
 import timeit
 
@@ -16,7 +17,9 @@ import torch
 import fragments
 
 sys.path.insert(0, "bench")
-from peer_benchmark import fragmented_locations, location_of  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_benchmark import fragmented_locations  # noqa: E402
+from save_overhead_probe import plans, traces  # noqa: E402
 
 
 class RecordedEngine:
@@ -47,24 +50,8 @@ def main():
     names = fragmented_locations(model)[:10]
     model._c = RecordedEngine(model._c)
 
-    def plain():
-        with model.trace(ids):
-            out = model.output.save()
-        return out.value
-
-    def saving():
-        with model.trace(ids):
-            for n in names:
-                location_of(model, n).save()
-            out = model.output.save()
-        return out.value
-
-    with model.plan() as plain_plan:
-        model.output.save()
-    with model.plan() as saving_plan:
-        for n in names:
-            location_of(model, n).save()
-        model.output.save()
+    plain, saving = traces(model, ids, names)
+    plain_plan, saving_plan = plans(model, names)
     rows = {"Python side: trace, output only": plain,
             f"Python side: trace, {len(names)} saves": saving,
             "Python side: plan.run, output only": lambda: plain_plan.run(ids),

@@ -38,6 +38,33 @@ def timed(fn, repeats, sync):
     return statistics.median(out) * 1e6
 
 
+def traces(model, ids, names):
+    """(a trace of `ids` saving the output only, one saving `names` too): each a function that records and runs it."""
+    def plain():
+        with model.trace(ids):
+            out = model.output.save()
+        return out.value
+
+    def saving():
+        with model.trace(ids):
+            for n in names:
+                location_of(model, n).save()
+            out = model.output.save()
+        return out.value
+    return plain, saving
+
+
+def plans(model, names):
+    """The same two recorded once (`model.plan()`): run with `plan.run(ids)`."""
+    with model.plan() as plain_plan:
+        model.output.save()
+    with model.plan() as saving_plan:
+        for n in names:
+            location_of(model, n).save()
+        model.output.save()
+    return plain_plan, saving_plan
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("rank_file")
@@ -53,26 +80,10 @@ def main():
     ids = torch.zeros(1, 1, dtype=torch.long)
     names = fragmented_locations(model)
 
-    def plain():
-        with model.trace(ids):
-            out = model.output.save()
-        return out.value
-
-    def saving():
-        with model.trace(ids):
-            for n in names:
-                location_of(model, n).save()
-            out = model.output.save()
-        return out.value
-
+    plain, saving = traces(model, ids, names)
     has_plan = hasattr(type(model), "plan")  # (the same probe on a tree from before model.plan())
     if has_plan:
-        with model.plan() as plain_plan:
-            model.output.save()
-        with model.plan() as saving_plan:
-            for n in names:
-                location_of(model, n).save()
-            model.output.save()
+        plain_plan, saving_plan = plans(model, names)
 
     # The C++ call alone, with the steps a saving trace records (their recording timed apart).
     recorded = {}
