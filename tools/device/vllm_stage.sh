@@ -30,6 +30,7 @@ STAGE=$HOME/vllm-stage
 PART_BYTES=$((54 * 1000 * 1000))
 RAY=ray==2.60.0
 RAY_STAGE=$HOME/vllm-stage-ray
+RAY_MARK=ray-part  # an empty file in each of pack-ray's parts: receive puts them in RAY_STAGE
 
 join_pieces() {  # files split at packing (NAME.piece00, ...): joined in order
   local first name
@@ -74,13 +75,10 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 case "${1:-}" in
 receive)
   part=${2:?receive PART [--build|--install|--install-ray]}
-  mkdir -p "$STAGE"
-  if [ "${3:-}" = --install-ray ] || [[ "$part" == *vllm-stage-ray* ]]; then  # ray's parts kept apart
-    mkdir -p "$STAGE/ray-part-$(basename "$part")"; cp -r "$part"/. "$STAGE/ray-part-$(basename "$part")/"
-  else
-    cp -r "$part"/. "$STAGE/"
-  fi
-  echo "vllm_stage: received $(ls "$part" | wc -l) file(s); $STAGE holds $(ls "$STAGE" | wc -l)"
+  dest=$STAGE
+  [ -e "$part/$RAY_MARK" ] && dest=$RAY_STAGE  # ray's parts (pack-ray marks them) kept apart from vLLM's
+  mkdir -p "$dest"; cp -r "$part"/. "$dest/"; rm -f "$dest/$RAY_MARK"
+  echo "vllm_stage: received $(ls "$part" | wc -l) file(s); $dest holds $(ls "$dest" | wc -l)"
   if [ "${3:-}" = --build ]; then
     mkdir -p "$HOME/fbuild"
     bash tools/device/vllm_run.sh copy   # now: this call's checkout goes when the call ends
@@ -88,7 +86,6 @@ receive)
     echo "vllm_stage: building fragments._C in the background (log: \$HOME/fbuild/background-build.log)"
   fi
   if [ "${3:-}" = --install-ray ]; then
-    mkdir -p "$RAY_STAGE"; mv "$STAGE"/ray-part-*/* "$RAY_STAGE/" 2>/dev/null || true
     join_pieces "$RAY_STAGE"
     python3 -m pip install -q --no-index --find-links "$RAY_STAGE" "$RAY"
     (cd /tmp && python3 -c "import ray; print('vllm_stage: ray', ray.__version__, 'installed')")
@@ -119,6 +116,7 @@ pack-ray)
   # with its dependencies: pip there takes from these only what the machine lacks
   "$PY" -m pip download -q -d "$tmp" "${plat[@]}" "$RAY"
   split_and_pack "$tmp" "$out"
+  for part in "$out"/part-*; do touch "$part/$RAY_MARK"; done
   ;;
 *)
   sed -n '2,26p' "$0"; exit 2 ;;

@@ -8,7 +8,6 @@ per call and as `plan.run`); tools/probes/host_cost_compare.py runs it for two c
         bazel-bin/tests/models/llama_tp1/rank0.pt [--repeats 10000]
 """
 import argparse
-import os
 import sys
 import timeit
 
@@ -17,7 +16,6 @@ import torch
 import fragments
 
 sys.path.insert(0, "bench")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_benchmark import fragmented_locations  # noqa: E402
 from save_overhead_probe import plans, traces  # noqa: E402
 

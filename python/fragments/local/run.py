@@ -35,7 +35,7 @@ class Prepared:
             self._hooks, self._live, self._stores = {}, {}, {}
             self.steps, self.callables = self._split(recording)
         self.key = None if self.callables else plan_key(self.steps)
-        # each save the engine's own tensor, nothing computed after: results() hands them on as they are
+        # each save the engine's own tensor, nothing computed after: a trace hands them on as they come
         self.direct = not self._stores and not recording.expressions
 
     def _split(self, recording):
@@ -87,13 +87,10 @@ class Prepared:
         """(each save's value in the recording's order, each saved expression's value) after the forward:
         `saved` the engine's saves (name -> tensors; "step{k}.name" under generation), `call(modules, x)` an
         ad-hoc module call."""
-        if self.direct and not generate:  # a forward's own saves: each the tensor (a list when several visits)
-            get = saved.get
-            return [out if name is None else one_or_all(get(name, [])) for name in self.recording.saves], ()
         if self._stores or generate:
             values = [out if name is None else self._value(name, saved, generate, call)
                       for name in self.recording.saves]
-        else:
+        else:  # a forward's own saves: each the tensor (a list when several visits)
             values = [out if name is None else one_or_all(saved.get(name, [])) for name in self.recording.saves]
         computed = []
         if self.recording.expressions:

@@ -82,9 +82,7 @@ class Trace(Tracer):
         return self._prepared
 
     def _run(self):
-        prepared = self._prepared
-        if prepared is None:  # (as _prepare: a trace's one run calls no more than it must)
-            prepared = self._prepared = run.Prepared(self._recorded, None, self._generate)
+        prepared = self._prepare()
         model, key = self._model, prepared.key
         same = key is not None and key == model._plan_key  # the same object when this plan ran last
         model._plan_key = None
