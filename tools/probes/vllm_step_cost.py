@@ -1,9 +1,12 @@
 """The vLLM worker's host work per decode step and per take, without vLLM or a GPU: a WorkerState with a fake
 runner view, `rows` requests decoding one token each, every `every`-th saving LOCATIONS at every step (the
 throughput benchmark's "quarter" column), the tapped values in FULL-graph slots. Prints ms per step (the slots
-drained: bench/vllm_throughput.py's worker_end_step_s) and the take of every saving request.
+drained and the step's rows written to their files: bench/vllm_throughput.py's worker_end_step_s with the
+worker's begin_step flush) and the take of every saving request.
 
-    python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16]
+    python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16] [--memory]
+
+--memory keeps rows in memory until the take (FRAGMENTS_VLLM_ROWS_IN_SHM=0, the way before row files).
 """
 import argparse
 import collections
@@ -39,11 +42,11 @@ class _View:
         pass
 
 
-def state(rows, every, dtype, device):
+def state(rows, every, dtype, device, folder):
     s = _worker.WorkerState.__new__(_worker.WorkerState)
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = _View(rows), torch.device(device), 0, None, 0, {}
-    s.fragmented, s.copies_pending, s.leading_batch = {}, False, False
-    s.saves = _saves.SavesStore(copy=s._host_copy, wait=s._wait_copies)
+    s.fragmented, s.copies_pending, s.copy_stream, s.leading_batch = {}, False, None, False
+    s.saves = _saves.SavesStore(copy=s._host_copy, wait=s._wait_copies, folder=folder)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
     s.answers, s.plans, s.last_rows = _delivery.Folder(), {}, (None, None)
     for i in range(rows):
@@ -69,8 +72,10 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="cProfile the steps: the 15 costliest functions")
     ap.add_argument("--bytes", action="store_true", help="answers as bytes (the caller on another machine)")
+    ap.add_argument("--memory", action="store_true", help="rows kept in memory until the take, not in files")
     args = ap.parse_args()
-    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device)
+    folder = None if args.memory else _delivery.rows_folder()
+    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder)
     prof = None
     if args.profile:
         import cProfile
@@ -80,7 +85,9 @@ def main():
     for step in range(args.steps):
         s.view.computed = 128 + step
         s.step_work = None
+        s.saves.flush()  # begin_step
         s._drain_slots()
+        s._seal_copies()  # end_step
     if args.device == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -94,7 +101,8 @@ def main():
     t2 = time.perf_counter()
     assert all(len(r) == len(WIDTHS) for r in read.values())
     mb = sum(v["bytes"] for v in out.values()) / 2**20
-    print(f"vllm_step_cost ({args.device}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
+    where = "memory" if folder is None else f"files in {folder}"
+    print(f"vllm_step_cost ({args.device}, rows in {where}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
           f"{(t1 - t0) / args.steps * 1e3:.2f} ms per step (drain), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
           f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)")
 

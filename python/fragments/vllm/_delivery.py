@@ -7,6 +7,10 @@ the worker writes each request's saves once, as a safetensors file in /dev/shm, 
 the caller reads it (safetensors' own loader) and unlinks it. Otherwise (another node, no room) the answer
 carries the bytes, as before. Every reader goes through `tensors` or `payload`, so the
 two forms are one switch.
+
+Most saves never need that copy: a read-only save's rows are written into a file of their own in shared memory
+as the steps run (_rowfile.RowFile), which the take seals; an answer lists its "files" (one per such save, plus
+one for the rest) and may carry "data" beside them.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch
 SHM = os.environ.get("FRAGMENTS_VLLM_SHM_DIR", "/dev/shm")
 log = logging.getLogger("fragments.vllm")
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
 
@@ -70,13 +74,29 @@ def _sweep(folder: str) -> None:
         try:
             os.kill(int(m.group(1)), 0)
         except ProcessLookupError:  # its writer is gone: nobody will read it
-            _remove(os.path.join(folder, name))
+            remove(os.path.join(folder, name))
         except OSError:  # another user's process: alive
             pass
 
 
 _NAME = re.compile(r"^fragments-saves-(\d+)-")
 _count = itertools.count()
+
+
+def new_file(folder: str, key: str):
+    """(path, descriptor) of a new answer file in `folder`: mode 0600, named by this process (swept once it
+    dies unread)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64]
+    path = os.path.join(folder, f"fragments-saves-{os.getpid()}-{next(_count)}-{safe}.safetensors")
+    return path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+
+def rows_folder() -> Optional[str]:
+    """Where a worker writes its saves' rows as the steps run (shared memory), or None: kept in memory instead
+    (no writable shared memory, or FRAGMENTS_VLLM_ROWS_IN_SHM=0)."""
+    if os.environ.get("FRAGMENTS_VLLM_ROWS_IN_SHM", "1") == "0":
+        return None
+    return SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else None
 
 
 def write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optional[str]:
@@ -98,19 +118,17 @@ def _write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optio
         rows = sum(b.shape[0] for b in blocks) if blocks[0].dim() > 0 else len(blocks)
         shape = [rows] + list(blocks[0].shape[1:]) if blocks[0].dim() > 0 else [rows]
         size = rows * (blocks[0][0].numel() if blocks[0].dim() > 0 else 1) * blocks[0].element_size()
-        header[name] = {"dtype": _DTYPES[blocks[0].dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": DTYPES[blocks[0].dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the format's alignment of the data
     start, total = 8 + len(text), 8 + len(text) + offset
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64]
-    path = os.path.join(folder, f"fragments-saves-{os.getpid()}-{next(_count)}-{safe}.safetensors")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    path, fd = new_file(folder, key)
     try:
         try:
             os.posix_fallocate(fd, 0, total)  # tmpfs refuses here when full, not later with a SIGBUS
         except OSError:
-            _remove(path)
+            remove(path)
             return None
         try:
             with mmap.mmap(fd, total) as mm:
@@ -118,7 +136,7 @@ def _write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optio
                 mm[8:start] = text
                 _fill(mm, start, offset, parts, header)
         except BaseException:
-            _remove(path)
+            remove(path)
             raise
     finally:
         os.close(fd)
@@ -141,38 +159,45 @@ def _fill(mm, start: int, size: int, parts: Dict[str, List[torch.Tensor]], heade
 
 
 def tensors(entry: dict) -> Dict[str, torch.Tensor]:
-    """The saves of a take's answer (either form), as tensors; a file is read once and removed."""
-    if entry.get("file"):
-        from safetensors.torch import load_file
-        try:
-            return load_file(entry["file"])
-        finally:
-            _remove(entry["file"])
+    """The saves of a take's answer (files, bytes or both), as tensors; every file is read once and removed."""
+    out: Dict[str, torch.Tensor] = {}
+    files = entry.get("files") or ()
+    try:
+        if files:
+            from safetensors.torch import load_file
+            for path in files:
+                out.update(load_file(path))
+    finally:
+        discard(entry)
     if entry.get("data"):
         from safetensors.torch import load
-        return load(entry["data"])
-    return {}
+        out.update(load(entry["data"]))
+    return out
 
 
 def payload(entry: dict) -> bytes:
-    """The saves of a take's answer (either form) as safetensors bytes (the server's answer); a file is read
-    once and removed."""
-    if entry.get("file"):
+    """The saves of a take's answer as one safetensors file's bytes (the server's answer); files are read once
+    and removed."""
+    files = entry.get("files") or ()
+    if len(files) == 1 and not entry.get("data"):
         try:
-            with open(entry["file"], "rb") as f:
+            with open(files[0], "rb") as f:
                 return f.read()
         finally:
-            _remove(entry["file"])
-    return entry.get("data") or b""
+            discard(entry)
+    if not files:
+        return entry.get("data") or b""
+    from safetensors.torch import save
+    return save(tensors(entry))
 
 
 def discard(entry: dict) -> None:
-    """An answer nobody will read (a merged or failed take): its file goes."""
-    if entry.get("file"):
-        _remove(entry["file"])
+    """An answer's files go (read, or nobody will read them: a merged or failed take)."""
+    for path in entry.get("files") or ():
+        remove(path)
 
 
-def _remove(path: str) -> None:
+def remove(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

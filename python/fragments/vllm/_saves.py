@@ -15,6 +15,11 @@ logged and counted by reason.
 
 Rank 0 answers the caller; the other ranks' saves are equal copies nobody reads, so their stores keep
 the bookkeeping (keys, errors) and no tensors (keep=False).
+
+Where rows wait: with a `folder` (shared memory on the worker's machine), each save's rows go into a file of
+their own as the steps run (_rowfile.RowFile), and the take seals those files instead of copying. Rows copied
+from a GPU without waiting are queued until their copy is done (`seal_step` gives them the step's CUDA event;
+`flush` writes those done, at the next step, while the GPU runs it). Without a folder, they wait in memory.
 """
 from __future__ import annotations
 
@@ -22,10 +27,11 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Callable, Dict, List, Optional
 
 from . import _delivery
+from ._rowfile import RowFile, as_bytes
 
 log = logging.getLogger("fragments.vllm")
 
@@ -58,19 +64,39 @@ def setting(name: str) -> int:
 
 
 class _Record:
-    __slots__ = ("saves", "error", "bytes", "truncated")
+    __slots__ = ("saves", "files", "error", "bytes", "truncated")
 
     def __init__(self, error: Optional[str]):
-        self.saves: Dict[str, list] = {}
+        self.saves: Dict[str, list] = {}  # name -> [(step, host tensor, first row, row past the last)]
+        self.files: Dict[str, RowFile] = {}  # name -> its rows in shared memory
         self.error, self.truncated, self.bytes = error, None, 0
+
+    def discard(self) -> None:
+        for f in self.files.values():
+            f.discard()
+        self.files.clear()
+
+
+_READY = True  # a queued block whose rows can be read now (no copy in flight)
+
+
+class _Queued:
+    """Rows copied to the host whose copy may still run: (key, first row, row past the last, step) of `host`."""
+    __slots__ = ("name", "host", "parts", "ready")
+
+    def __init__(self, name, host, parts, ready):
+        self.name, self.host, self.parts, self.ready = name, host, parts, ready
 
 
 class SavesStore:
     """The saves of one worker's requests, by key (module docstring)."""
 
     def __init__(self, keep: bool = True, clock: Callable[[], float] = time.monotonic,
-                 copy: Optional[Callable] = None, wait: Optional[Callable[[], None]] = None):
+                 copy: Optional[Callable] = None, wait: Optional[Callable[[], None]] = None,
+                 folder: Optional[str] = None):
         self.keep = keep
+        self.folder = folder if keep else None  # where rows are written as the steps run (None: in memory)
+        self._queue: "deque[_Queued]" = deque()
         # how a kept save leaves the device (the worker's: a GPU value into pinned memory without waiting), and
         # what take waits for before the copies are read
         self._copy = copy or (lambda t: t.detach().to("cpu", copy=True))
@@ -111,19 +137,92 @@ class SavesStore:
         tensor is that copy already). `step`: the request's step (0 = prefill), so that take can leave out
         steps whose tokens the request never had."""
         with self._lock:
-            if self._room(key, name, tensor.numel() * tensor.element_size()):
-                self._records[key].saves.setdefault(name, []).append(
-                    (step, tensor if copied else self._copy(tensor), None, None))
+            if not self._room(key, name, tensor.numel() * tensor.element_size()):
+                return
+            host = tensor if copied else self._copy(tensor)
+            if self.folder is None:
+                self._records[key].saves.setdefault(name, []).append((step, host, None, None))
+                return
+            rows = host if host.dim() > 0 else host.reshape(1)  # a scalar is a row of its own (stacked at take)
+            self._queue.append(_Queued(name, rows, [(key, 0, rows.shape[0], step)],
+                                       None if tensor.is_cuda and not copied else _READY))
+        self.flush()
 
-    def add_rows(self, name: str, host, parts) -> None:
+    def add_rows(self, name: str, host, parts, pending: bool = False) -> None:
         """One step's rows of several requests' saves of `name`, all in `host` (one host copy for all): `parts`
-        is [(key, first row, row past the last, step)]. Kept as (host, rows): the views are cut when taken,
-        so a decode step costs a tuple per request here."""
+        is [(key, first row, row past the last, step)]; `pending`: host's copy may still run (seal_step). In
+        memory they are kept as (host, rows) and the views cut when taken, so a decode step costs a tuple per
+        request here; in a folder they are written into each save's file once the copy is done."""
         row_bytes = host[0].numel() * host.element_size() if host.dim() > 0 and host.shape[0] else 0
         with self._lock:
-            for key, lo, hi, step in parts:
-                if self._room(key, name, (hi - lo) * row_bytes):
+            kept = [(key, lo, hi, step) for key, lo, hi, step in parts if self._room(key, name, (hi - lo) * row_bytes)]
+            if not kept:
+                return
+            if self.folder is None or row_bytes == 0:
+                for key, lo, hi, step in kept:
                     self._records[key].saves.setdefault(name, []).append((step, host, lo, hi))
+                return
+            self._queue.append(_Queued(name, host, kept, None if pending else _READY))
+        self.flush()
+
+    def seal_step(self, event) -> None:
+        """The copies queued so far are done when `event` (recorded after them on the stream) is."""
+        with self._lock:
+            for q in reversed(self._queue):
+                if q.ready is not None:
+                    break
+                q.ready = event
+
+    def flush(self, wait: bool = False) -> None:
+        """Queued rows whose copy is done go into their files, in order (`wait`: all of them, after waiting
+        for the copies)."""
+        with self._lock:
+            synced = False
+            while self._queue:
+                q = self._queue[0]
+                if not synced and q.ready is not _READY and (q.ready is None or not q.ready.query()):
+                    if not wait:
+                        break
+                    if q.ready is None:  # copies of a step not sealed yet: wait for the device
+                        if self._wait is not None:
+                            self._wait()
+                        synced = True
+                    else:
+                        q.ready.synchronize()
+                self._queue.popleft()
+                self._write(q)
+
+    def _write(self, q: _Queued) -> None:
+        """A queued block's rows into each request's file for its name (the lock held)."""
+        data = None  # q.host as bytes, once per block
+        for key, lo, hi, step in q.parts:
+            record = self._records.get(key)
+            if record is None:  # taken or dropped while its rows were in flight
+                continue
+            memory = record.saves.get(q.name)
+            if memory is not None:  # shared memory was full for this save: it goes on in memory
+                memory.append((step, q.host[lo:hi], None, None))
+                continue
+            f = record.files.get(q.name)
+            try:
+                if f is None:
+                    f = record.files[q.name] = RowFile(self.folder, key, q.name, tuple(q.host.shape[1:]),
+                                                       q.host.dtype)
+                if data is None:
+                    f.fits(q.host)
+                    data = as_bytes(q.host)
+                elif f.row_shape != tuple(q.host.shape[1:]) or f.dtype != q.host.dtype:
+                    f.fits(q.host)
+                f.append(data[lo:hi], step)
+            except OSError as e:  # no room in shared memory (or none at all): this save goes on in memory
+                log.warning("fragments: %s: the rows of %s wait in memory: %s (%s)", key, q.name, self.folder, e)
+                blocks = f.blocks() if f is not None and f.rows else []
+                if f is not None:
+                    f.discard()
+                    record.files.pop(q.name, None)
+                record.saves[q.name] = [(s, t, None, None) for s, t in blocks] + [(step, q.host[lo:hi], None, None)]
+            except ValueError as e:  # a save whose rows changed shape or dtype: the request's error
+                record.error = record.error or f"fragments plan of request {key}: {e}"
 
     def _room(self, key: str, name: str, size: int) -> bool:
         """Whether `size` more bytes of `name` are kept for `key` (counted if so); a request past its cap, or a
@@ -168,11 +267,13 @@ class SavesStore:
     # ---- what the caller calls (RPC) -----------------------------------------------------------------
     def take(self, key: str, steps: Optional[int] = None, folder: Optional[str] = None) -> dict:
         """{"status": "ok" | "taken" | "dropped" | "unknown", "error", "data": safetensors bytes or None,
-        "bytes": tensor bytes}, or the same safetensors as a "file" in `folder` (shared memory on the caller's
-        machine: _delivery.py). A key fetches its saves once. `steps`: the tokens the request produced (the
-        front end's count, FinishedTokens): rows of later steps are left out. vLLM's async scheduling (its
-        GPU default) runs a request one step past the token that ends it, and a stop string ends it after
-        steps that already ran; those steps' tokens are discarded, and so are their rows here."""
+        "bytes": tensor bytes}, or the same safetensors as "files" in `folder` (shared memory on the caller's
+        machine: _delivery.py; "data" may hold what is not in them). A key fetches its saves once. `steps`: the
+        tokens the request produced (the front end's count, FinishedTokens): rows of later steps are left out.
+        vLLM's async scheduling (its GPU default) runs a request one step past the token that ends it, and a
+        stop string ends it after steps that already ran; those steps' tokens are discarded, and so are their
+        rows here."""
+        self.flush(wait=True)
         with self._lock:
             self._expire()
             record = self._pop(key)
@@ -185,11 +286,30 @@ class SavesStore:
         answer = {"status": "ok", "error": "; ".join(filter(None, (record.error, record.truncated))) or None,
                   "data": None, "bytes": record.bytes}
         kept = _kept(record.saves, steps) if self.keep else {}
+        files = []
+        same = folder is not None and self.folder is not None and \
+            os.path.realpath(folder) == os.path.realpath(self.folder)
+        for name, f in record.files.items():
+            if same:
+                try:
+                    path = f.seal(steps)  # its header written: no row is copied
+                except OSError as e:  # not expected: the header's page was allocated with the file
+                    answer["error"] = "; ".join(filter(None, (answer["error"], f"save {name!r} lost: {e}")))
+                    continue
+                if path is not None:
+                    files.append(path)
+                continue
+            rows = f.read(steps)  # the caller is elsewhere: the rows travel as bytes (or in the caller's folder)
+            if rows is not None:
+                kept[name] = [rows]
+        record.files.clear()
         path = _delivery.write(kept, folder, key) if kept and folder else None
         if path is not None:
-            answer["file"] = path
+            files.append(path)
         elif kept:
             answer["data"] = _serialize(kept)
+        if files:
+            answer["files"] = files
         return answer
 
     def drop(self, key: str, reason: str, why: str) -> None:
@@ -197,13 +317,17 @@ class SavesStore:
         also when the request has not run yet."""
         with self._lock:
             record = self._pop(key)
+            if record is not None:
+                record.discard()
             self._forget(key, reason, record.bytes if record is not None else 0, why)
 
     def stats(self) -> dict:
         with self._lock:
             self._expire()
             return {"requests": len(self._records), "running": len(self._records) - len(self._finished),
-                    "bytes": self.bytes, "dropped": dict(self.dropped), "dropped_bytes": self.dropped_bytes,
+                    "bytes": self.bytes, "queued": len(self._queue),
+                    "files": sum(len(r.files) for r in self._records.values()),
+                    "dropped": dict(self.dropped), "dropped_bytes": self.dropped_bytes,
                     "remembered": len(self._gone)}
 
     # ---- inside (the lock held) ----------------------------------------------------------------------
@@ -221,6 +345,7 @@ class SavesStore:
             if now - finished < self.ttl:
                 break
             record = self._pop(key)
+            record.discard()
             self._forget(key, EXPIRED, record.bytes,
                          f"the saves of {key} expired: not fetched within {self.ttl} s of the request's end "
                          "(FRAGMENTS_VLLM_SAVES_TTL)")
@@ -231,6 +356,7 @@ class SavesStore:
             if enough():
                 return
             record = self._pop(key)
+            record.discard()
             why = (f"the saves of {key} were dropped unfetched to make room: the server holds at most "
                    + (f"{self.max_bytes} bytes of saves (FRAGMENTS_VLLM_SAVES_MAX_BYTES)" if reason == STORE_FULL
                       else f"{self.max_requests} requests' saves (FRAGMENTS_VLLM_SAVES_MAX_REQUESTS)"))

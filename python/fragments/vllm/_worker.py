@@ -71,10 +71,12 @@ class WorkerState:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
-        self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies)
+        self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies,
+                                       folder=_delivery.rows_folder())
         self.last_rows: tuple = (None, None)  # _where's last (rows, device) and _runner.row_index's index
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.copies_pending = False  # saves copied to the host without waiting (GPU)
+        self.copy_stream = None  # the stream of this step's copies (GPU), sealed at the step's end
         self.in_step = False
         self.acting = False  # compiled: a live plan acts at this step
         self.editing = False  # compiled: ... and edits (its taps must run between graph pieces: no FULL graph)
@@ -130,6 +132,7 @@ class WorkerState:
         follow: a location has a hook only while a live plan acts there, so a batch without plans runs
         vLLM's model untouched. Every rank sees the same scheduler output, so every rank hooks alike."""
         t0 = time.perf_counter()
+        self.saves.flush()  # earlier steps' rows whose copies are done go to their files, while the GPU works
         self._begin_step(scheduler_output)
         self.host_s["begin_step"] += time.perf_counter() - t0
         self.step_counts.update(all=1, acting=int(self.in_step))
@@ -183,6 +186,7 @@ class WorkerState:
         if self.in_step and self.view.full:  # a FULL CUDA graph ran: the taps' values are in their slots
             self.step_counts["full"] += 1
             self._drain_slots()
+        self._seal_copies()
         self.host_s["end_step"] += time.perf_counter() - t0
         self.in_step = self.executing = self.acting = self.editing = False
         self.step_work = None
@@ -334,7 +338,9 @@ class WorkerState:
         edited = False
         # read-only work here: one host copy of the rows for every request's saves (their rows are views of it);
         # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
-        host = self._host_copy(whole) if not edits and self.saves.keep else None
+        # (on the CPU, rows written into files at once need no copy of their own)
+        host = None if edits or not self.saves.keep else \
+            whole if self.saves.folder and not whole.is_cuda else self._host_copy(whole)
         shared: Dict[str, list] = {}  # save name -> the requests' rows of `host` (SavesStore.add_rows: one call)
         for w in work:
             s = w.step
@@ -353,7 +359,7 @@ class WorkerState:
             except (RuntimeError, ValueError) as e:
                 self._fail(w.key, f"{location} ({s.do}) at step {w.at_step}: {e}")
         for name, parts in shared.items():
-            self.saves.add_rows(name, host, parts)
+            self.saves.add_rows(name, host, parts, pending=whole.is_cuda)
         if not edited:
             return None
         new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)
@@ -384,7 +390,17 @@ class WorkerState:
         host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
         host.copy_(part.detach(), non_blocking=True)
         self.copies_pending = True
+        self.copy_stream = torch.cuda.current_stream(part.device)
         return host
+
+    def _seal_copies(self) -> None:
+        """The step's host copies are done when an event recorded after them is: the store writes their rows
+        into files at a later step without waiting (SavesStore.flush)."""
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+            self.saves.seal_step(event)
+            self.copy_stream = None
 
     def _wait_copies(self) -> None:
         """Before saves leave the store: the host copies made without waiting are done."""

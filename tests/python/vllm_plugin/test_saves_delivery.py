@@ -1,6 +1,7 @@
 """fragments.vllm._delivery without vLLM: a take's saves as a shared-memory file or as bytes, read back equal to
 what the store held (safetensors' own loader reads the file), files never left behind, and the row blocks that
-SavesStore.add_rows keeps (views cut at take).
+SavesStore.add_rows keeps (views cut at take). RowFilesTest: a store with a folder writes each save's rows into
+a file of its own as the steps run (_rowfile.RowFile), and the take seals them.
 
     PYTHONPATH=python python tests/python/vllm_plugin/test_saves_delivery.py
 """
@@ -24,10 +25,10 @@ def subprocess_pid_that_ended() -> int:
     return p.pid
 
 
-def filled(keys=("a", "b", "c"), steps=5, width=6, dtype=torch.bfloat16):
+def filled(keys=("a", "b", "c"), steps=5, width=6, dtype=torch.bfloat16, folder=None):
     """A store whose requests saved `steps` decode steps of one row each at "h" through add_rows (one host block
     per step for every request), and a scalar per step at "s" through add."""
-    s = SavesStore()
+    s = SavesStore(folder=folder)
     for k in keys:
         s.open(k)
     expected = {k: [] for k in keys}
@@ -50,12 +51,13 @@ class DeliveryTest(unittest.TestCase):
         as_file = s.take("a", folder=self.dir)
         as_bytes = s.take("b")
         self.assertIsNone(as_file["data"])
-        self.assertTrue(os.path.isfile(as_file["file"]))
-        self.assertEqual(os.stat(as_file["file"]).st_mode & 0o777, 0o600)
-        self.assertTrue(os.path.basename(as_file["file"]).startswith(f"fragments-saves-{os.getpid()}-"))
-        self.assertEqual(set(load_file(as_file["file"])), {"h", "s"})  # safetensors' loader reads our file
+        self.assertTrue(os.path.isfile(as_file["files"][0]))
+        self.assertEqual(os.stat(as_file["files"][0]).st_mode & 0o777, 0o600)
+        self.assertTrue(os.path.basename(as_file["files"][0]).startswith(f"fragments-saves-{os.getpid()}-"))
+        self.assertEqual(set(load_file(as_file["files"][0])), {"h", "s"})  # safetensors' loader reads our file
         got = _delivery.tensors(as_file)
-        self.assertFalse(os.path.exists(as_file["file"]))
+        self.assertFalse(os.path.exists(as_file["files"][0]))
+        self.assertEqual(len(as_file["files"]), 1)  # in memory until the take: one file for every save
         self.assertTrue(torch.equal(got["h"], expected["a"]))
         self.assertEqual(got["h"].dtype, torch.bfloat16)
         self.assertEqual(got["s"].tolist(), [0.0, 1.0, 2.0, 3.0, 4.0])
@@ -78,21 +80,21 @@ class DeliveryTest(unittest.TestCase):
         s, expected = filled()
         entry = s.take("c", steps=3, folder=self.dir)
         data = _delivery.payload(entry)
-        self.assertFalse(os.path.exists(entry["file"]))
+        self.assertFalse(os.path.exists(entry["files"][0]))
         self.assertTrue(torch.equal(load(data)["h"], expected["c"][:3]))
 
     def test_no_room_in_shared_memory_answers_bytes_and_leaves_no_file(self):
         s, expected = filled()
         with mock.patch.object(os, "posix_fallocate", side_effect=OSError(28, "No space left on device")):
             entry = s.take("a", folder=self.dir)
-        self.assertNotIn("file", entry)
+        self.assertNotIn("files", entry)
         self.assertTrue(torch.equal(load(entry["data"])["h"], expected["a"]))
         self.assertEqual(os.listdir(self.dir), [])
 
     def test_a_folder_that_cannot_be_written_answers_bytes(self):
         s, expected = filled()
         entry = s.take("a", folder=os.path.join(self.dir, "no-such-folder"))
-        self.assertNotIn("file", entry)
+        self.assertNotIn("files", entry)
         self.assertTrue(torch.equal(load(entry["data"])["h"], expected["a"]))
 
     def test_a_caller_on_another_machine_gets_bytes(self):
@@ -117,7 +119,7 @@ class DeliveryTest(unittest.TestCase):
         s, _ = filled()
         entry = s.take("a", folder=self.dir)
         _delivery.discard(entry)
-        self.assertFalse(os.path.exists(entry["file"]))
+        self.assertFalse(os.path.exists(entry["files"][0]))
         _delivery.discard(entry)  # twice: nothing to do
 
     def test_truncation_counts_rows_not_the_host_block(self):
@@ -130,6 +132,146 @@ class DeliveryTest(unittest.TestCase):
         out = s.take("a")
         self.assertEqual(load(out["data"])["h"].shape, (3, 6))
         self.assertIn("FRAGMENTS_VLLM_MAX_SAVE_BYTES", out["error"])
+
+
+class RowFilesTest(unittest.TestCase):
+    """A store with a folder: every read-only save's rows in a file of their own, written as the steps run."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="rowfiles-test-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def mine(self):
+        return sorted(f for f in os.listdir(self.dir) if f.startswith("fragments-saves-"))
+
+    def test_rows_are_in_files_before_the_take_which_seals_them_without_a_copy(self):
+        s, expected = filled(folder=self.dir)
+        self.assertEqual(len(self.mine()), 6)  # 3 requests x 2 saves, written as the steps ran
+        sizes = {f: os.path.getsize(os.path.join(self.dir, f)) for f in self.mine()}
+        with mock.patch("fragments.vllm._delivery.write", side_effect=AssertionError("copied")):
+            entry = s.take("a", folder=self.dir)
+        self.assertEqual(len(entry["files"]), 2)
+        for path in entry["files"]:
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+            self.assertEqual(len(load_file(path)), 1)  # safetensors' own loader reads a sealed file
+        got = _delivery.tensors(entry)
+        self.assertTrue(torch.equal(got["h"], expected["a"]) and got["h"].dtype == torch.bfloat16)
+        self.assertEqual(got["s"].tolist(), [0.0, 1.0, 2.0, 3.0, 4.0])
+        self.assertEqual(len(self.mine()), 4)  # read and removed; b's and c's wait
+        self.assertEqual(entry["bytes"], 5 * 6 * 2 + 5 * 4)
+        self.assertTrue(all(sizes[f] > 0 for f in sizes))
+
+    def test_steps_past_the_tokens_are_cut_from_the_file(self):
+        s, expected = filled(folder=self.dir)
+        got = _delivery.tensors(s.take("b", steps=3, folder=self.dir))
+        self.assertTrue(torch.equal(got["h"], expected["b"][:3]))
+        self.assertEqual(got["s"].tolist(), [0.0, 1.0, 2.0])
+
+    def test_nothing_kept_leaves_no_file(self):
+        s, _ = filled(folder=self.dir)
+        entry = s.take("a", steps=0, folder=self.dir)
+        self.assertNotIn("files", entry)
+        self.assertIsNone(entry["data"])
+        self.assertEqual(len(self.mine()), 4)
+
+    def test_a_caller_elsewhere_gets_the_rows_as_bytes_and_the_files_go(self):
+        s, expected = filled(folder=self.dir)
+        entry = s.take("a")  # no folder: another machine
+        self.assertNotIn("files", entry)
+        self.assertTrue(torch.equal(load(entry["data"])["h"], expected["a"]))
+        other = tempfile.mkdtemp(prefix="rowfiles-other-")
+        self.addCleanup(shutil.rmtree, other, True)
+        entry = s.take("b", folder=other)  # this machine, another folder: one file there, written at the take
+        self.assertEqual([os.path.dirname(p) for p in entry["files"]], [other])
+        self.assertTrue(torch.equal(_delivery.tensors(entry)["h"], expected["b"]))
+        self.assertEqual(len(self.mine()), 2)
+
+    def test_the_server_payload_is_one_safetensors_of_every_file(self):
+        s, expected = filled(folder=self.dir)
+        entry = s.take("a", steps=4, folder=self.dir)
+        got = load(_delivery.payload(entry))
+        self.assertTrue(torch.equal(got["h"], expected["a"][:4]) and got["s"].tolist() == [0.0, 1.0, 2.0, 3.0])
+        self.assertTrue(not any(os.path.exists(p) for p in entry["files"]))
+
+    def test_dropped_expired_and_evicted_saves_remove_their_files(self):
+        now = [0.0]
+        with mock.patch.dict(os.environ, {"FRAGMENTS_VLLM_SAVES_TTL": "10", "FRAGMENTS_VLLM_SAVES_MAX_REQUESTS": "3"}):
+            s = SavesStore(folder=self.dir, clock=lambda: now[0])
+        for k in ("a", "b", "c"):
+            s.open(k)
+            s.add_rows("h", torch.ones(1, 4), [(k, 0, 1, 0)])
+        self.assertEqual(len(self.mine()), 3)
+        s.drop("a", "disconnected", "gone")
+        self.assertEqual(len(self.mine()), 2)
+        s.finish("b")
+        s.open("d")
+        s.open("e")  # past 3 requests held: b (finished) is evicted
+        self.assertEqual(len(self.mine()), 1)
+        s.finish("c")
+        now[0] = 11.0
+        self.assertEqual(s.stats()["files"], 0)  # c expired
+        self.assertEqual(self.mine(), [])
+        self.assertEqual(s.take("b")["status"], "dropped")
+
+    def test_shared_memory_full_mid_request_goes_on_in_memory(self):
+        s = SavesStore(folder=self.dir)
+        s.open("a")
+        rows = [torch.full((1, 3), float(i)) for i in range(4)]
+        s.add_rows("h", rows[0], [("a", 0, 1, 0)])
+        s.add_rows("h", rows[1], [("a", 0, 1, 1)])
+        with mock.patch("os.pwrite", side_effect=OSError(28, "No space left on device")):
+            s.add_rows("h", rows[2], [("a", 0, 1, 2)])
+        s.add_rows("h", rows[3], [("a", 0, 1, 3)])
+        self.assertEqual(self.mine(), [])  # the file went; its rows are in memory now
+        got = _delivery.tensors(s.take("a"))
+        self.assertTrue(torch.equal(got["h"], torch.cat(rows)))
+
+    def test_rows_still_being_copied_wait_for_their_event(self):
+        class Event:
+            done = False
+
+            def query(self):
+                return self.done
+
+            def synchronize(self):
+                self.done = True
+        s = SavesStore(folder=self.dir)
+        s.open("a")
+        s.add_rows("h", torch.ones(2, 3), [("a", 0, 2, 0)], pending=True)
+        s.flush()
+        self.assertEqual(s.stats()["queued"], 1)  # not sealed: not read
+        event = Event()
+        s.seal_step(event)
+        s.flush()
+        self.assertEqual(s.stats()["queued"], 1)  # its copy still runs
+        s.add_rows("h", torch.zeros(1, 3), [("a", 0, 1, 1)])  # ready, but queued behind: order is kept
+        self.assertEqual(s.stats()["queued"], 2)
+        event.done = True
+        s.flush()
+        self.assertEqual(s.stats()["queued"], 0)
+        s.add_rows("h", torch.full((1, 3), 2.0), [("a", 0, 1, 2)], pending=True)
+        s.seal_step(Event())
+        got = _delivery.tensors(s.take("a", folder=self.dir))  # the take waits for the copy
+        self.assertEqual(got["h"][:, 0].tolist(), [1.0, 1.0, 0.0, 2.0])
+
+    def test_more_saves_than_open_descriptors(self):
+        from fragments.vllm import _rowfile
+        with mock.patch.object(_rowfile.descriptors, "limit", 2):
+            s, expected = filled(folder=self.dir)  # 6 files, 2 open at a time
+            self.assertLessEqual(len(_rowfile.descriptors._open), 2)
+            for k in ("a", "b", "c"):
+                got = _delivery.tensors(s.take(k, folder=self.dir))
+                self.assertTrue(torch.equal(got["h"], expected[k]))
+        self.assertEqual(self.mine(), [])
+
+    def test_rows_of_another_shape_fail_the_request_not_the_step(self):
+        s = SavesStore(folder=self.dir)
+        s.open("a")
+        s.add_rows("h", torch.ones(1, 3), [("a", 0, 1, 0)])
+        s.add_rows("h", torch.ones(1, 4), [("a", 0, 1, 1)])
+        entry = s.take("a", folder=self.dir)
+        self.assertIn("rows of [4]", entry["error"])
+        self.assertEqual(_delivery.tensors(entry)["h"].shape, (1, 3))
 
 
 if __name__ == "__main__":
