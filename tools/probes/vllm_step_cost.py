@@ -6,7 +6,9 @@ worker's begin_step flush) and the take of every saving request.
 
     python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16] [--memory]
 
---memory keeps rows in memory until the take (FRAGMENTS_VLLM_ROWS_IN_SHM=0, the way before row files).
+--memory keeps rows in memory until the take (FRAGMENTS_VLLM_ROWS_IN_SHM=0, the way before row files);
+--no-thread writes rows into their files on the stepping thread, at the next step (a GPU worker's store has a
+writer thread of its own).
 """
 import argparse
 import collections
@@ -42,11 +44,11 @@ class _View:
         pass
 
 
-def state(rows, every, dtype, device, folder):
+def state(rows, every, dtype, device, folder, threaded):
     s = _worker.WorkerState.__new__(_worker.WorkerState)
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = _View(rows), torch.device(device), 0, None, 0, {}
     s.fragmented, s.copies_pending, s.copy_stream, s.leading_batch = {}, False, None, False
-    s.saves = _saves.SavesStore(copy=s._host_copy, wait=s._wait_copies, folder=folder)
+    s.saves = _saves.SavesStore(copy=s._host_copy, wait=s._wait_copies, folder=folder, threaded=threaded)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
     s.answers, s.plans, s.last_rows = _delivery.Folder(), {}, (None, None)
     for i in range(rows):
@@ -73,9 +75,11 @@ def main():
     ap.add_argument("--profile", action="store_true", help="cProfile the steps: the 15 costliest functions")
     ap.add_argument("--bytes", action="store_true", help="answers as bytes (the caller on another machine)")
     ap.add_argument("--memory", action="store_true", help="rows kept in memory until the take, not in files")
+    ap.add_argument("--no-thread", action="store_true", help="rows written on the stepping thread")
     args = ap.parse_args()
     folder = None if args.memory else _delivery.rows_folder()
-    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder)
+    threaded = args.device == "cuda" and not args.no_thread
+    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder, threaded)
     prof = None
     if args.profile:
         import cProfile
@@ -101,7 +105,7 @@ def main():
     t2 = time.perf_counter()
     assert all(len(r) == len(WIDTHS) for r in read.values())
     mb = sum(v["bytes"] for v in out.values()) / 2**20
-    where = "memory" if folder is None else f"files in {folder}"
+    where = "memory" if folder is None else f"files in {folder}" + (", a writer thread" if threaded else "")
     print(f"vllm_step_cost ({args.device}, rows in {where}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
           f"{(t1 - t0) / args.steps * 1e3:.2f} ms per step (drain), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
           f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)")

@@ -18,8 +18,10 @@ the bookkeeping (keys, errors) and no tensors (keep=False).
 
 Where rows wait: with a `folder` (shared memory on the worker's machine), each save's rows go into a file of
 their own as the steps run (_rowfile.RowFile), and the take seals those files instead of copying. Rows copied
-from a GPU without waiting are queued until their copy is done (`seal_step` gives them the step's CUDA event;
-`flush` writes those done, at the next step, while the GPU runs it). Without a folder, they wait in memory.
+from a GPU without waiting are queued until their copy is done (`seal_step` gives them the step's CUDA event).
+With `threaded`, a writer thread of the store's own waits for each event and writes the rows (the writes
+release the GIL, so vLLM's host loop, which bounds its decode steps, goes on meanwhile); without, `flush`
+writes those done at the next step. Without a folder, rows wait in memory.
 """
 from __future__ import annotations
 
@@ -93,10 +95,12 @@ class SavesStore:
 
     def __init__(self, keep: bool = True, clock: Callable[[], float] = time.monotonic,
                  copy: Optional[Callable] = None, wait: Optional[Callable[[], None]] = None,
-                 folder: Optional[str] = None):
+                 folder: Optional[str] = None, threaded: bool = False):
         self.keep = keep
         self.folder = folder if keep else None  # where rows are written as the steps run (None: in memory)
         self._queue: "deque[_Queued]" = deque()
+        self.threaded = threaded and self.folder is not None
+        self._writer: Optional[threading.Thread] = None  # started with the first queued rows (threaded)
         # how a kept save leaves the device (the worker's: a GPU value into pinned memory without waiting), and
         # what take waits for before the copies are read
         self._copy = copy or (lambda t: t.detach().to("cpu", copy=True))
@@ -107,6 +111,7 @@ class SavesStore:
         self.ttl = setting("FRAGMENTS_VLLM_SAVES_TTL")
         self._clock = clock
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)  # the writer thread waits on it for rows to write
         self._records: Dict[str, _Record] = {}
         self._finished: "OrderedDict[str, float]" = OrderedDict()  # key -> when it finished, oldest first
         self._gone: "OrderedDict[str, tuple]" = OrderedDict()  # key -> (status, why): taken or dropped
@@ -146,6 +151,7 @@ class SavesStore:
             rows = host if host.dim() > 0 else host.reshape(1)  # a scalar is a row of its own (stacked at take)
             self._queue.append(_Queued(name, rows, [(key, 0, rows.shape[0], step)],
                                        None if tensor.is_cuda and not copied else _READY))
+            self._kick()
         self.flush()
 
     def add_rows(self, name: str, host, parts, pending: bool = False) -> None:
@@ -163,6 +169,7 @@ class SavesStore:
                     self._records[key].saves.setdefault(name, []).append((step, host, lo, hi))
                 return
             self._queue.append(_Queued(name, host, kept, None if pending else _READY))
+            self._kick()
         self.flush()
 
     def seal_step(self, event) -> None:
@@ -172,10 +179,13 @@ class SavesStore:
                 if q.ready is not None:
                     break
                 q.ready = event
+            self._queued.notify()
 
     def flush(self, wait: bool = False) -> None:
         """Queued rows whose copy is done go into their files, in order (`wait`: all of them, after waiting
-        for the copies)."""
+        for the copies; without it, a store with a writer thread leaves them to it)."""
+        if self._writer is not None and not wait:
+            return
         with self._lock:
             synced = False
             while self._queue:
@@ -191,6 +201,38 @@ class SavesStore:
                         q.ready.synchronize()
                 self._queue.popleft()
                 self._write(q)
+
+    def _kick(self) -> None:
+        """Rows were queued (the lock held): the writer thread is told, started with the first."""
+        if not self.threaded:
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_queued, name="fragments-saves-writer", daemon=True)
+            self._writer.start()
+        self._queued.notify()
+
+    def _write_queued(self) -> None:
+        """The writer thread: the queue's first rows, once their copy is done (waited for without the lock, so
+        the steps go on queueing), written under the lock (a take, drop or expiry never meets a half-written
+        file); in order."""
+        while True:
+            with self._lock:
+                while not self._queue or self._queue[0].ready is None:
+                    self._queued.wait()
+                q = self._queue[0]
+            if q.ready is not _READY:
+                q.ready.synchronize()  # the GIL is released while it waits
+            with self._lock:
+                if self._queue and self._queue[0] is q:  # a take may have written it meanwhile (flush(wait))
+                    self._queue.popleft()
+                    try:
+                        self._write(q)
+                    except Exception:  # never lose the thread: the rows' requests get the error
+                        log.exception("fragments: writing saves' rows failed")
+                        for key, *_ in q.parts:
+                            record = self._records.get(key)
+                            if record is not None:
+                                record.error = record.error or f"fragments: writing the saves of {key} failed"
 
     def _write(self, q: _Queued) -> None:
         """A queued block's rows into each request's file for its name (the lock held)."""

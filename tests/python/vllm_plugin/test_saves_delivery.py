@@ -264,6 +264,40 @@ class RowFilesTest(unittest.TestCase):
                 self.assertTrue(torch.equal(got["h"], expected[k]))
         self.assertEqual(self.mine(), [])
 
+    def test_a_writer_thread_writes_rows_in_order_once_their_copy_is_done(self):
+        import threading
+        import time
+
+        class Event:  # a copy that takes a while; synchronize is called off the stepping thread
+            def __init__(self):
+                self.done, self.threads = threading.Event(), set()
+
+            def query(self):
+                return self.done.is_set()
+
+            def synchronize(self):
+                self.threads.add(threading.current_thread().name)
+                self.done.wait()
+        s = SavesStore(folder=self.dir, threaded=True)
+        s.open("a")
+        events = []
+        for step in range(6):
+            s.add_rows("h", torch.full((1, 3), float(step)), [("a", 0, 1, step)], pending=True)
+            events.append(Event())
+            s.seal_step(events[-1])
+        self.assertEqual(s.stats()["queued"], 6)  # the stepping thread never waited for a copy
+        for e in events[:3]:
+            e.done.set()
+        deadline = time.monotonic() + 10
+        while s.stats()["queued"] > 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(s.stats()["queued"], 3)  # written by the writer thread, the rest waits for its copy
+        self.assertEqual(events[0].threads, {"fragments-saves-writer"})
+        threading.Timer(0.2, lambda: [e.done.set() for e in events[3:]]).start()
+        got = _delivery.tensors(s.take("a", folder=self.dir))  # waits for the copies still running
+        self.assertEqual(got["h"][:, 0].tolist(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+        self.assertEqual(self.mine(), [])
+
     def test_rows_of_another_shape_fail_the_request_not_the_step(self):
         s = SavesStore(folder=self.dir)
         s.open("a")
