@@ -99,6 +99,15 @@ def rows_folder() -> Optional[str]:
     return SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else None
 
 
+def rows_threaded(device) -> bool:
+    """Whether a worker's rows are written by a thread of their own (a GPU's: copies finish while the host steps
+    on) rather than at its next step (FRAGMENTS_VLLM_ROWS_WRITER=thread|step)."""
+    how = os.environ.get("FRAGMENTS_VLLM_ROWS_WRITER", "thread" if device.type == "cuda" else "step")
+    if how not in ("thread", "step"):
+        raise ValueError(f"FRAGMENTS_VLLM_ROWS_WRITER={how!r}: expected thread or step")
+    return how == "thread"
+
+
 def write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optional[str]:
     """name -> its row blocks, written as one safetensors file (the blocks of a name concatenated in order)
     with one copy each; the path, or None when shared memory has no room for it or cannot be written (the

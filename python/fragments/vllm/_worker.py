@@ -72,7 +72,7 @@ class WorkerState:
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
         self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies,
-                                       folder=_delivery.rows_folder(), threaded=self.device.type == "cuda")
+                                       folder=_delivery.rows_folder(), threaded=_delivery.rows_threaded(self.device))
         self.last_rows: tuple = (None, None)  # _where's last (rows, device) and _runner.row_index's index
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.copies_pending = False  # saves copied to the host without waiting (GPU)
