@@ -39,6 +39,7 @@ namespace py = pybind11;
 
 namespace frag::python {
 void bind_rules(py::module& m);  // _C_rules.cpp: the rule library and plans for hook-based front ends (vLLM)
+void bind_files(py::module& m);  // _C_files.cpp: saves' rows into their files with the GIL released (vLLM)
 namespace {
 
 using program::ShardedModel;
@@ -545,6 +546,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace frag::python;
   m.doc() = "fragments' C++ runtime (program::ShardedModel) for the Python front end";
   bind_rules(m);
+  bind_files(m);
   bind_errors(m);
   bind_rank_context(m);
   bind_plan_format(m);

@@ -7,8 +7,9 @@ worker's begin_step flush) and the take of every saving request.
     python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16] [--memory]
 
 --memory keeps rows in memory until the take (FRAGMENTS_VLLM_ROWS_IN_SHM=0, the way before row files);
---no-thread writes rows into their files on the stepping thread, at the next step (a GPU worker's store has a
-writer thread of its own).
+--writer thread|step: who writes rows into their files, a thread of the store's own (a GPU worker's default) or
+the stepping thread at the next step (the CPU's); the per-step time is the stepping thread's, the take waits
+for the writer.
 """
 import argparse
 import collections
@@ -75,10 +76,10 @@ def main():
     ap.add_argument("--profile", action="store_true", help="cProfile the steps: the 15 costliest functions")
     ap.add_argument("--bytes", action="store_true", help="answers as bytes (the caller on another machine)")
     ap.add_argument("--memory", action="store_true", help="rows kept in memory until the take, not in files")
-    ap.add_argument("--no-thread", action="store_true", help="rows written on the stepping thread")
+    ap.add_argument("--writer", choices=("thread", "step"), help="who writes rows into files (FRAGMENTS_VLLM_ROWS_WRITER)")
     args = ap.parse_args()
     folder = None if args.memory else _delivery.rows_folder()
-    threaded = args.device == "cuda" and not args.no_thread
+    threaded = (args.writer or ("thread" if args.device == "cuda" else "step")) == "thread"
     s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder, threaded)
     prof = None
     if args.profile:

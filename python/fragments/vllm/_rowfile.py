@@ -87,11 +87,27 @@ class RowFile:
         """One step's rows as bytes ([n, row_bytes] uint8 numpy on the host, ready to read: `as_bytes`).
         OSError: shared memory is full (the file keeps the rows before these)."""
         self._write_all(rows, self.start + self.rows * self.row_bytes)
-        self.rows += rows.shape[0]
+        self.reserve(rows.shape[0], step)
+
+    def reserve(self, n: int, step: int) -> int:
+        """Room for `n` rows of `step` after those before: the byte offset where they go (a writer thread
+        writes them there: _C.write_rows)."""
+        offset = self.start + self.rows * self.row_bytes
+        self.rows += n
         if self.marks and self.marks[-1][0] == step:
             self.marks[-1] = (step, self.rows)
         else:
             self.marks.append((step, self.rows))
+        return offset
+
+    def cut(self, offset: int) -> None:
+        """Rows from byte `offset` on were not written (a write refused): the file ends before them."""
+        self.rows = (offset - self.start) // self.row_bytes
+        marks: List[Tuple[int, int]] = []
+        for step, end in self.marks:
+            if min(end, self.rows) > (marks[-1][1] if marks else 0):
+                marks.append((step, min(end, self.rows)))
+        self.marks = marks
 
     def kept(self, steps: Optional[int]) -> int:
         """Rows of steps before `steps` (all when None): rows are written in step order."""

@@ -90,6 +90,15 @@ class _Queued:
         self.name, self.host, self.parts, self.ready = name, host, parts, ready
 
 
+class _Write:
+    """One request's rows of one block, bound for `offset` in its save's file (the writer thread's batch)."""
+    __slots__ = ("file", "offset", "data", "record", "key", "name", "step", "rows")
+
+    def __init__(self, file, offset, data, record, key, name, step, rows):
+        self.file, self.offset, self.data, self.record = file, offset, data, record
+        self.key, self.name, self.step, self.rows = key, name, step, rows
+
+
 class SavesStore:
     """The saves of one worker's requests, by key (module docstring)."""
 
@@ -101,6 +110,7 @@ class SavesStore:
         self._queue: "deque[_Queued]" = deque()
         self.threaded = threaded and self.folder is not None
         self._writer: Optional[threading.Thread] = None  # started with the first queued rows (threaded)
+        self._in_flight = False  # the writer thread is writing a batch (without the lock)
         # how a kept save leaves the device (the worker's: a GPU value into pinned memory without waiting), and
         # what take waits for before the copies are read
         self._copy = copy or (lambda t: t.detach().to("cpu", copy=True))
@@ -187,6 +197,8 @@ class SavesStore:
         if self._writer is not None and not wait:
             return
         with self._lock:
+            while self._in_flight:  # the writer thread's batch: its rows come before the queue's
+                self._queued.wait()
             synced = False
             while self._queue:
                 q = self._queue[0]
@@ -212,27 +224,98 @@ class SavesStore:
         self._queued.notify()
 
     def _write_queued(self) -> None:
-        """The writer thread: the queue's first rows, once their copy is done (waited for without the lock, so
-        the steps go on queueing), written under the lock (a take, drop or expiry never meets a half-written
-        file); in order."""
+        """The writer thread: once the queue's first rows are copied (waited for without the lock, so the steps
+        go on queueing), they and every later block already copied are written in one batch: room reserved in
+        their files under the lock, the bytes written without it and with the GIL released once
+        (_C.write_rows). A take waits for a batch in flight; a drop removing a file under it is harmless."""
         while True:
             with self._lock:
                 while not self._queue or self._queue[0].ready is None:
                     self._queued.wait()
-                q = self._queue[0]
-            if q.ready is not _READY:
-                q.ready.synchronize()  # the GIL is released while it waits
+                head = self._queue[0]
+            if head.ready is not _READY:
+                head.ready.synchronize()  # the GIL is released while it waits
             with self._lock:
-                if self._queue and self._queue[0] is q:  # a take may have written it meanwhile (flush(wait))
-                    self._queue.popleft()
+                writes = self._reserve(self._copied(head))
+                self._in_flight = bool(writes)
+            if not writes:
+                continue
+            try:
+                from .. import _C
+                errors = _C.write_rows([w.file.path for w in writes], [w.offset for w in writes],
+                                       [w.data for w in writes])
+            except Exception as e:  # never lose the thread: the rows' saves go on in memory
+                errors = [str(e)] * len(writes)
+            with self._lock:
+                self._settle(writes, errors)
+                self._in_flight = False
+                self._queued.notify_all()
+
+    def _copied(self, head: _Queued) -> List[_Queued]:
+        """The queue's first blocks whose copy is done, taken off it (none if a take wrote `head` meanwhile)."""
+        out = []
+        if not self._queue or self._queue[0] is not head:
+            return out
+        while self._queue and (self._queue[0] is head or self._queue[0].ready is _READY or
+                               (self._queue[0].ready is not None and self._queue[0].ready.query())):
+            out.append(self._queue.popleft())
+        return out
+
+    def _reserve(self, blocks: List[_Queued]) -> List["_Write"]:
+        """The writes of the blocks' rows, room reserved in each file (the lock held); rows of a save gone to
+        memory (shared memory full) are appended there at once."""
+        writes = []
+        for q in blocks:
+            data = None
+            for key, lo, hi, step in q.parts:
+                record = self._records.get(key)
+                if record is None:
+                    continue
+                memory = record.saves.get(q.name)
+                f = record.files.get(q.name)
+                if memory is None and f is None:
                     try:
-                        self._write(q)
-                    except Exception:  # never lose the thread: the rows' requests get the error
-                        log.exception("fragments: writing saves' rows failed")
-                        for key, *_ in q.parts:
-                            record = self._records.get(key)
-                            if record is not None:
-                                record.error = record.error or f"fragments: writing the saves of {key} failed"
+                        f = record.files[q.name] = RowFile(self.folder, key, q.name, tuple(q.host.shape[1:]),
+                                                           q.host.dtype)
+                    except OSError as e:
+                        log.warning("fragments: %s: the rows of %s wait in memory: %s (%s)", key, q.name,
+                                    self.folder, e)
+                        memory = record.saves[q.name] = []
+                if memory is not None:
+                    memory.append((step, q.host[lo:hi], None, None))
+                    continue
+                try:
+                    f.fits(q.host)
+                except ValueError as e:
+                    record.error = record.error or f"fragments plan of request {key}: {e}"
+                    continue
+                if data is None:
+                    data = as_bytes(q.host)
+                writes.append(_Write(f, f.reserve(hi - lo, step), data[lo:hi], record, key, q.name, step,
+                                     q.host[lo:hi]))
+        return writes
+
+    def _settle(self, writes: List["_Write"], errors: list) -> None:
+        """After a batch (the lock held): a save whose write was refused (shared memory full) goes on in memory
+        from that write on, its file's earlier rows read back."""
+        failed: Dict[int, list] = {}  # id(file) -> [why, its writes from the first refused one on, in order]
+        for w, error in zip(writes, errors):
+            if id(w.file) in failed:
+                failed[id(w.file)][1].append(w)
+            elif error:
+                failed[id(w.file)] = [os.strerror(error) if isinstance(error, int) else error, [w]]
+        for why, rest in failed.values():
+            first = rest[0]
+            if self._records.get(first.key) is not first.record or first.record.files.get(first.name) is not first.file:
+                continue  # taken or dropped meanwhile
+            log.warning("fragments: %s: the rows of %s wait in memory: writing %s failed (%s)", first.key,
+                        first.name, first.file.path, why)
+            first.file.cut(first.offset)
+            blocks = first.file.blocks() if first.file.rows else []
+            first.file.discard()
+            del first.record.files[first.name]
+            first.record.saves[first.name] = [(s, t, None, None) for s, t in blocks] + \
+                [(w.step, w.rows, None, None) for w in rest]
 
     def _write(self, q: _Queued) -> None:
         """A queued block's rows into each request's file for its name (the lock held)."""

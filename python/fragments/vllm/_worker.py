@@ -338,9 +338,9 @@ class WorkerState:
         edited = False
         # read-only work here: one host copy of the rows for every request's saves (their rows are views of it);
         # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
-        # (on the CPU, rows written into files at once need no copy of their own)
+        # (on the CPU, rows written into their files at once, not by a writer thread later, need no copy)
         host = None if edits or not self.saves.keep else \
-            whole if self.saves.folder and not whole.is_cuda else self._host_copy(whole)
+            whole if self.saves.folder and not self.saves.threaded and not whole.is_cuda else self._host_copy(whole)
         shared: Dict[str, list] = {}  # save name -> the requests' rows of `host` (SavesStore.add_rows: one call)
         for w in work:
             s = w.step

@@ -298,6 +298,34 @@ class RowFilesTest(unittest.TestCase):
         self.assertEqual(got["h"][:, 0].tolist(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
         self.assertEqual(self.mine(), [])
 
+    def test_a_writer_thread_whose_write_is_refused_goes_on_in_memory(self):
+        import errno
+        import time
+
+        from fragments import _C
+        real, calls = _C.write_rows, []
+
+        def write_rows(paths, offsets, sources):  # shared memory full from the third batch on
+            calls.append(len(paths))
+            if len(calls) <= 2:
+                return real(paths, offsets, sources)
+            return [errno.ENOSPC] * len(paths)
+        s = SavesStore(folder=self.dir, threaded=True)
+        s.open("a")
+        s.open("b")
+        with mock.patch.object(_C, "write_rows", write_rows):
+            for step in range(5):
+                s.add_rows("h", torch.tensor([[float(step), 0.0], [float(step), 1.0]]),
+                           [("a", 0, 1, step), ("b", 1, 2, step)])
+                deadline = time.monotonic() + 10
+                while s.stats()["queued"] and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            got = {k: _delivery.tensors(s.take(k, folder=self.dir))["h"] for k in ("a", "b")}
+        self.assertGreaterEqual(len(calls), 3)
+        self.assertEqual(got["a"].tolist(), [[float(i), 0.0] for i in range(5)])
+        self.assertEqual(got["b"].tolist(), [[float(i), 1.0] for i in range(5)])
+        self.assertEqual(self.mine(), [])
+
     def test_rows_of_another_shape_fail_the_request_not_the_step(self):
         s = SavesStore(folder=self.dir)
         s.open("a")
