@@ -8,54 +8,20 @@ next step, and the take writes a header.
 Layout of the file (a valid safetensors file once sealed, one tensor):
   [8-byte header length][JSON header, padded with spaces to `start`][rows in step order]
 The header's room is reserved when the file is made (its longest form: the name is known then), so rows
-never move. Rows go in with pwrite, not through a mapping: the kernel copies them into the page cache without
-a page fault per page (3x faster here than a mapping's first touch), and a full tmpfs answers ENOSPC instead of
-a SIGBUS. Sealing writes the header over its reserved room and cuts the file at the last kept row.
+never move. Rows go in with pwrite (_rowqueue, _C.write_rows), not through a mapping: the kernel copies them
+into the page cache without a page fault per page (3x faster here than a mapping's first touch), and a full
+tmpfs answers ENOSPC instead of a SIGBUS. Sealing writes the header over its reserved room and cuts the file at the last kept row.
 """
 from __future__ import annotations
 
 import json
 import mmap
 import os
-from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 import torch
 
 from . import _delivery
-
-
-class _Descriptors:
-    """Open descriptors of row files, the least recently used closed past `limit` (reopened by path when
-    needed): a worker may hold thousands of saves (requests x locations), more than its descriptor limit."""
-
-    def __init__(self, limit: int = 256):
-        self.limit = limit
-        self._open: "OrderedDict[str, int]" = OrderedDict()
-
-    def get(self, path: str) -> int:
-        fd = self._open.get(path)
-        if fd is not None:
-            self._open.move_to_end(path)
-            return fd
-        fd = os.open(path, os.O_RDWR)
-        self._open[path] = fd
-        while len(self._open) > self.limit:
-            os.close(self._open.popitem(last=False)[1])
-        return fd
-
-    def add(self, path: str, fd: int) -> None:
-        self._open[path] = fd
-        while len(self._open) > self.limit:
-            os.close(self._open.popitem(last=False)[1])
-
-    def close(self, path: str) -> None:
-        fd = self._open.pop(path, None)
-        if fd is not None:
-            os.close(fd)
-
-
-descriptors = _Descriptors()
 
 
 class RowFile:
@@ -69,13 +35,14 @@ class RowFile:
         self.rows = 0
         self.marks: List[Tuple[int, int]] = []  # (step, rows written up to the end of that step), in step order
         self.path, fd = _delivery.new_file(folder, key)
-        descriptors.add(self.path, fd)
-        self.open = True
+        self.open = True  # until sealed (the caller's then) or discarded
         try:  # the header's room written now: sealing never needs space that a full tmpfs could refuse
-            self._write_all(b" " * self.start, 0)
+            _write_all(fd, b" " * self.start, 0)
         except BaseException:
             self.discard()
             raise
+        finally:
+            os.close(fd)
 
     def fits(self, block: torch.Tensor) -> None:
         """ValueError unless `block` ([n, *row_shape]) has this save's rows."""
@@ -83,15 +50,9 @@ class RowFile:
             raise ValueError(f"save {self.name!r}: rows of {list(block.shape[1:])} {block.dtype} after rows of "
                              f"{list(self.row_shape)} {self.dtype}")
 
-    def append(self, rows, step: int) -> None:
-        """One step's rows as bytes ([n, row_bytes] uint8 numpy on the host, ready to read: `as_bytes`).
-        OSError: shared memory is full (the file keeps the rows before these)."""
-        self._write_all(rows, self.start + self.rows * self.row_bytes)
-        self.reserve(rows.shape[0], step)
-
     def reserve(self, n: int, step: int) -> int:
-        """Room for `n` rows of `step` after those before: the byte offset where they go (a writer thread
-        writes them there: _C.write_rows)."""
+        """Room for `n` rows of `step` after those before: the byte offset where they go (_rowqueue writes them
+        there with _C.write_rows, which opens the file by path: no descriptor stays open between writes)."""
         offset = self.start + self.rows * self.row_bytes
         self.rows += n
         if self.marks and self.marks[-1][0] == step:
@@ -130,13 +91,16 @@ class RowFile:
             self.discard()
             return None
         try:
-            text = self._header(rows)  # padded with spaces to the room reserved (the format allows it)
-            self._write_all((self.start - 8).to_bytes(8, "little") + text, 0)
-            os.ftruncate(descriptors.get(self.path), self.start + rows * self.row_bytes)
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                text = self._header(rows)  # padded with spaces to the room reserved (the format allows it)
+                _write_all(fd, (self.start - 8).to_bytes(8, "little") + text, 0)
+                os.ftruncate(fd, self.start + rows * self.row_bytes)
+            finally:
+                os.close(fd)
         except BaseException:
             self.discard()
             raise
-        descriptors.close(self.path)
         self.open = False
         return self.path
 
@@ -150,7 +114,6 @@ class RowFile:
 
     def discard(self) -> None:
         if self.open:
-            descriptors.close(self.path)
             self.open = False
             _delivery.remove(self.path)
 
@@ -159,26 +122,31 @@ class RowFile:
                                        "data_offsets": [0, rows * self.row_bytes]}}, separators=(",", ":"))
         return text.encode()
 
-    def _write_all(self, data, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(descriptors.get(self.path), view, offset)
-            if n <= 0:
-                raise OSError(f"{self.path}: nothing written at {offset}")
-            view, offset = view[n:], offset + n
-
     def _read(self, rows: int) -> torch.Tensor:
         out = torch.empty((rows, *self.row_shape), dtype=self.dtype)
         view, offset = memoryview(as_bytes(out)).cast("B"), self.start
-        while view:
-            n = os.preadv(descriptors.get(self.path), [view], offset)
-            if n <= 0:
-                raise OSError(f"{self.path}: {len(view)} bytes missing at {offset}")
-            view, offset = view[n:], offset + n
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while view:
+                n = os.preadv(fd, [view], offset)
+                if n <= 0:
+                    raise OSError(f"{self.path}: {len(view)} bytes missing at {offset}")
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
         return out
 
 
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"nothing written at {offset}")
+        view, offset = view[n:], offset + n
+
+
 def as_bytes(block: torch.Tensor):
-    """A host block [n, ...] as [n, row bytes] uint8 numpy sharing its memory: RowFile.append's rows."""
+    """A host block [n, ...] as [n, row bytes] uint8 numpy sharing its memory (what _C.write_rows writes)."""
     block = block.contiguous()
     return block.reshape(block.shape[0], -1).view(torch.uint8).numpy()

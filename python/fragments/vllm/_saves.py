@@ -29,11 +29,12 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from typing import Callable, Dict, List, Optional
 
 from . import _delivery
-from ._rowfile import RowFile, as_bytes
+from ._rowfile import RowFile
+from ._rowqueue import READY, RowQueue
 
 log = logging.getLogger("fragments.vllm")
 
@@ -79,26 +80,6 @@ class _Record:
         self.files.clear()
 
 
-_READY = True  # a queued block whose rows can be read now (no copy in flight)
-
-
-class _Queued:
-    """Rows copied to the host whose copy may still run: (key, first row, row past the last, step) of `host`."""
-    __slots__ = ("name", "host", "parts", "ready")
-
-    def __init__(self, name, host, parts, ready):
-        self.name, self.host, self.parts, self.ready = name, host, parts, ready
-
-
-class _Write:
-    """One request's rows of one block, bound for `offset` in its save's file (the writer thread's batch)."""
-    __slots__ = ("file", "offset", "data", "record", "key", "name", "step", "rows")
-
-    def __init__(self, file, offset, data, record, key, name, step, rows):
-        self.file, self.offset, self.data, self.record = file, offset, data, record
-        self.key, self.name, self.step, self.rows = key, name, step, rows
-
-
 class SavesStore:
     """The saves of one worker's requests, by key (module docstring)."""
 
@@ -107,10 +88,6 @@ class SavesStore:
                  folder: Optional[str] = None, threaded: bool = False):
         self.keep = keep
         self.folder = folder if keep else None  # where rows are written as the steps run (None: in memory)
-        self._queue: "deque[_Queued]" = deque()
-        self.threaded = threaded and self.folder is not None
-        self._writer: Optional[threading.Thread] = None  # started with the first queued rows (threaded)
-        self._in_flight = False  # the writer thread is writing a batch (without the lock)
         # how a kept save leaves the device (the worker's: a GPU value into pinned memory without waiting), and
         # what take waits for before the copies are read
         self._copy = copy or (lambda t: t.detach().to("cpu", copy=True))
@@ -121,8 +98,10 @@ class SavesStore:
         self.ttl = setting("FRAGMENTS_VLLM_SAVES_TTL")
         self._clock = clock
         self._lock = threading.Lock()
-        self._queued = threading.Condition(self._lock)  # the writer thread waits on it for rows to write
         self._records: Dict[str, _Record] = {}
+        # rows on their way to their files (None: rows wait in memory)
+        self.rows = RowQueue(self.folder, self._records, self._lock, wait, threaded) if self.folder else None
+        self.threaded = self.rows is not None and self.rows.threaded
         self._finished: "OrderedDict[str, float]" = OrderedDict()  # key -> when it finished, oldest first
         self._gone: "OrderedDict[str, tuple]" = OrderedDict()  # key -> (status, why): taken or dropped
         self.bytes = 0
@@ -159,9 +138,7 @@ class SavesStore:
                 self._records[key].saves.setdefault(name, []).append((step, host, None, None))
                 return
             rows = host if host.dim() > 0 else host.reshape(1)  # a scalar is a row of its own (stacked at take)
-            self._queue.append(_Queued(name, rows, [(key, 0, rows.shape[0], step)],
-                                       None if tensor.is_cuda and not copied else _READY))
-            self._kick()
+            self.rows.put(name, rows, [(key, 0, rows.shape[0], step)], None if tensor.is_cuda and not copied else READY)
         self.flush()
 
     def add_rows(self, name: str, host, parts, pending: bool = False) -> None:
@@ -178,176 +155,18 @@ class SavesStore:
                 for key, lo, hi, step in kept:
                     self._records[key].saves.setdefault(name, []).append((step, host, lo, hi))
                 return
-            self._queue.append(_Queued(name, host, kept, None if pending else _READY))
-            self._kick()
+            self.rows.put(name, host, kept, None if pending else READY)
         self.flush()
 
     def seal_step(self, event) -> None:
         """The copies queued so far are done when `event` (recorded after them on the stream) is."""
-        with self._lock:
-            for q in reversed(self._queue):
-                if q.ready is not None:
-                    break
-                q.ready = event
-            self._queued.notify()
+        if self.rows is not None:
+            self.rows.seal(event)
 
     def flush(self, wait: bool = False) -> None:
-        """Queued rows whose copy is done go into their files, in order (`wait`: all of them, after waiting
-        for the copies; without it, a store with a writer thread leaves them to it)."""
-        if self._writer is not None and not wait:
-            return
-        with self._lock:
-            while self._in_flight:  # the writer thread's batch: its rows come before the queue's
-                self._queued.wait()
-            synced = False
-            while self._queue:
-                q = self._queue[0]
-                if not synced and q.ready is not _READY and (q.ready is None or not q.ready.query()):
-                    if not wait:
-                        break
-                    if q.ready is None:  # copies of a step not sealed yet: wait for the device
-                        if self._wait is not None:
-                            self._wait()
-                        synced = True
-                    else:
-                        q.ready.synchronize()
-                self._queue.popleft()
-                self._write(q)
-
-    def _kick(self) -> None:
-        """Rows were queued (the lock held): the writer thread is told, started with the first."""
-        if not self.threaded:
-            return
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_queued, name="fragments-saves-writer", daemon=True)
-            self._writer.start()
-        self._queued.notify()
-
-    def _write_queued(self) -> None:
-        """The writer thread: once the queue's first rows are copied (waited for without the lock, so the steps
-        go on queueing), they and every later block already copied are written in one batch: room reserved in
-        their files under the lock, the bytes written without it and with the GIL released once
-        (_C.write_rows). A take waits for a batch in flight; a drop removing a file under it is harmless."""
-        while True:
-            with self._lock:
-                while not self._queue or self._queue[0].ready is None:
-                    self._queued.wait()
-                head = self._queue[0]
-            if head.ready is not _READY:
-                head.ready.synchronize()  # the GIL is released while it waits
-            with self._lock:
-                writes = self._reserve(self._copied(head))
-                self._in_flight = bool(writes)
-            if not writes:
-                continue
-            try:
-                from .. import _C
-                errors = _C.write_rows([w.file.path for w in writes], [w.offset for w in writes],
-                                       [w.data for w in writes])
-            except Exception as e:  # never lose the thread: the rows' saves go on in memory
-                errors = [str(e)] * len(writes)
-            with self._lock:
-                self._settle(writes, errors)
-                self._in_flight = False
-                self._queued.notify_all()
-
-    def _copied(self, head: _Queued) -> List[_Queued]:
-        """The queue's first blocks whose copy is done, taken off it (none if a take wrote `head` meanwhile)."""
-        out = []
-        if not self._queue or self._queue[0] is not head:
-            return out
-        while self._queue and (self._queue[0] is head or self._queue[0].ready is _READY or
-                               (self._queue[0].ready is not None and self._queue[0].ready.query())):
-            out.append(self._queue.popleft())
-        return out
-
-    def _reserve(self, blocks: List[_Queued]) -> List["_Write"]:
-        """The writes of the blocks' rows, room reserved in each file (the lock held); rows of a save gone to
-        memory (shared memory full) are appended there at once."""
-        writes = []
-        for q in blocks:
-            data = None
-            for key, lo, hi, step in q.parts:
-                record = self._records.get(key)
-                if record is None:
-                    continue
-                memory = record.saves.get(q.name)
-                f = record.files.get(q.name)
-                if memory is None and f is None:
-                    try:
-                        f = record.files[q.name] = RowFile(self.folder, key, q.name, tuple(q.host.shape[1:]),
-                                                           q.host.dtype)
-                    except OSError as e:
-                        log.warning("fragments: %s: the rows of %s wait in memory: %s (%s)", key, q.name,
-                                    self.folder, e)
-                        memory = record.saves[q.name] = []
-                if memory is not None:
-                    memory.append((step, q.host[lo:hi], None, None))
-                    continue
-                try:
-                    f.fits(q.host)
-                except ValueError as e:
-                    record.error = record.error or f"fragments plan of request {key}: {e}"
-                    continue
-                if data is None:
-                    data = as_bytes(q.host)
-                writes.append(_Write(f, f.reserve(hi - lo, step), data[lo:hi], record, key, q.name, step,
-                                     q.host[lo:hi]))
-        return writes
-
-    def _settle(self, writes: List["_Write"], errors: list) -> None:
-        """After a batch (the lock held): a save whose write was refused (shared memory full) goes on in memory
-        from that write on, its file's earlier rows read back."""
-        failed: Dict[int, list] = {}  # id(file) -> [why, its writes from the first refused one on, in order]
-        for w, error in zip(writes, errors):
-            if id(w.file) in failed:
-                failed[id(w.file)][1].append(w)
-            elif error:
-                failed[id(w.file)] = [os.strerror(error) if isinstance(error, int) else error, [w]]
-        for why, rest in failed.values():
-            first = rest[0]
-            if self._records.get(first.key) is not first.record or first.record.files.get(first.name) is not first.file:
-                continue  # taken or dropped meanwhile
-            log.warning("fragments: %s: the rows of %s wait in memory: writing %s failed (%s)", first.key,
-                        first.name, first.file.path, why)
-            first.file.cut(first.offset)
-            blocks = first.file.blocks() if first.file.rows else []
-            first.file.discard()
-            del first.record.files[first.name]
-            first.record.saves[first.name] = [(s, t, None, None) for s, t in blocks] + \
-                [(w.step, w.rows, None, None) for w in rest]
-
-    def _write(self, q: _Queued) -> None:
-        """A queued block's rows into each request's file for its name (the lock held)."""
-        data = None  # q.host as bytes, once per block
-        for key, lo, hi, step in q.parts:
-            record = self._records.get(key)
-            if record is None:  # taken or dropped while its rows were in flight
-                continue
-            memory = record.saves.get(q.name)
-            if memory is not None:  # shared memory was full for this save: it goes on in memory
-                memory.append((step, q.host[lo:hi], None, None))
-                continue
-            f = record.files.get(q.name)
-            try:
-                if f is None:
-                    f = record.files[q.name] = RowFile(self.folder, key, q.name, tuple(q.host.shape[1:]),
-                                                       q.host.dtype)
-                if data is None:
-                    f.fits(q.host)
-                    data = as_bytes(q.host)
-                elif f.row_shape != tuple(q.host.shape[1:]) or f.dtype != q.host.dtype:
-                    f.fits(q.host)
-                f.append(data[lo:hi], step)
-            except OSError as e:  # no room in shared memory (or none at all): this save goes on in memory
-                log.warning("fragments: %s: the rows of %s wait in memory: %s (%s)", key, q.name, self.folder, e)
-                blocks = f.blocks() if f is not None and f.rows else []
-                if f is not None:
-                    f.discard()
-                    record.files.pop(q.name, None)
-                record.saves[q.name] = [(s, t, None, None) for s, t in blocks] + [(step, q.host[lo:hi], None, None)]
-            except ValueError as e:  # a save whose rows changed shape or dtype: the request's error
-                record.error = record.error or f"fragments plan of request {key}: {e}"
+        """Queued rows whose copy is done go into their files (`wait`: all of them: RowQueue.flush)."""
+        if self.rows is not None:
+            self.rows.flush(wait)
 
     def _room(self, key: str, name: str, size: int) -> bool:
         """Whether `size` more bytes of `name` are kept for `key` (counted if so); a request past its cap, or a
@@ -450,7 +269,7 @@ class SavesStore:
         with self._lock:
             self._expire()
             return {"requests": len(self._records), "running": len(self._records) - len(self._finished),
-                    "bytes": self.bytes, "queued": len(self._queue),
+                    "bytes": self.bytes, "queued": len(self.rows or ()),
                     "files": sum(len(r.files) for r in self._records.values()),
                     "dropped": dict(self.dropped), "dropped_bytes": self.dropped_bytes,
                     "remembered": len(self._gone)}
