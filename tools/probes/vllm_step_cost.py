@@ -22,7 +22,7 @@ sys.path.append(os.path.join(ROOT, "python"))  # after PYTHONPATH (the GPU machi
 
 import torch  # noqa: E402
 
-from fragments.vllm import _delivery, _plan, _runner, _saves, _worker  # noqa: E402
+from fragments.vllm import _delivery, _plan, _rowqueue, _runner, _saves, _worker  # noqa: E402
 
 WIDTHS = {"model.layers.0.self_attn.qkv_proj.output": 6144, "model.layers.1.mlp.down_proj.input": 14336,
           "model.layers.2.output": 4096, "model.norm.output": 4096}
@@ -48,8 +48,8 @@ class _View:
 def state(rows, every, dtype, device, folder, threaded):
     s = _worker.WorkerState.__new__(_worker.WorkerState)
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = _View(rows), torch.device(device), 0, None, 0, {}
-    s.fragmented, s.copies_pending, s.copy_stream, s.leading_batch = {}, False, None, False
-    s.saves = _saves.SavesStore(copy=s._host_copy, wait=s._wait_copies, folder=folder, threaded=threaded)
+    s.fragmented, s.leading_batch, s.copies = {}, False, _rowqueue.HostCopies(torch.device(device))
+    s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder, threaded=threaded)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
     s.answers, s.plans, s.last_rows = _delivery.Folder(), {}, (None, None)
     for i in range(rows):
@@ -92,7 +92,7 @@ def main():
         s.step_work = None
         s.saves.flush()  # begin_step
         s._drain_slots()
-        s._seal_copies()  # end_step
+        s.copies.seal(s.saves)  # end_step
     if args.device == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()

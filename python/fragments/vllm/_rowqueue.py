@@ -190,6 +190,43 @@ class RowQueue:
                 [(w.step, w.rows, None, None) for w in rest]
 
 
+class HostCopies:
+    """A worker's saves copied from its device to the host: from a GPU into pinned memory without waiting (the
+    copy is ordered on the stream after the value is made and before anything overwrites it), an event after
+    each step's copies (`seal`: the queue writes their rows once it is done), one wait before saves leave."""
+
+    def __init__(self, device):
+        self.device = device
+        self.pending = False  # copies made without waiting since the last wait
+        self.stream = None  # the stream of this step's copies, sealed at the step's end
+
+    def copy(self, part):
+        import torch
+        if part.device.type != "cuda":
+            return part.detach().to("cpu", copy=True)
+        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)  # torch's pinned cache: reused
+        host.copy_(part.detach(), non_blocking=True)
+        self.pending = True
+        self.stream = torch.cuda.current_stream(part.device)
+        return host
+
+    def seal(self, store) -> None:
+        """At a step's end: its copies are done when an event recorded after them is (store.seal_step)."""
+        if self.stream is not None:
+            import torch
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            store.seal_step(event)
+            self.stream = None
+
+    def wait(self) -> None:
+        """Before saves leave the store: every copy made without waiting is done."""
+        if self.pending:
+            import torch
+            torch.cuda.synchronize(self.device)
+            self.pending = False
+
+
 def _write(writes: List[_Write]) -> list:
     """The batch's bytes into their files (_C.write_rows, the GIL released once): an errno or message per write."""
     if not writes:

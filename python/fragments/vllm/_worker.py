@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ..core import executor
-from . import _delivery, _layers, _plan, _python, _runner, _saves, _stages, _vllm_api
+from . import _delivery, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
@@ -71,12 +71,11 @@ class WorkerState:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
-        self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self._host_copy, wait=self._wait_copies,
+        self.copies = _rowqueue.HostCopies(self.device)  # saves' device -> host copies, without waiting
+        self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self.copies.copy, wait=self.copies.wait,
                                        folder=_delivery.rows_folder(), threaded=_delivery.rows_threaded(self.device))
         self.last_rows: tuple = (None, None)  # _where's last (rows, device) and _runner.row_index's index
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
-        self.copies_pending = False  # saves copied to the host without waiting (GPU)
-        self.copy_stream = None  # the stream of this step's copies (GPU), sealed at the step's end
         self.in_step = False
         self.acting = False  # compiled: a live plan acts at this step
         self.editing = False  # compiled: ... and edits (its taps must run between graph pieces: no FULL graph)
@@ -186,7 +185,7 @@ class WorkerState:
         if self.in_step and self.view.full:  # a FULL CUDA graph ran: the taps' values are in their slots
             self.step_counts["full"] += 1
             self._drain_slots()
-        self._seal_copies()
+        self.copies.seal(self.saves)
         self.host_s["end_step"] += time.perf_counter() - t0
         self.in_step = self.executing = self.acting = self.editing = False
         self.step_work = None
@@ -340,7 +339,7 @@ class WorkerState:
         # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
         # (on the CPU, rows written into their files at once, not by a writer thread later, need no copy)
         host = None if edits or not self.saves.keep else \
-            whole if self.saves.folder and not self.saves.threaded and not whole.is_cuda else self._host_copy(whole)
+            whole if self.saves.folder and not self.saves.threaded and not whole.is_cuda else self.copies.copy(whole)
         shared: Dict[str, list] = {}  # save name -> the requests' rows of `host` (SavesStore.add_rows: one call)
         for w in work:
             s = w.step
@@ -381,32 +380,6 @@ class WorkerState:
         target = _C.index_view(s.index, view, location) if s.index else view
         executor.edit(target, s.do, s.value, s.by)  # the one switch over an edit in Python (fragments.core)
         return True
-
-    def _host_copy(self, part: torch.Tensor) -> torch.Tensor:
-        """A save's copy in host memory. From a GPU: into pinned memory, without waiting (the copy is ordered on
-        the stream after the value is made and before anything overwrites it); take_saves waits once."""
-        if part.device.type != "cuda":
-            return part.detach().to("cpu", copy=True)
-        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
-        host.copy_(part.detach(), non_blocking=True)
-        self.copies_pending = True
-        self.copy_stream = torch.cuda.current_stream(part.device)
-        return host
-
-    def _seal_copies(self) -> None:
-        """The step's host copies are done when an event recorded after them is: the store writes their rows
-        into files at a later step without waiting (SavesStore.flush)."""
-        if self.copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-            self.saves.seal_step(event)
-            self.copy_stream = None
-
-    def _wait_copies(self) -> None:
-        """Before saves leave the store: the host copies made without waiting are done."""
-        if self.copies_pending:
-            torch.cuda.synchronize(self.device)
-            self.copies_pending = False
 
     # ---- compiled mode (fragments/vllm/_tap.py) ------------------------------------------------------
     def _place_taps(self):
