@@ -151,6 +151,7 @@ def vllm_runner(args, mode):
         detail.update({f"{k}_steps": v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()})
         detail.update(fv.timings)
         detail["saved_mb"] = sum(t.numel() * t.element_size() for o in outs for t in o.fragments.values()) / 2**20
+        detail["saved_rows"] = sorted({t.shape[0] for o in outs for t in o.fragments.values()})  # prompt + new - 1
         return detail
 
     def step_rate(column):
