@@ -65,7 +65,7 @@ class RowQueue:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._run, name="fragments-saves-writer", daemon=True)
                 self._writer.start()
-            self._queued.notify()
+            self._queued.notify_all()
 
     def seal(self, event) -> None:
         """The blocks queued so far are ready when `event` (recorded after their copies on the stream) is."""
@@ -74,7 +74,7 @@ class RowQueue:
                 if q.ready is not None:
                     break
                 q.ready = event
-            self._queued.notify()
+            self._queued.notify_all()
 
     def flush(self, wait: bool = False) -> None:
         """Queued rows whose copy is done go into their files, in order (`wait`: all of them, after waiting
