@@ -230,11 +230,16 @@ class SavesStore:
         answer = {"status": "ok", "error": "; ".join(filter(None, (record.error, record.truncated))) or None,
                   "data": None, "bytes": record.bytes}
         kept = _kept(record.saves, steps) if self.keep else {}
-        files = []
-        same = folder is not None and self.folder is not None and \
-            os.path.realpath(folder) == os.path.realpath(self.folder)
-        for name, f in record.files.items():
-            if same:
+        files: List[str] = []
+        try:
+            same = folder is not None and self.folder is not None and \
+                os.path.realpath(folder) == os.path.realpath(self.folder)
+            for name, f in record.files.items():
+                if not same:  # the caller is elsewhere: the rows travel as bytes (or in the caller's folder)
+                    rows = f.read(steps)
+                    if rows is not None:
+                        kept[name] = [rows]
+                    continue
                 try:
                     path = f.seal(steps)  # its header written: no row is copied
                 except OSError as e:  # not expected: the header's page was allocated with the file
@@ -242,16 +247,16 @@ class SavesStore:
                     continue
                 if path is not None:
                     files.append(path)
-                continue
-            rows = f.read(steps)  # the caller is elsewhere: the rows travel as bytes (or in the caller's folder)
-            if rows is not None:
-                kept[name] = [rows]
-        record.files.clear()
-        path = _delivery.write(kept, folder, key) if kept and folder else None
-        if path is not None:
-            files.append(path)
-        elif kept:
-            answer["data"] = _serialize(kept)
+            path = _delivery.write(kept, folder, key) if kept and folder else None
+            if path is not None:
+                files.append(path)
+            elif kept:
+                answer["data"] = _serialize(kept)
+        except BaseException:  # no answer goes out: no file of it stays behind
+            _delivery.discard({"files": files})
+            raise
+        finally:
+            record.discard()  # the files not sealed
         if files:
             answer["files"] = files
         return answer

@@ -316,6 +316,26 @@ class RowFilesTest(unittest.TestCase):
         self.assertEqual(got["b"].tolist(), [[float(i), 1.0] for i in range(5)])
         self.assertEqual(self.mine(), [])
 
+    def test_a_take_that_fails_midway_leaves_no_file_of_its_request(self):
+        s, _ = filled(folder=self.dir)
+        with mock.patch("fragments.vllm._saves._serialize", side_effect=RuntimeError("boom")):
+            with self.assertRaises(RuntimeError):
+                s.take("a")  # bytes: the rows were read back from a's files, then the answer failed
+        self.assertEqual(len(self.mine()), 4)  # b's and c's
+        from fragments.vllm._rowfile import RowFile
+        real, sealed = RowFile.seal, []
+
+        def seal(f, steps):  # the first file seals, the second fails
+            if sealed:
+                raise RuntimeError("boom")
+            sealed.append(real(f, steps))
+            return sealed[-1]
+        with mock.patch.object(RowFile, "seal", seal):
+            with self.assertRaises(RuntimeError):
+                s.take("b", folder=self.dir)
+        self.assertEqual(len(sealed), 1)
+        self.assertEqual(len(self.mine()), 2)  # c's: b's sealed file went with its failed answer
+
     def test_rows_of_another_shape_fail_the_request_not_the_step(self):
         s = SavesStore(folder=self.dir)
         s.open("a")
