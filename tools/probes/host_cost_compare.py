@@ -32,16 +32,21 @@ def run(python_dir, args):
     return done.stdout
 
 
+def rows(out):
+    """A probe's printed rows: {name: microseconds} (its lines "<name, 36 wide> <us> us")."""
+    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.{36}) +([0-9.]+) us$", out, re.M)}
+
+
 def save_probe(python_dir, models, repeats):
     out = run(python_dir, [os.path.join(HERE, "save_overhead_probe.py"), os.path.join(models, "llama_tp1", "rank0.pt"),
                            "--repeats", str(repeats)])
-    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.{36}) +([0-9.]+) us$", out, re.M)}
+    return rows(out)
 
 
 def python_side(python_dir, models, repeats):
     out = run(python_dir, [os.path.join(HERE, "python_side_cost.py"), os.path.join(models, "llama_tp1", "rank0.pt"),
                            "--repeats", str(repeats * 25)])
-    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.{36}) +([0-9.]+) us$", out, re.M)}
+    return rows(out)
 
 
 def trace_overhead(python_dir, models, repeats):

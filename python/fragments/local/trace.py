@@ -106,6 +106,7 @@ class Trace(Tracer):
         self._results = prepared.results(out, saved, self._generate, model._call)
         self._deliver(*self._results)
 
+
 def probed(model):
     """{location: (shape, dtype)} of one probe forward of this rank (made once per model)."""
     if getattr(model, "_shapes", None) is None:

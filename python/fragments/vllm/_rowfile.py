@@ -29,7 +29,7 @@ class RowFile:
 
     def __init__(self, folder: str, key: str, name: str, row_shape: Tuple[int, ...], dtype: torch.dtype):
         self.name, self.row_shape, self.dtype = name, tuple(row_shape), dtype
-        self.row_bytes = int(torch.Size(row_shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = int(torch.Size(row_shape).numel()) * dtype.itemsize
         longest = len(self._header(10**15)) + 8  # the header at its longest (digits of the largest counts)
         self.start = -(-longest // mmap.PAGESIZE) * mmap.PAGESIZE  # rows start on a page: mapped when read
         self.rows = 0

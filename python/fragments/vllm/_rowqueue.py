@@ -18,6 +18,9 @@ import threading
 from collections import deque
 from typing import Callable, Dict, List, Optional
 
+import torch
+
+from .. import _C
 from ._rowfile import RowFile, as_bytes
 
 log = logging.getLogger("fragments.vllm")
@@ -133,7 +136,7 @@ class RowQueue:
             out.append(self._queue.popleft())
         return out
 
-    def _reserve(self, blocks: List[_Queued]) -> List["_Write"]:
+    def _reserve(self, blocks: List[_Queued]) -> List[_Write]:
         """The writes of the blocks' rows, room reserved in each file (the lock held); rows of a save gone to
         memory (shared memory full) are appended there at once."""
         writes = []
@@ -167,7 +170,7 @@ class RowQueue:
                                      q.host[lo:hi]))
         return writes
 
-    def _settle(self, writes: List["_Write"], errors: list) -> None:
+    def _settle(self, writes: List[_Write], errors: list) -> None:
         """After a batch (the lock held): a save whose write was refused (shared memory full) goes on in memory
         from that write on, its file's earlier rows read back."""
         failed: Dict[int, list] = {}  # id(file) -> [why, its writes from the first refused one on, in order]
@@ -201,7 +204,6 @@ class HostCopies:
         self.stream = None  # the stream of this step's copies, sealed at the step's end
 
     def copy(self, part):
-        import torch
         if part.device.type != "cuda":
             return part.detach().to("cpu", copy=True)
         host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)  # torch's pinned cache: reused
@@ -213,7 +215,6 @@ class HostCopies:
     def seal(self, store) -> None:
         """At a step's end: its copies are done when an event recorded after them is (store.seal_step)."""
         if self.stream is not None:
-            import torch
             event = torch.cuda.Event()
             event.record(self.stream)
             store.seal_step(event)
@@ -222,7 +223,6 @@ class HostCopies:
     def wait(self) -> None:
         """Before saves leave the store: every copy made without waiting is done."""
         if self.pending:
-            import torch
             torch.cuda.synchronize(self.device)
             self.pending = False
 
@@ -232,7 +232,6 @@ def _write(writes: List[_Write]) -> list:
     if not writes:
         return []
     try:
-        from .. import _C
         return _C.write_rows([w.file.path for w in writes], [w.offset for w in writes], [w.data for w in writes])
     except Exception as e:  # never lose the writer: the rows' saves go on in memory
         return [str(e)] * len(writes)
