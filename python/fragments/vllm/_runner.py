@@ -11,10 +11,11 @@ Either way a forward's tokens are the batch's requests' rows back to back, and t
 row per request. `Rows` is that, per request, with the engine step it is at (0 = prefill, k = k-th decode step).
 
 CUDA graphs (compiled engines on GPUs; docs/vllm.md "CUDA graphs"): a captured graph replays kernels, never a
-Python body. A FULL graph's taps copy their values into slots (recorded at capture), which serves read-only
-plans; a step whose plans edit may not replay a FULL graph. `guard_graphs` makes the runner's dispatch choose
-its PIECEWISE graph (taps split it: they run between pieces) or no graph for such a step, and records whether
-the step replays a FULL graph (`full`); other steps keep vLLM's choice.
+Python body. A captured tap copies its value into a slot, which serves read-only plans; a step whose plans edit
+may not replay a graph its taps are captured in. `guard_graphs` makes the runner's dispatch avoid those graphs
+for such a step (FULL ones where taps split the PIECEWISE ones and run between their pieces; every graph where
+taps stay inside the pieces: _tap.arrange_graphs), and records which kind of graph each step replays (`graph`);
+other steps keep vLLM's choice.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class Runner:
     def __init__(self, runner):
         self.runner = runner
         self._guarded = False
-        self.full = False  # the step's forward replays a FULL CUDA graph (set by the dispatch guard)
+        self.graph = "NONE"  # the CUDA graph the step's forward replays: NONE, PIECEWISE or FULL (the dispatch guard)
         self._wants_taps: Optional[Callable[[], bool]] = None  # set by guard_graphs (compiled engines with taps)
+        self._no_graph = False  # a step that wants its taps runs without any graph (else: not a FULL one)
 
     def rows(self) -> List[Row]:
         raise NotImplementedError
@@ -60,12 +62,15 @@ class Runner:
         """A live request's SamplingParams, for a plan not seen when the request was new (None: unknown)."""
         return None
 
-    def guard_graphs(self, wants_taps: Callable[[], bool]) -> None:
+    def guard_graphs(self, wants_taps: Callable[[], bool], no_graph: bool = False) -> None:
+        """`wants_taps()`: whether this step's taps must run their bodies (its plans edit). Such a step replays no
+        FULL graph, and with `no_graph` no graph at all."""
         self._wants_taps = wants_taps
+        self._no_graph = no_graph
         self._guard()
 
     def begin_step(self) -> None:
-        self.full = False
+        self.graph = "NONE"
         if self._wants_taps is not None and not self._guarded:
             self._guard()
 
@@ -94,10 +99,11 @@ class V1(Runner):
         original = dispatcher.dispatch
 
         def dispatch(num_tokens, *args, invalid_modes=None, **kwargs):
-            if self._wants_taps():  # FULL graphs replay the taps' slot copies only: not for a step that edits
-                invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+            if self._wants_taps():  # captured taps only copy to their slots: not for a step that edits
+                avoid = {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE} if self._no_graph else {CUDAGraphMode.FULL}
+                invalid_modes = set(invalid_modes or ()) | avoid
             mode, desc = original(num_tokens, *args, invalid_modes=invalid_modes, **kwargs)
-            self.full = mode == CUDAGraphMode.FULL
+            self.graph = mode.name
             return mode, desc
         dispatcher.dispatch = dispatch
         self._guarded = True
@@ -140,9 +146,9 @@ class V2(Runner):
                 desc = original(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
             else:  # no uniform count: the decode (FULL) candidates do not match, the PIECEWISE one does
                 desc = original(num_reqs, num_tokens, None, *args, **kwargs)
-                if desc.cg_mode == CUDAGraphMode.FULL:  # FULL graphs for mixed batches too: run without a graph
-                    desc = _vllm_api.no_graph(desc, num_tokens, num_reqs)
-            self.full = desc.cg_mode == CUDAGraphMode.FULL
+                if desc.cg_mode == CUDAGraphMode.FULL or (self._no_graph and desc.cg_mode != CUDAGraphMode.NONE):
+                    desc = _vllm_api.no_graph(desc, num_tokens, num_reqs)  # (FULL: mixed batches captured FULL too)
+            self.graph = desc.cg_mode.name
             return desc
         manager.dispatch = dispatch
         self._guarded = True

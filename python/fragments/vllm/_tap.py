@@ -22,6 +22,7 @@ Why this op's shape:
 from __future__ import annotations
 
 import fnmatch
+import os
 from typing import Callable, Dict, Iterable, Optional
 
 import torch
@@ -107,21 +108,43 @@ def select(patterns, candidates: Iterable[str], refused: Dict[str, str]) -> list
     return sorted(chosen)
 
 
-def arrange_graphs(compilation_config) -> str:
+GRAPH_TAPS_ENV = "FRAGMENTS_VLLM_GRAPH_TAPS"
+WAYS = ("split", "slots")
+
+
+def graph_way(environ=None) -> str:
+    """How taps meet CUDA graphs (FRAGMENTS_VLLM_GRAPH_TAPS, read once at engine start): "split" or "slots"
+    (arrange_graphs says what each does). A value of another word stops the engine with one line."""
+    value = (environ if environ is not None else os.environ).get(GRAPH_TAPS_ENV, "split").strip().lower()
+    if value not in WAYS:
+        raise ValueError(f"fragments: {GRAPH_TAPS_ENV}={value!r}: expected one of {', '.join(WAYS)}")
+    return value
+
+
+def arrange_graphs(compilation_config, way: str = "split") -> str:
     """CUDA graphs (GPUs) replay kernels, never a Python body, so a tap inside a captured graph would act once
     (at capture, where no plan acts) and then not at all. At engine start, before vLLM compiles the model:
-    - where vLLM captures PIECEWISE graphs (its pieces run between its splitting ops, as attention runs), the
-      taps become splitting ops too: each runs eagerly between two pieces, every replay;
-    - a step whose plans must act never replays a FULL graph (the worker's dispatch guard, _runner.py): it
-      takes the PIECEWISE graph of its size, or none where vLLM captured no PIECEWISE graphs.
-    Steps without plans keep vLLM's graphs, FULL ones included. Returns how taps meet graphs here: "none" (no
-    CUDA graphs: the CPU build, cudagraph_mode NONE), "piecewise" or "eager" (FULL graphs only: steps with
-    plans run the compiled model without a graph). (The op is not tagged cudagraph_unsafe: the tag changes how
-    Inductor compiles the code around it, and read-only plans were then no longer bit-identical to plain
-    compiled vLLM, 1.7e-6 on the CPU; splitting_ops, which Inductor's graph partition reads too, says it.)"""
+    - way "split": where vLLM captures PIECEWISE graphs (its pieces run between its splitting ops, as attention
+      runs), the taps become splitting ops too: each runs eagerly between two pieces, every replay; a FULL graph's
+      taps copy their values into slots (recorded at capture); a step whose plans edit never replays a FULL graph
+      (the worker's dispatch guard, _runner.py): it takes the PIECEWISE graph of its size. Returns "piecewise",
+      or "eager" where vLLM captures FULL graphs only (steps that edit run the compiled model without a graph).
+      The taps cut vLLM's graph into more pieces than plain vLLM's, which Inductor compiles apart: other fusions,
+      hence other roundings (1 ulp in float32 on Qwen3 and GPT-NeoX, run21).
+    - way "slots": the taps stay inside vLLM's pieces, so Inductor compiles the code plain vLLM compiles, plus
+      one opaque call per tap. In every captured graph, PIECEWISE and FULL, a tap records a copy of its value
+      into its slot, which the worker reads after the replay for read-only plans; a step whose plans edit runs
+      the compiled model without a graph (its taps' bodies run in Inductor's code, as on the CPU). Returns
+      "slots".
+    Steps without plans keep vLLM's graphs either way. "none": no CUDA graphs (the CPU build, cudagraph_mode
+    NONE). (The op is not tagged cudagraph_unsafe: the tag changes how Inductor compiles the code around it, and
+    read-only plans were then no longer bit-identical to plain compiled vLLM, 1.7e-6 on the CPU; splitting_ops,
+    which Inductor's graph partition reads too, says it.)"""
     mode = getattr(compilation_config, "cudagraph_mode", None)
     if mode is None or str(mode).upper().endswith("NONE"):
         return "none"
+    if way == "slots":
+        return "slots"
     if not mode.has_piecewise_cudagraphs():
         return "eager"
     splitting = compilation_config.splitting_ops

@@ -78,8 +78,8 @@ class WorkerState:
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.in_step = False
         self.acting = False  # compiled: a live plan acts at this step
-        self.editing = False  # compiled: ... and edits (its taps must run between graph pieces: no FULL graph)
-        self.slots: Dict[str, torch.Tensor] = {}  # FULL CUDA graphs: location -> the buffer their replays copy to
+        self.editing = False  # compiled: ... and edits (its taps' bodies must run: no graph they are captured in)
+        self.slots: Dict[str, torch.Tensor] = {}  # CUDA graphs: location -> the buffer their replays copy to
         self.executing = False  # inside execute_model (a forward), not an ad-hoc module call (fragments_call)
         self.step_work: Optional[Dict[str, List[_Work]]] = None
         self.logits_done: set = set()  # logits locations acted at in this step (V2 may compute logits twice)
@@ -93,6 +93,7 @@ class WorkerState:
         self.py_forward = 0  # forwards run, for py_live
         self.taps: List[str] = []  # compiled mode: the locations with a fragments::tap (fixed at start)
         self.graphs = "none"  # compiled mode: how taps meet CUDA graphs (_tap.arrange_graphs)
+        self.drained = ("FULL",)  # the graphs whose replays leave the taps' values in slots (_tap.arrange_graphs)
         self.tap_calls: Dict[str, int] = {}
         self.forwards = 0  # compiled mode: forwards in which a plan acted
         self.host_s, self.step_counts = Counter(), Counter()  # host seconds by phase, steps (compile_stats)
@@ -182,8 +183,8 @@ class WorkerState:
 
     def end_step(self):
         t0 = time.perf_counter()
-        if self.in_step and self.view.full:  # a FULL CUDA graph ran: the taps' values are in their slots
-            self.step_counts["full"] += 1
+        if self.in_step and self.view.graph in self.drained:  # a graph ran: the taps' values are in their slots
+            self.step_counts[self.view.graph.lower()] += 1
             self._drain_slots()
         self.copies.seal(self.saves)
         self.host_s["end_step"] += time.perf_counter() - t0
@@ -394,17 +395,22 @@ class WorkerState:
         candidates = {f"{p}.{side}" if p else side for p in modules for side in ("input", "output")}
         candidates -= {f"{p}.input" for p in self._record["logits_modules"]}  # vLLM passes the LM head module there
         self.taps = _tap.select(patterns, candidates, self._record["refused"])
-        self.graphs = _tap.arrange_graphs(self.runner.vllm_config.compilation_config)
-        self.view.guard_graphs(lambda: self.editing)
+        self.graphs = _tap.arrange_graphs(self.runner.vllm_config.compilation_config, _tap.graph_way())
+        slots = self.graphs == "slots"  # taps inside every graph: a step that edits runs without one
+        self.drained = ("FULL", "PIECEWISE") if slots else ("FULL",)
+        self.view.guard_graphs(lambda: self.editing, no_graph=slots)
         self.tap_calls = {loc: 0 for loc in self.taps}
         _tap.place(self.modules, [t for t in self.taps if self.here(t)])
         _tap.body = self.tap_body
         _tap.opaque = self.tap_opaque
 
     def tap_opaque(self, location: str) -> None:
-        """A tap's hook ran as Python inside a CUDA graph being captured (_tap._ran_as_python): plans naming the
-        location are refused from now on (engine start captures every graph before the first request)."""
-        if location not in self.refused:
+        """A tap's hook ran as Python inside a CUDA graph being captured (_tap._ran_as_python). Where taps split
+        the PIECEWISE graphs, such a tap would run nowhere in their replays (it is inside a piece): plans naming
+        the location are refused from now on (engine start captures every graph before the first request).
+        Where taps stay inside every graph ("slots"), its copy into its slot was captured like every other tap's
+        and serves it."""
+        if self.graphs != "slots" and location not in self.refused:
             self.refused[location] = ("it runs inside an op vLLM keeps opaque to torch.compile (e.g. its fused-MoE "
                                       "op's shared expert), so a captured CUDA graph replays it without the plugin;"
                                       ' serve it with enforce_eager=True or compilation_config {"cudagraph_mode": '
@@ -415,9 +421,10 @@ class WorkerState:
                 self.publish(self)
 
     def tap_body(self, location: str, x) -> None:
-        """fragments::tap's body, at run time inside the compiled forward (between CUDA-graph pieces on a GPU):
-        the eager hooks' work, the value edited in place. While vLLM captures a FULL CUDA graph it records a copy
-        of the value into the location's slot instead, which every replay of that graph makes (_drain_slots)."""
+        """fragments::tap's body, at run time inside the compiled forward (on a GPU: between CUDA-graph pieces, or
+        in a forward run without a graph): the eager hooks' work, the value edited in place. While vLLM captures
+        a CUDA graph it records a copy of the value into the location's slot instead, which every replay of that
+        graph makes (_drain_slots)."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             self._slot_copy(location, x)
             return
@@ -432,20 +439,23 @@ class WorkerState:
             _runner.write_rows(rows, *acted)
 
     def _slot_copy(self, location: str, x) -> None:
-        """In a FULL graph being captured: x copied into the location's slot (one buffer for every graph: vLLM
-        captures the largest first, the others use its first rows)."""
+        """In a graph being captured: x copied into the location's slot (one buffer for every graph, as large as
+        the largest vLLM captures; a graph uses its first rows)."""
+        x = self._token_rows(x)  # [tokens, ...]: a graph's size is its token count
         slot = self.slots.get(location)
         if slot is None:
-            slot = self.slots[location] = torch.empty_like(x)
+            largest = getattr(self.runner.vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
+            slot = self.slots[location] = x.new_empty((max(largest, x.shape[0]),) + tuple(x.shape[1:]))
         elif slot.shape[0] < x.shape[0] or slot.shape[1:] != x.shape[1:] or slot.dtype != x.dtype:
-            raise RuntimeError(f"fragments: a FULL CUDA graph of {x.shape[0]} tokens captured after one of "
-                               f"{slot.shape[0]} at {location}: its slot cannot serve both (vLLM captures the "
-                               "largest first); set compilation_config cudagraph_mode PIECEWISE")
+            raise RuntimeError(f"fragments: a CUDA graph captured at {location} with a value of {tuple(x.shape)} "
+                               f"{x.dtype}, its slot {tuple(slot.shape)} {slot.dtype} (made for vLLM's largest "
+                               "graph): one slot cannot serve both; start the engine with compilation_config "
+                               '{"cudagraph_mode": "NONE"} or enforce_eager=True')
         slot[:x.shape[0]].copy_(x)
 
     def _drain_slots(self) -> None:
-        """After a FULL graph's replay with read-only plans in the step: each tapped location's work on the value
-        its slot holds (as the tap's body would have done between pieces)."""
+        """After a graph's replay with read-only plans in the step: each tapped location's work on the value its
+        slot holds (as the tap's body would have done in the forward)."""
         work = self._work()
         for location in self.taps:
             if location not in self.slots:

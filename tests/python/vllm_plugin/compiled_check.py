@@ -201,8 +201,10 @@ def main():
     info = fv.inspect(llm)
     print(f"runner {info.get('runner')}, graphs {info.get('graphs')}", flush=True)
     if engine_env.GPU:
-        check("CUDA graphs kept: taps are splitting ops of vLLM's piecewise graphs", info.get("graphs") == "piecewise",
-              str(info.get("graphs")))
+        way = os.environ.get("FRAGMENTS_VLLM_GRAPH_TAPS", "split").strip().lower()
+        check(f"CUDA graphs kept ({way}): " + ("taps are splitting ops of vLLM's piecewise graphs" if way == "split"
+                                               else "taps inside vLLM's pieces, copied to slots in every graph"),
+              info.get("graphs") == {"split": "piecewise", "slots": "slots"}.get(way), str(info.get("graphs")))
     want_taps = sorted(set(locs) | {"logits_processor.output"} | ({"model.norm.output"} if args.trace else set()))
     check("inspect: a compiled engine, its taps the declared locations", info["compiled"] and info["taps"] == want_taps,
           f"{info['compiled']} {info['taps']}")
@@ -210,9 +212,12 @@ def main():
     # plugin, so they are refused (found while vLLM captures its graphs at start; on a GPU: the fused-MoE op's
     # shared expert). The checks below read every other location, and a plan naming one is refused.
     opaque = {loc: why for loc, why in info["refused"].items() if "opaque" in why}
-    if engine_env.GPU and args.family == "qwen2_moe":
+    if engine_env.GPU and args.family == "qwen2_moe" and info.get("graphs") == "piecewise":
         check("the shared expert, run inside vLLM's fused-MoE op, is refused with the reason, not skipped",
               opaque and all(".shared_expert." in loc for loc in opaque), json.dumps(opaque)[:300])
+    elif engine_env.GPU and args.family == "qwen2_moe":  # slots: its captured copy serves it like any other tap's
+        check("the shared expert, run inside vLLM's fused-MoE op, is served (its slot copy captured), not refused",
+              not opaque and any(".shared_expert." in loc for loc in locs), json.dumps(opaque)[:300])
     locs = {loc: spec for loc, spec in locs.items() if loc not in opaque}
 
     def stats():

@@ -1,6 +1,6 @@
 """fragments/vllm/_runner.py without an engine: how the plugin reads Model Runner V1's and V2's batches, refuses
-a runner it cannot read, and steers CUDA-graph dispatch (FULL graphs kept for steps without edits; the
-PIECEWISE candidate, or no graph, for steps that edit). vLLM's own classes where they import on this machine
+a runner it cannot read, and steers CUDA-graph dispatch (vLLM's graphs kept for steps without edits; the
+PIECEWISE candidate or no graph for steps that edit), and the worker's slots: what captured taps copy. vLLM's own classes where they import on this machine
 (CUDAGraphMode, V2's BatchExecutionDescriptor and CudaGraphManager.dispatch), and stand-ins of the runners'
 attributes as vLLM 0.24 lays them out (gpu_model_runner.py, gpu/model_runner.py, gpu/input_batch.py). The GPU
 machine runs the real thing: gpu_suite.py.
@@ -86,46 +86,155 @@ class RunnerTest(unittest.TestCase):
         self.assertIn("speculative decoding", str(e.exception))
 
     def test_v1_dispatch_guard(self):
+        """Split taps: a step that edits takes the PIECEWISE graph (its taps run between the pieces); taps in
+        slots: it takes no graph (every graph replays its taps as copies only). Either way a read-only step keeps
+        vLLM's choice, and the view records what ran."""
         from vllm.config import CUDAGraphMode
         from fragments.vllm import _runner
-        seen = []
+        for no_graph, editing_mode in ((False, CUDAGraphMode.PIECEWISE), (True, CUDAGraphMode.NONE)):
+            seen = []
 
-        def dispatch(num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0, valid_modes=None,
-                     invalid_modes=None):
-            seen.append(invalid_modes)
-            mode = CUDAGraphMode.PIECEWISE if invalid_modes and CUDAGraphMode.FULL in invalid_modes else \
-                CUDAGraphMode.FULL
-            return mode, f"desc {num_tokens}"
-        runner = v1_runner()
-        runner.cudagraph_dispatcher = ns(dispatch=dispatch)
-        view = _runner.adapt(runner)
-        editing = [False]
-        view.guard_graphs(lambda: editing[0])
-        view.begin_step()
-        self.assertEqual(runner.cudagraph_dispatcher.dispatch(8, uniform_decode=True), (CUDAGraphMode.FULL, "desc 8"))
-        self.assertTrue(view.full)  # a read-only step keeps vLLM's FULL graph: the taps' slots serve it
-        editing[0] = True
-        self.assertEqual(runner.cudagraph_dispatcher.dispatch(8, uniform_decode=True)[0], CUDAGraphMode.PIECEWISE)
-        self.assertEqual(seen[-1], {CUDAGraphMode.FULL})
-        self.assertFalse(view.full)
+            def dispatch(num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0, valid_modes=None,
+                         invalid_modes=None):  # vLLM's order of preference: FULL, PIECEWISE, NONE
+                seen.append(invalid_modes)
+                invalid = invalid_modes or set()
+                mode = next(m for m in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE)
+                            if m not in invalid)
+                return mode, f"desc {num_tokens}"
+            runner = v1_runner()
+            runner.cudagraph_dispatcher = ns(dispatch=dispatch)
+            view = _runner.adapt(runner)
+            editing = [False]
+            view.guard_graphs(lambda: editing[0], no_graph=no_graph)
+            view.begin_step()
+            self.assertEqual(view.graph, "NONE")
+            self.assertEqual(runner.cudagraph_dispatcher.dispatch(8, uniform_decode=True),
+                             (CUDAGraphMode.FULL, "desc 8"))
+            self.assertEqual(view.graph, "FULL")  # a read-only step keeps vLLM's FULL graph: the slots serve it
+            self.assertIsNone(seen[-1])
+            editing[0] = True
+            self.assertEqual(runner.cudagraph_dispatcher.dispatch(8, uniform_decode=True)[0], editing_mode)
+            self.assertEqual(seen[-1], {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE} if no_graph else
+                             {CUDAGraphMode.FULL})
+            self.assertEqual(view.graph, editing_mode.name)
+            view.begin_step()
+            self.assertEqual(view.graph, "NONE")  # each step's own
 
     def test_v2_dispatch_guard(self):
         from vllm.config import CUDAGraphMode
         from fragments.vllm import _runner
-        for mixed, editing_mode in ((CUDAGraphMode.PIECEWISE, CUDAGraphMode.PIECEWISE),
-                                    (CUDAGraphMode.FULL, CUDAGraphMode.NONE)):
+        P, F, N = CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.NONE
+        for mixed, no_graph, editing_mode in ((P, False, P), (F, False, N), (P, True, N), (F, True, N)):
             runner = ns(req_states=ns(), vllm_config=ns(), prepare_inputs=lambda *a: None, cudagraph_manager=None)
             view = _runner.adapt(runner)
             editing = [False]
-            view.guard_graphs(lambda: editing[0])
+            view.guard_graphs(lambda: editing[0], no_graph=no_graph)
             runner.cudagraph_manager = _Manager(mixed)  # vLLM makes it with the KV cache, after load_model
             view.begin_step()
-            self.assertEqual(runner.cudagraph_manager.dispatch(4, 4, 1, num_active_loras=0).cg_mode, CUDAGraphMode.FULL)
-            self.assertTrue(view.full)
+            self.assertEqual(runner.cudagraph_manager.dispatch(4, 4, 1, num_active_loras=0).cg_mode, F)
+            self.assertEqual(view.graph, "FULL")
             editing[0] = True
             desc = runner.cudagraph_manager.dispatch(4, 4, 1, num_active_loras=0)
-            self.assertEqual(desc.cg_mode, editing_mode, mixed)
-            self.assertFalse(view.full)
+            self.assertEqual(desc.cg_mode, editing_mode, (mixed, no_graph))
+            self.assertEqual((desc.num_tokens, desc.num_reqs), (4, 4) if editing_mode == N else (8, None))
+            self.assertEqual(view.graph, editing_mode.name)
+
+
+@unittest.skipIf(MISSING, MISSING)
+class GraphWayTest(unittest.TestCase):
+    """How taps meet CUDA graphs (FRAGMENTS_VLLM_GRAPH_TAPS): split (taps are splitting ops of vLLM's piecewise
+    graphs) or slots (taps stay inside vLLM's pieces, as compiled for plain vLLM, and every captured graph copies
+    their values into slots)."""
+
+    def config(self, mode):
+        from vllm.config import CUDAGraphMode
+        return ns(cudagraph_mode=getattr(CUDAGraphMode, mode), splitting_ops=["vllm::unified_attention"])
+
+    def test_the_way_is_read_once_with_one_line_for_a_bad_word(self):
+        from fragments.vllm import _tap
+        self.assertEqual(_tap.graph_way({}), "split")
+        self.assertEqual(_tap.graph_way({_tap.GRAPH_TAPS_ENV: " Slots "}), "slots")
+        with self.assertRaises(ValueError) as e:
+            _tap.graph_way({_tap.GRAPH_TAPS_ENV: "graphs"})
+        self.assertIn("FRAGMENTS_VLLM_GRAPH_TAPS='graphs': expected one of split, slots", str(e.exception))
+
+    def test_split_adds_the_tap_to_vllms_splitting_ops_once(self):
+        from fragments.vllm import _tap
+        cc = self.config("FULL_AND_PIECEWISE")
+        self.assertEqual(_tap.arrange_graphs(cc, "split"), "piecewise")
+        self.assertEqual(_tap.arrange_graphs(cc, "split"), "piecewise")
+        self.assertEqual(cc.splitting_ops, ["vllm::unified_attention", _tap.OP])
+        self.assertEqual(_tap.arrange_graphs(self.config("FULL"), "split"), "eager")
+
+    def test_slots_leave_vllms_pieces_as_they_are(self):
+        from fragments.vllm import _tap
+        for mode in ("FULL_AND_PIECEWISE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY"):
+            cc = self.config(mode)
+            self.assertEqual(_tap.arrange_graphs(cc, "slots"), "slots", mode)
+            self.assertEqual(cc.splitting_ops, ["vllm::unified_attention"], mode)
+        self.assertEqual(_tap.arrange_graphs(self.config("NONE"), "slots"), "none")
+
+
+@unittest.skipIf(MISSING, MISSING)
+class SlotsTest(unittest.TestCase):
+    """The worker's slots without a GPU: what a capture records (_slot_copy), which replays are drained
+    (end_step), and an opaque tap's fate in each way. WorkerState's methods on a stand-in state."""
+
+    def state(self, graphs, largest=8):
+        from collections import Counter
+        from fragments.vllm import _worker
+        s = ns(slots={}, graphs=graphs, refused={}, publish=None, _record={"refused": {}}, leading_batch=False,
+               runner=ns(vllm_config=ns(compilation_config=ns(max_cudagraph_capture_size=largest))),
+               step_counts=Counter(), host_s=Counter(), taps=["a.output"], tap_calls={"a.output": 0},
+               copies=ns(seal=lambda saves: None), saves=None, in_step=True, executing=True, acting=True,
+               editing=False, step_work=None, drained=("FULL", "PIECEWISE") if graphs == "slots" else ("FULL",))
+        for name in ("_slot_copy", "_token_rows", "_drain_slots", "end_step", "tap_opaque"):
+            setattr(s, name, types.MethodType(getattr(_worker.WorkerState, name), s))
+        return s
+
+    def test_a_capture_sizes_the_slot_for_vllms_largest_graph_and_copies_its_rows(self):
+        import torch
+        s = self.state("slots", largest=8)
+        s._slot_copy("a.output", torch.ones(2, 3))  # the first capture need not be the largest
+        self.assertEqual(tuple(s.slots["a.output"].shape), (8, 3))
+        s._slot_copy("a.output", torch.full((8, 3), 2.0))
+        s.leading_batch = True  # vLLM's Transformers backend: transformers' modules see [1, tokens, width]
+        s._slot_copy("a.output", torch.full((1, 1, 3), 5.0))
+        self.assertEqual(s.slots["a.output"][:, 0].tolist(), [5.0] + [2.0] * 7)
+        with self.assertRaises(RuntimeError) as e:
+            s._slot_copy("a.output", torch.ones(2, 4))
+        self.assertIn("a.output", str(e.exception))
+        self.assertNotIn("\n", str(e.exception))
+
+    def test_which_replays_are_drained(self):
+        for graphs, drained in (("slots", {"FULL", "PIECEWISE"}), ("piecewise", {"FULL"})):
+            for graph in ("NONE", "PIECEWISE", "FULL"):
+                s = self.state(graphs)
+                s.view = ns(graph=graph)
+                ran = []
+                s._drain_slots = lambda: ran.append(graph)
+                s.end_step()
+                self.assertEqual(ran, [graph] if graph in drained else [], (graphs, graph))
+                self.assertFalse(s.in_step)
+
+    def test_a_drain_counts_each_slotted_tap_once_and_acts_on_its_rows(self):
+        import torch
+        s = self.state("slots")
+        s._slot_copy("a.output", torch.arange(6.0).view(2, 3))
+        seen = []
+        s._work = lambda: {"a.output": ["work"]}
+        s._act = lambda loc, rows, work: seen.append((loc, rows[:2].tolist(), work))
+        s._drain_slots()
+        self.assertEqual(s.tap_calls, {"a.output": 1})
+        self.assertEqual(seen, [("a.output", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], ["work"])])
+
+    def test_an_opaque_tap_is_refused_only_where_taps_split_the_graphs(self):
+        s = self.state("slots")
+        s.tap_opaque("m.shared_expert.output")
+        self.assertEqual(s.refused, {})  # its capture recorded its slot copy like every other tap's
+        s = self.state("piecewise")
+        s.tap_opaque("m.shared_expert.output")
+        self.assertIn("opaque", s.refused["m.shared_expert.output"])
 
 
 @unittest.skipIf(MISSING, MISSING or "")
@@ -174,7 +283,8 @@ class OpaqueTapTest(unittest.TestCase):
     def test_the_worker_refuses_the_location_once_and_republishes(self):
         from fragments.vllm import _worker
         published = []
-        state = types.SimpleNamespace(refused={}, publish=published.append, _record={"refused": {}})
+        state = types.SimpleNamespace(refused={}, publish=published.append, _record={"refused": {}},
+                                      graphs="piecewise")
         _worker.WorkerState.tap_opaque(state, "model.layers.0.mlp.shared_expert.down_proj.output")
         _worker.WorkerState.tap_opaque(state, "model.layers.0.mlp.shared_expert.down_proj.output")
         why = state.refused["model.layers.0.mlp.shared_expert.down_proj.output"]
