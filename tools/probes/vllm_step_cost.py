@@ -36,7 +36,7 @@ class _SaveStep:
 class _View:
     def __init__(self, n):
         self.n, self.computed = n, 128
-        self.full = True
+        self.graph = "FULL"
 
     def rows(self):
         return [_runner.Row(f"r{i}", i, i, i + 1, self.computed, 128) for i in range(self.n)]
