@@ -368,8 +368,8 @@ def run_pass(args, columns, started, site, work, start_s, index):
                   f"other engines' CPU during a run ≤ {max(x['others_cpu_s'] for x in rows.values()):.2f} s",
                   flush=True)
             if rows.get("quarter", {}).get("detail"):  # where the plugin's saving column spent its time
-                print("  quarter: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(rows["quarter"]["detail"].items())),
-                      flush=True)
+                print("  quarter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                                                for k, v in sorted(rows["quarter"]["detail"].items())), flush=True)
     finally:
         for e in engines.values():
             e.close()

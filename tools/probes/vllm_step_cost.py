@@ -7,9 +7,8 @@ worker's begin_step flush) and the take of every saving request.
     python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16] [--memory]
 
 --memory keeps rows in memory until the take (FRAGMENTS_VLLM_ROWS_IN_SHM=0, the way before row files);
---writer thread|step: who writes rows into their files, a thread of the store's own (a GPU worker's default) or
-the stepping thread at the next step (the CPU's); the per-step time is the stepping thread's, the take waits
-for the writer.
+--writer thread|step: who writes rows into their files, a thread of the store's own or the stepping thread at
+the next step (the default); the per-step time is the stepping thread's, the take waits for the writer.
 """
 import argparse
 import collections
@@ -79,7 +78,7 @@ def main():
     ap.add_argument("--writer", choices=("thread", "step"), help="who writes rows into files (FRAGMENTS_VLLM_ROWS_WRITER)")
     args = ap.parse_args()
     folder = None if args.memory else _delivery.rows_folder()
-    threaded = (args.writer or ("thread" if args.device == "cuda" else "step")) == "thread"
+    threaded = (args.writer or "step") == "thread"
     s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder, threaded)
     prof = None
     if args.profile:

@@ -100,9 +100,10 @@ def rows_folder() -> Optional[str]:
 
 
 def rows_threaded(device) -> bool:
-    """Whether a worker's rows are written by a thread of their own (a GPU's: copies finish while the host steps
-    on) rather than at its next step (FRAGMENTS_VLLM_ROWS_WRITER=thread|step)."""
-    how = os.environ.get("FRAGMENTS_VLLM_ROWS_WRITER", "thread" if device.type == "cuda" else "step")
+    """Whether a worker's rows are written by a thread of their own rather than at its next step
+    (FRAGMENTS_VLLM_ROWS_WRITER=thread|step; step by default: measured faster on this machine's CPU and on the
+    H100's host, bench/README.md, since the thread's Python contends for the GIL with vLLM's host loop)."""
+    how = os.environ.get("FRAGMENTS_VLLM_ROWS_WRITER", "step")
     if how not in ("thread", "step"):
         raise ValueError(f"FRAGMENTS_VLLM_ROWS_WRITER={how!r}: expected thread or step")
     return how == "thread"

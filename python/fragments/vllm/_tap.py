@@ -109,33 +109,34 @@ def select(patterns, candidates: Iterable[str], refused: Dict[str, str]) -> list
 
 
 GRAPH_TAPS_ENV = "FRAGMENTS_VLLM_GRAPH_TAPS"
-WAYS = ("split", "slots")
+WAYS = ("slots", "split")
 
 
 def graph_way(environ=None) -> str:
-    """How taps meet CUDA graphs (FRAGMENTS_VLLM_GRAPH_TAPS, read once at engine start): "split" or "slots"
-    (arrange_graphs says what each does). A value of another word stops the engine with one line."""
-    value = (environ if environ is not None else os.environ).get(GRAPH_TAPS_ENV, "split").strip().lower()
+    """How taps meet CUDA graphs (FRAGMENTS_VLLM_GRAPH_TAPS, read once at engine start): "slots" (the default)
+    or "split" (arrange_graphs says what each does). Another word stops the engine with one line."""
+    value = (environ if environ is not None else os.environ).get(GRAPH_TAPS_ENV, "slots").strip().lower()
     if value not in WAYS:
         raise ValueError(f"fragments: {GRAPH_TAPS_ENV}={value!r}: expected one of {', '.join(WAYS)}")
     return value
 
 
-def arrange_graphs(compilation_config, way: str = "split") -> str:
+def arrange_graphs(compilation_config, way: str = "slots") -> str:
     """CUDA graphs (GPUs) replay kernels, never a Python body, so a tap inside a captured graph would act once
     (at capture, where no plan acts) and then not at all. At engine start, before vLLM compiles the model:
-    - way "split": where vLLM captures PIECEWISE graphs (its pieces run between its splitting ops, as attention
-      runs), the taps become splitting ops too: each runs eagerly between two pieces, every replay; a FULL graph's
-      taps copy their values into slots (recorded at capture); a step whose plans edit never replays a FULL graph
-      (the worker's dispatch guard, _runner.py): it takes the PIECEWISE graph of its size. Returns "piecewise",
-      or "eager" where vLLM captures FULL graphs only (steps that edit run the compiled model without a graph).
-      The taps cut vLLM's graph into more pieces than plain vLLM's, which Inductor compiles apart: other fusions,
-      hence other roundings (1 ulp in float32 on Qwen3 and GPT-NeoX, run21).
-    - way "slots": the taps stay inside vLLM's pieces, so Inductor compiles the code plain vLLM compiles, plus
-      one opaque call per tap. In every captured graph, PIECEWISE and FULL, a tap records a copy of its value
-      into its slot, which the worker reads after the replay for read-only plans; a step whose plans edit runs
-      the compiled model without a graph (its taps' bodies run in Inductor's code, as on the CPU). Returns
-      "slots".
+    - way "slots" (the default): the taps stay inside vLLM's pieces, so Inductor compiles the code plain vLLM
+      compiles, plus one opaque call per tap. In every captured graph, PIECEWISE and FULL, a tap records a copy of
+      its value into its slot, which the worker reads after the replay for read-only plans; a step whose plans
+      edit runs the compiled model without a graph (its taps' bodies run in Inductor's code, as on the CPU).
+      Returns "slots". One known difference left (run33): Inductor unfuses a float32 addmm on a GPU (the bias
+      add joins the next pointwise kernel) only when every user of its output is pointwise, so a tap at a biased
+      linear layer's output keeps cuBLAS's addmm: 1 ulp (GPT-NeoX's dense layers).
+    - way "split" (the way before run33): where vLLM captures PIECEWISE graphs, the taps become splitting ops
+      too, each run eagerly between two pieces at every replay; a FULL graph's taps copy their values into
+      slots; a step whose plans edit never replays a FULL graph (the worker's dispatch guard, _runner.py) but
+      takes the PIECEWISE graph of its size. Returns "piecewise", or "eager" where vLLM captures FULL graphs only
+      (steps that edit run without a graph). The extra pieces are compiled apart (other fusions, other
+      roundings): Qwen3 float32 1 ulp off plain vLLM, SmolLM2 bfloat16's tokens apart at token 5 (run21).
     Steps without plans keep vLLM's graphs either way. "none": no CUDA graphs (the CPU build, cudagraph_mode
     NONE). (The op is not tagged cudagraph_unsafe: the tag changes how Inductor compiles the code around it, and
     read-only plans were then no longer bit-identical to plain compiled vLLM, 1.7e-6 on the CPU; splitting_ops,

@@ -158,6 +158,7 @@ def main():
     ap.add_argument("--prompt")
     ap.add_argument("--eager", action="store_true", help="--child-plain: an eager engine")
     ap.add_argument("--max-tokens", type=int, default=0, help="--child-plain: tokens per request (0: SAMPLING's)")
+    ap.add_argument("--only", help="tap only the locations this regex matches (default: every location)")
     args = ap.parse_args()
     if args.child_plain:
         return child_plain(args)
@@ -175,6 +176,8 @@ def main():
     cfg = families.config(args.family, args.heads, args.kv_heads)
     reader = families.Reader(args.family, cfg)
     locs = reader.locations()
+    if args.only:  # fewer taps: which ones change the compiled engine's numerics
+        locs = {loc: spec for loc, spec in locs.items() if re.search(args.only, loc)}
     g = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(1, cfg.vocab_size, (7,), generator=g).tolist()
     prompt_b = torch.randint(1, cfg.vocab_size, (5,), generator=g).tolist()
@@ -201,7 +204,7 @@ def main():
     info = fv.inspect(llm)
     print(f"runner {info.get('runner')}, graphs {info.get('graphs')}", flush=True)
     if engine_env.GPU:
-        way = os.environ.get("FRAGMENTS_VLLM_GRAPH_TAPS", "split").strip().lower()
+        way = os.environ.get("FRAGMENTS_VLLM_GRAPH_TAPS", "slots").strip().lower()
         check(f"CUDA graphs kept ({way}): " + ("taps are splitting ops of vLLM's piecewise graphs" if way == "split"
                                                else "taps inside vLLM's pieces, copied to slots in every graph"),
               info.get("graphs") == {"split": "piecewise", "slots": "slots"}.get(way), str(info.get("graphs")))
@@ -231,7 +234,10 @@ def main():
               for s in before),
           json.dumps([[s["model_code"], s["vllm_compiles"], s["dynamo_compiles"]] for s in before])[:700])
 
-    down0_in = down0_input(locs, reader)
+    try:
+        down0_in = down0_input(locs, reader)
+    except StopIteration:  # --only left no down projection: layer 0's first tapped location serves instead
+        down0_in = min((loc for loc in locs if loc.startswith(f"{reader.layer_prefix(0)}.")), default=min(locs))
     # batch 1: plain and read-only on the same prompt
     r0, r1 = fv.generate(llm, [{"prompt_token_ids": prompt_a}] * 2, [None, {"interventions": read_plan(locs, down0_in)}],
                          **SAMPLING)
@@ -239,6 +245,11 @@ def main():
     check_plain(plain, r0, r1, moe=args.family == "qwen2_moe")
     hf = families.hf_model(folder)
     worst = check_saves(hf, reader, locs, prompt_a, r1, down0_in)
+    if args.only:  # a diagnostic of which taps change compiled numerics: the read-only checks are the point
+        print(json.dumps({"family": args.family, "only": args.only, "graphs": info.get("graphs"), "worst_rel": worst,
+                          "failed": FAILED}), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        return 1 if FAILED else 0
 
     # batch 2: an edit beside a plain request (a different plan: no recompile may follow)
     r2, r0b = fv.generate(llm, [{"prompt_token_ids": prompt_b}, {"prompt_token_ids": prompt_a}],

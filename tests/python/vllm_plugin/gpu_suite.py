@@ -8,7 +8,9 @@ Cases (tp 1; every family of families.FAMILIES):
   smollm2-<dtype>-<mode>        smollm2_check.py (the real model: float32 and bfloat16, eager and compiled)
   eager-v2-gemma2-nocap, softcap-probe   Gemma 2's GPU difference traced to vLLM's Triton softcap
   smollm2-bfloat16-compiled-taps-*       fewer taps: which ones change bfloat16 compiled numerics
-  slots-*                       the compiled cases with FRAGMENTS_VLLM_GRAPH_TAPS=slots (taps inside vLLM's pieces)
+  split-*                       compiled cases with FRAGMENTS_VLLM_GRAPH_TAPS=split (the way before run33; run33 ran
+                                the default way's as slots-*)
+  cuda-graphs-v2-gpt_neox-dense-* taps at GPT-NeoX's dense layers' inputs, then outputs (compiled_check --only)
   server-tp1                    server_check.py 1 (vllm serve with per-request plans)
   trace-eager, trace-cuda-graphs trace_check.py / compiled_check.py --trace (fragments.vllm.VLLM's traces)
   nnsight-<family>              nnsight_compare.py (nnsight's VLLM beside the plugin, values against transformers)
@@ -55,17 +57,19 @@ def cases():
         out.append((f"smollm2-bfloat16-compiled-taps-{name}",
                     ["smollm2_check.py", "1", "--max-tokens", "64", "--compiled", "--only", only],
                     {"FRAG_VLLM_DTYPE": "bfloat16"}))
-    # taps left inside vLLM's pieces, copied to slots in every captured graph (FRAGMENTS_VLLM_GRAPH_TAPS=slots):
-    # the compiled code plain vLLM has, so read-only plans should leave every family's logprobs as plain's
-    slots = {"FRAGMENTS_VLLM_GRAPH_TAPS": "slots"}
+    # the way before run33 (FRAGMENTS_VLLM_GRAPH_TAPS=split: taps are splitting ops of vLLM's piecewise graphs);
+    # run33 ran the default way's compiled cases as slots-* (the names then)
+    split = {"FRAGMENTS_VLLM_GRAPH_TAPS": "split"}
     for runner in ("v2", "v1"):
         for family in FAMILIES:
-            out.append((f"slots-cuda-graphs-{runner}-{family}", ["compiled_check.py", family, "1"],
-                        dict(slots, FRAG_VLLM_RUNNER=runner)))
-    for dtype in ("float32", "bfloat16"):
-        out.append((f"slots-smollm2-{dtype}-compiled", ["smollm2_check.py", "1", "--max-tokens", "64", "--compiled"],
-                    dict(slots, FRAG_VLLM_DTYPE=dtype)))
-    out.append(("slots-trace-cuda-graphs", ["compiled_check.py", "llama", "1", "--trace"], slots))
+            out.append((f"split-cuda-graphs-{runner}-{family}", ["compiled_check.py", family, "1"],
+                        dict(split, FRAG_VLLM_RUNNER=runner)))
+    out.append(("split-smollm2-bfloat16-compiled", ["smollm2_check.py", "1", "--max-tokens", "64", "--compiled"],
+                dict(split, FRAG_VLLM_DTYPE="bfloat16")))
+    # GPT-NeoX with taps at its dense layers' inputs only, then outputs only: the outputs keep cuBLAS's addmm
+    for side in ("input", "output"):
+        out.append((f"cuda-graphs-v2-gpt_neox-dense-{side}s", ["compiled_check.py", "gpt_neox", "1", "--only",
+                                                               rf"dense(_4h_to_h)?\.{side}$"], {"FRAG_VLLM_RUNNER": "v2"}))
     out.append(("server-tp1", ["server_check.py", "1"], {}))  # vllm serve on the GPU, plans per request
     # the Python trace API (fragments.vllm.VLLM): eager, and through a compiled engine with CUDA graphs
     out.append(("trace-eager", ["trace_check.py", "1"], {}))

@@ -152,11 +152,11 @@ class GraphWayTest(unittest.TestCase):
 
     def test_the_way_is_read_once_with_one_line_for_a_bad_word(self):
         from fragments.vllm import _tap
-        self.assertEqual(_tap.graph_way({}), "split")
-        self.assertEqual(_tap.graph_way({_tap.GRAPH_TAPS_ENV: " Slots "}), "slots")
+        self.assertEqual(_tap.graph_way({}), "slots")
+        self.assertEqual(_tap.graph_way({_tap.GRAPH_TAPS_ENV: " Split "}), "split")
         with self.assertRaises(ValueError) as e:
             _tap.graph_way({_tap.GRAPH_TAPS_ENV: "graphs"})
-        self.assertIn("FRAGMENTS_VLLM_GRAPH_TAPS='graphs': expected one of split, slots", str(e.exception))
+        self.assertIn("FRAGMENTS_VLLM_GRAPH_TAPS='graphs': expected one of slots, split", str(e.exception))
 
     def test_split_adds_the_tap_to_vllms_splitting_ops_once(self):
         from fragments.vllm import _tap
