@@ -397,6 +397,9 @@ class WorkerState:
         self.taps = _tap.select(patterns, candidates, self._record["refused"])
         self.graphs = _tap.arrange_graphs(self.runner.vllm_config.compilation_config, _tap.graph_way())
         slots = self.graphs == "slots"  # taps inside every graph: a step that edits runs without one
+        if slots:  # Inductor's code around a tap at a biased layer's output as plain vLLM's (_addmm.py)
+            from . import _addmm
+            _addmm.install()
         self.drained = ("FULL", "PIECEWISE") if slots else ("FULL",)
         self.view.guard_graphs(lambda: self.editing, no_graph=slots)
         self.tap_calls = {loc: 0 for loc in self.taps}

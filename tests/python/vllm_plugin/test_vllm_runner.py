@@ -293,5 +293,110 @@ class OpaqueTapTest(unittest.TestCase):
         self.assertEqual(state._record["refused"], state.refused)  # the record plans are checked against
 
 
+@unittest.skipIf(MISSING, MISSING or "")
+class UnfuseTappedAddmmTest(unittest.TestCase):
+    """fragments/vllm/_addmm.py: Inductor's post-grad graph of a biased linear layer whose output is tapped, in,
+    the pass, FileCheck out. Inductor unfuses a float32 addmm only on a GPU; here the pass runs with gpu_only off
+    on the CPU (what it rewrites is the same graph), and the compiled result is checked against eager."""
+
+    def setUp(self):
+        import torch
+        from fragments.vllm import _addmm, _tap  # noqa: F401 - _tap registers fragments::tap
+        self.torch, self.addmm = torch, _addmm
+
+    def compile(self, fn, args, gpu_only=False):
+        """(graph before, graph after, rewrites, result) of fn compiled by Inductor with the pass as its
+        post_grad_custom_pre_pass."""
+        torch = self.torch
+        seen = {}
+        rewrite = self.addmm.UnfuseTappedAddmm(gpu_only=gpu_only)
+
+        class Recording(self.addmm.UnfuseTappedAddmm):
+            def __call__(self, graph):
+                seen["before"] = str(graph)
+                rewrite(graph)
+                seen["after"] = str(graph)
+
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(post_grad_custom_pre_pass=Recording(), fx_graph_cache=False):
+            out = torch.compile(fn, backend="inductor", fullgraph=True)(*args)
+        return seen["before"], seen["after"], rewrite.rewritten, out
+
+    def linear_args(self, dtype=None):
+        torch = self.torch
+        g = torch.Generator().manual_seed(0)
+        dtype = dtype or torch.float32
+        return [torch.randn(*shape, generator=g).to(dtype) for shape in ((4, 8), (6, 8), (6,), (4, 6))]
+
+    def test_a_tapped_biased_linear_becomes_mm_then_add(self):
+        torch = self.torch
+        from torch.testing import FileCheck
+
+        def fn(x, w, b, r):
+            y = torch.nn.functional.linear(x, w, b)
+            torch.ops.fragments.tap(y, "dense.output")
+            return torch.relu(y) + r
+        args = self.linear_args()
+        before, after, n, out = self.compile(fn, args)
+        FileCheck().check("aten.addmm.default").check("auto_functionalized").run(before)
+        FileCheck().check_not("aten.addmm").check("aten.mm.default").check("aten.add.Tensor") \
+            .check("auto_functionalized").run(after)
+        self.assertEqual(n, 1)
+        x, w, b, r = args
+        self.assertTrue(torch.equal(out, torch.relu(x @ w.t() + b) + r))  # mm, then the bias, as Inductor unfuses
+
+    def test_what_inductor_would_not_unfuse_is_left_alone(self):
+        torch = self.torch
+        from torch.testing import FileCheck
+
+        def untapped(x, w, b, r):
+            return torch.relu(torch.nn.functional.linear(x, w, b)) + r
+
+        def tapped_and_multiplied(x, w, b, r):  # a non-pointwise user beside the tap (another mm)
+            y = torch.nn.functional.linear(x, w, b)
+            torch.ops.fragments.tap(y, "dense.output")
+            return y @ r.t()
+
+        def tapped(x, w, b, r):
+            y = torch.nn.functional.linear(x, w, b)
+            torch.ops.fragments.tap(y, "dense.output")
+            return y + r
+        for fn, dtype, gpu_only, why in ((untapped, None, False, "no tap: Inductor's own pass decides"),
+                                         (tapped_and_multiplied, None, False, "a user that is not pointwise"),
+                                         (tapped, torch.bfloat16, False, "bfloat16: Inductor keeps addmm"),
+                                         (tapped, None, True, "a CPU tensor, gpu_only: Inductor keeps addmm")):
+            before, after, n, _ = self.compile(fn, self.linear_args(dtype), gpu_only=gpu_only)
+            self.assertEqual(n, 0, why)
+            self.assertEqual(before, after, why)
+            FileCheck().check("aten.addmm.default").run(after)
+
+    def test_install_sets_the_pre_pass_once_and_keeps_one_the_user_set(self):
+        import torch._inductor.config as inductor_config
+        old = inductor_config.post_grad_custom_pre_pass
+        try:
+            inductor_config.post_grad_custom_pre_pass = None
+            self.assertTrue(self.addmm.install())
+            mine = inductor_config.post_grad_custom_pre_pass
+            self.assertIsInstance(mine, self.addmm.UnfuseTappedAddmm)
+            self.assertTrue(self.addmm.install())
+            self.assertIs(inductor_config.post_grad_custom_pre_pass, mine)
+            theirs = self.addmm.UnfuseTappedAddmm.__new__(type("Theirs", (self.addmm.CustomGraphPass,),
+                                                               {"__call__": lambda s, g: None, "uuid": lambda s: 1}))
+            inductor_config.post_grad_custom_pre_pass = theirs
+            with self.assertLogs("fragments.vllm", "WARNING") as logs:
+                self.assertFalse(self.addmm.install())
+            self.assertIs(inductor_config.post_grad_custom_pre_pass, theirs)
+            self.assertEqual(len(logs.output), 1)
+        finally:
+            inductor_config.post_grad_custom_pre_pass = old
+
+    def test_a_graph_it_cannot_rewrite_is_left_with_one_warning(self):
+        rewrite = self.addmm.UnfuseTappedAddmm(gpu_only=False)
+        with self.assertLogs("fragments.vllm", "WARNING") as logs:
+            rewrite(object())  # not a graph
+        self.assertEqual(rewrite.rewritten, 0)
+        self.assertIn("tapped-addmm rewrite skipped", logs.output[0])
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
