@@ -37,12 +37,17 @@ class _Queued:
 
 
 class _Write:
-    """One request's rows of one block, bound for `offset` in its save's file (the writer thread's batch)."""
-    __slots__ = ("file", "offset", "data", "record", "key", "name", "step", "rows")
+    """One request's rows [lo, hi) of one block `host`, bound for `offset` in its save's file (a batch's)."""
+    __slots__ = ("file", "offset", "data", "record", "key", "name", "step", "host", "lo", "hi")
 
-    def __init__(self, file, offset, data, record, key, name, step, rows):
+    def __init__(self, file, offset, data, record, key, name, step, host, lo, hi):
         self.file, self.offset, self.data, self.record = file, offset, data, record
-        self.key, self.name, self.step, self.rows = key, name, step, rows
+        self.key, self.name, self.step, self.host, self.lo, self.hi = key, name, step, host, lo, hi
+
+    @property
+    def rows(self):
+        """The rows as a tensor (a view of the block), wanted only where the write failed."""
+        return self.host[self.lo:self.hi]
 
 
 class RowQueue:
@@ -88,6 +93,7 @@ class RowQueue:
             while self._in_flight:  # the writer thread's batch: its rows come before the queue's
                 self._queued.wait()
             synced = False
+            ready = []  # written in one batch: one call, the GIL released once
             while self._queue:
                 q = self._queue[0]
                 if not synced and q.ready is not READY and (q.ready is None or not q.ready.query()):
@@ -99,8 +105,9 @@ class RowQueue:
                         synced = True
                     else:
                         q.ready.synchronize()
-                self._queue.popleft()
-                writes = self._reserve([q])
+                ready.append(self._queue.popleft())
+            if ready:
+                writes = self._reserve(ready)
                 self._settle(writes, _write(writes))
 
     def _run(self) -> None:
@@ -167,7 +174,7 @@ class RowQueue:
                 if data is None:
                     data = as_bytes(q.host)
                 writes.append(_Write(f, f.reserve(hi - lo, step), data[lo:hi], record, key, q.name, step,
-                                     q.host[lo:hi]))
+                                     q.host, lo, hi))
         return writes
 
     def _settle(self, writes: List[_Write], errors: list) -> None:

@@ -254,6 +254,27 @@ class RowFilesTest(unittest.TestCase):
         got = _delivery.tensors(s.take("a", folder=self.dir))  # the take waits for the copy
         self.assertEqual(got["h"][:, 0].tolist(), [1.0, 1.0, 0.0, 2.0])
 
+    def test_a_step_writes_every_copied_block_in_one_call(self):
+        """At the next step every block whose copy is done goes out in one _C.write_rows call (one GIL release),
+        in order: a decode step's locations and requests are dozens of rows."""
+        from fragments import _C
+        s = SavesStore(folder=self.dir)
+        for key in ("a", "b"):
+            s.open(key)
+        for step in range(3):
+            for name in ("h", "g"):
+                s.add_rows(name, torch.full((2, 3), float(step)), [("a", 0, 1, step), ("b", 1, 2, step)],
+                           pending=True)
+        s.seal_step(mock.Mock(query=lambda: True))  # the step's copies are done
+        calls = []
+        real = _C.write_rows
+        with mock.patch.object(_C, "write_rows", side_effect=lambda p, o, d: calls.append(len(p)) or real(p, o, d)):
+            s.flush()
+        self.assertEqual(calls, [12])  # 3 steps x 2 saves x 2 requests, one call
+        got = _delivery.tensors(s.take("a", folder=self.dir))
+        self.assertEqual(got["h"][:, 0].tolist(), [0.0, 1.0, 2.0])
+        self.assertEqual(got["g"][:, 0].tolist(), [0.0, 1.0, 2.0])
+
     def test_a_writer_thread_writes_rows_in_order_once_their_copy_is_done(self):
         import threading
         import time
