@@ -186,6 +186,43 @@ def capture(model, modules, run):
     return captured, result
 
 
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+
+
+def rounding_envelope(model, modules, run, seeds: int = 8, u: float = BF16_UNIT_ROUNDOFF):
+    """How far from the float32 model a bfloat16 implementation of it can be, measured on the float32 model
+    itself: each of `seeds` runs multiplies every leaf module's output, every decoder layer's output (the
+    residual stream) and the inputs of o_proj and down_proj (attention's and the MLP's products, which are
+    not modules) by (1 + d), d uniform in [-u, u] elementwise, independently: one bfloat16 rounding at each
+    place an implementation rounds. The model's own amplification over depth is in the result, whatever the
+    depth. Returns [(captured, run's result)] per seed, as `capture` does."""
+    out = []
+    for seed in range(seeds):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+
+        def noise(x):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return x
+            d = (torch.rand(x.shape, generator=g) * 2 - 1).to(device=x.device, dtype=x.dtype)
+            return x * (1 + d * u)
+
+        def post(module, args, output):
+            return (noise(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else noise(output)
+        handles = []
+        for name, m in model.named_modules():
+            leaf = name and next(m.children(), None) is None and not name.endswith("rotary_emb")
+            if leaf or type(m).__name__.endswith("DecoderLayer"):
+                handles.append(m.register_forward_hook(post))
+            if name.endswith(("o_proj", "down_proj")):
+                handles.append(m.register_forward_pre_hook(lambda mod, args: (noise(args[0]),) + tuple(args[1:])))
+        try:
+            out.append(capture(model, modules, run))
+        finally:
+            for h in handles:
+                h.remove()
+    return out
+
+
 def write_tokenizer(folder: str, vocab_size: int) -> None:
     """A word-level tokenizer over tokens "t0".."t{vocab-1}" (nnsight's VLLM loads one; prompts are token ids)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
