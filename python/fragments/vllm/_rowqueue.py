@@ -210,6 +210,11 @@ class HostCopies:
         self.pending = False  # copies made without waiting since the last wait
         self.stream = None  # the stream of this step's copies, sealed at the step's end
 
+    @staticmethod
+    def asynchronous(part) -> bool:
+        """Whether `part`'s copy runs without waiting (a GPU's): its rows are ready only once the step's event is."""
+        return part.device.type == "cuda"
+
     def copy(self, part):
         if part.device.type != "cuda":
             return part.detach().to("cpu", copy=True)

@@ -340,7 +340,8 @@ class WorkerState:
         # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
         # (on the CPU, rows written into their files at once, not by a writer thread later, need no copy)
         host = None if edits or not self.saves.keep else \
-            whole if self.saves.folder and not self.saves.threaded and not whole.is_cuda else self.copies.copy(whole)
+            whole if self.saves.folder and not self.saves.threaded and not self.copies.asynchronous(whole) else \
+            self.copies.copy(whole)
         shared: Dict[str, list] = {}  # save name -> the requests' rows of `host` (SavesStore.add_rows: one call)
         for w in work:
             s = w.step
@@ -359,7 +360,7 @@ class WorkerState:
             except (RuntimeError, ValueError) as e:
                 self._fail(w.key, f"{location} ({s.do}) at step {w.at_step}: {e}")
         for name, parts in shared.items():
-            self.saves.add_rows(name, host, parts, pending=whole.is_cuda)
+            self.saves.add_rows(name, host, parts, pending=self.copies.asynchronous(whole))
         if not edited:
             return None
         new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)
