@@ -9,9 +9,12 @@ addmm: another kernel, other roundings, 1 ulp in GPT-NeoX's logprobs against pla
 `unfuse_tapped_addmm` runs before Inductor's patterns (`post_grad_custom_pre_pass`) and makes the same rewrite
 where Inductor's own check would have made it but for the taps: the users, followed through views, are
 pointwise or taps, at least one is a tap, the bias is a float32 (or wider) tensor on a GPU, alpha and beta are 1.
-The tap then reads `bias + mm` as a buffer and its users read that buffer; in float32 that buffer holds the bits
-the fused kernel computes in registers (one rounding of the same sum), so the engine computes what plain vLLM
-computes. bfloat16 and float16 addmm are never unfused by Inductor, and are left alone here too.
+The sum is written `mm - (-bias)`: Inductor's `addmm` pattern folds `mm + bias` back into an addmm when a
+user is not pointwise (a tap), and a subtraction of the negated bias is the same IEEE sum (negation is exact,
+a - (-b) rounds a + b) without matching it. The tap then reads the sum as a buffer and its users read that
+buffer; in float32 that buffer holds the bits the fused kernel computes in registers (one rounding of the same
+sum), so the engine computes what plain vLLM computes. bfloat16 and float16 addmm are never unfused by
+Inductor, and are left alone here too.
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ def _unfusable(node: torch.fx.Node, gpu_only: bool) -> bool:
 
 
 def unfuse_tapped_addmm(graph: torch.fx.Graph, gpu_only: bool = True) -> int:
-    """Rewrites each tapped addmm Inductor would unfuse but for its taps (module docstring) into `bias + mm`.
+    """Rewrites each tapped addmm Inductor would unfuse but for its taps (module docstring) into `mm - (-bias)`.
     Returns how many."""
     done = 0
     for node in list(graph.nodes):
@@ -93,12 +96,14 @@ def unfuse_tapped_addmm(graph: torch.fx.Graph, gpu_only: bool = True) -> int:
         fake = torch._guards.detect_fake_mode(vals)
         with graph.inserting_before(node):
             mm = graph.call_function(torch.ops.aten.mm.default, (mat1, mat2))
-            add = graph.call_function(torch.ops.aten.add.Tensor, (bias, mm))  # Inductor's order: inp + mm
+            neg = graph.call_function(torch.ops.aten.neg.default, (bias,))
+            total = graph.call_function(torch.ops.aten.sub.Tensor, (mm, neg))  # = bias + mm, not refolded
         if fake is not None:
             with fake:
                 mm.meta["val"] = torch.ops.aten.mm.default(vals[1], vals[2])
-                add.meta["val"] = torch.ops.aten.add.Tensor(vals[0], mm.meta["val"])
-        node.replace_all_uses_with(add)
+                neg.meta["val"] = torch.ops.aten.neg.default(vals[0])
+                total.meta["val"] = torch.ops.aten.sub.Tensor(mm.meta["val"], neg.meta["val"])
+        node.replace_all_uses_with(total)
         graph.erase_node(node)
         done += 1
     return done
