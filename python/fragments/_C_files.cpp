@@ -1,12 +1,12 @@
 //===- python/fragments/_C_files.cpp - Saves' rows into their files, GIL off -===//
 //
 // write_rows: a batch of (path, offset, bytes) written with pwrite, the GIL
-// released once for the whole batch. The vLLM worker's saves writer thread
-// (python/fragments/vllm/_saves.py) calls it: written from Python, each write
-// releases and retakes the GIL, and a thread that wants the GIL back while
-// vLLM's host loop holds it waits a switch interval (5 ms) per write, so one
-// step's rows (dozens of writes) would fall behind the steps. One release per
-// batch keeps the writer's GIL time to building the batch.
+// released once for the whole batch. The vLLM worker's saves call it
+// (python/fragments/vllm/_rowqueue.py), at the next step or from a writer
+// thread: written from Python, each write releases and retakes the GIL, and a
+// thread that wants the GIL back while vLLM's host loop holds it waits a switch
+// interval (5 ms) per write, so one step's rows (dozens of writes) would fall
+// behind the steps. One release per batch keeps the GIL time to building it.
 // Files are opened by path per write (no descriptor is shared with Python, so
 // none can be closed or reused under a write in flight).
 // Called from _C.cpp's module init (bind_files).

@@ -156,6 +156,12 @@ def arrange_graphs(compilation_config, way: str = "slots") -> str:
     return "piecewise"
 
 
+def slotted(graphs: str) -> tuple:
+    """The CUDA graphs (vLLM's runtime mode names) whose replays leave the taps' values in their slots, for what
+    arrange_graphs returned: every graph with taps in slots, FULL ones where taps split the PIECEWISE graphs."""
+    return ("FULL", "PIECEWISE") if graphs == "slots" else ("FULL",)
+
+
 def place(modules: Dict[str, torch.nn.Module], locations: Iterable[str]) -> list:
     """Registers a tap hook at each location (before vLLM's first forward traces the model). Returns the
     hook handles."""

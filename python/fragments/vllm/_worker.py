@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ..core import executor
-from . import _delivery, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _vllm_api
+from . import _delivery, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _tap, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
@@ -93,7 +93,6 @@ class WorkerState:
         self.py_forward = 0  # forwards run, for py_live
         self.taps: List[str] = []  # compiled mode: the locations with a fragments::tap (fixed at start)
         self.graphs = "none"  # compiled mode: how taps meet CUDA graphs (_tap.arrange_graphs)
-        self.drained = ("FULL",)  # the graphs whose replays leave the taps' values in slots (_tap.arrange_graphs)
         self.tap_calls: Dict[str, int] = {}
         self.forwards = 0  # compiled mode: forwards in which a plan acted
         self.host_s, self.step_counts = Counter(), Counter()  # host seconds by phase, steps (compile_stats)
@@ -183,7 +182,7 @@ class WorkerState:
 
     def end_step(self):
         t0 = time.perf_counter()
-        if self.in_step and self.view.graph in self.drained:  # a graph ran: the taps' values are in their slots
+        if self.in_step and self.view.graph in _tap.slotted(self.graphs):  # the taps' values are in their slots
             self.step_counts[self.view.graph.lower()] += 1
             self._drain_slots()
         self.copies.seal(self.saves)
@@ -387,7 +386,6 @@ class WorkerState:
     def _place_taps(self):
         """Taps at the locations additional_config["fragments_taps"] names, placed before vLLM's first forward
         compiles the model. A bad pattern stops the engine with one message (before any request)."""
-        from . import _tap
         extra = getattr(self.runner.vllm_config, "additional_config", None) or {}
         patterns = extra.get(_tap.TAPS_KEY, []) if isinstance(extra, dict) else []
         if not patterns:
@@ -401,7 +399,6 @@ class WorkerState:
         if slots:  # Inductor's code around a tap at a biased layer's output as plain vLLM's (_addmm.py)
             from . import _addmm
             _addmm.install()
-        self.drained = ("FULL", "PIECEWISE") if slots else ("FULL",)
         self.view.guard_graphs(lambda: self.editing, no_graph=slots)
         self.tap_calls = {loc: 0 for loc in self.taps}
         _tap.place(self.modules, [t for t in self.taps if self.here(t)])

@@ -204,7 +204,8 @@ def main():
     info = fv.inspect(llm)
     print(f"runner {info.get('runner')}, graphs {info.get('graphs')}", flush=True)
     if engine_env.GPU:
-        way = os.environ.get("FRAGMENTS_VLLM_GRAPH_TAPS", "slots").strip().lower()
+        from fragments.vllm import _tap
+        way = _tap.graph_way()  # the plugin's own reading of FRAGMENTS_VLLM_GRAPH_TAPS
         check(f"CUDA graphs kept ({way}): " + ("taps are splitting ops of vLLM's piecewise graphs" if way == "split"
                                                else "taps inside vLLM's pieces, copied to slots in every graph"),
               info.get("graphs") == {"split": "piecewise", "slots": "slots"}.get(way), str(info.get("graphs")))
