@@ -7,12 +7,13 @@ worker's begin_step flush) and the take of every saving request.
     python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16] [--memory]
 
 --memory keeps rows in memory until the take (FRAGMENTS_VLLM_ROWS_IN_SHM=0, the way before row files);
---writer thread|step: who writes rows into their files, a thread of the store's own or the stepping thread at
-the next step (the default); the per-step time is the stepping thread's, the take waits for the writer.
---as-gpu: on the CPU, the GPU's path (copies asynchronous, rows queued until the step's event, written at the
-next step), minus the CUDA calls: 1.06-1.09 ms a step here for 64 requests, 16 saving (the H100's host: 1.47 ms
-with the CUDA calls, run33). Its profile (--profile): writing the rows 0.58 ms (1.7 MB into tmpfs, 64 files
-opened), reserving their room 0.36 ms, the step's work list 0.28 ms, the gathers and copies 0.45 ms.
+--unsteady works every step out afresh (the worker before _steady.py: the runner's rows, every plan step of every
+row, each location's rows and saving requests); rows always go through _C.RowSink, whose thread writes them.
+--as-gpu: on the CPU, the GPU's path (copies asynchronous, blocks released at the next step once the step's
+event is done), minus the CUDA calls. Here, 64 requests, 16 saving: 0.72 ms a step (0.96 ms --unsteady), of
+which the data's own gathers and copies (CPU index_select and clone of 1.7 MB) are most; with --width 8 (the
+data out of it) 0.14 ms a step, 0.35 ms --unsteady. Before run34 (rows reserved in Python and written by
+the stepping thread): 1.06-1.09 ms a step here, 1.47 ms on the H100's host with the CUDA calls (run33).
 """
 import argparse
 import collections
@@ -23,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.join(ROOT, "python"))  # after PYTHONPATH (the GPU machine: the built package)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fragments.vllm import _delivery, _plan, _rowqueue, _runner, _saves, _worker  # noqa: E402
@@ -37,24 +39,38 @@ class _SaveStep:
 
 
 class _View:
+    """The runner's batch: n requests decoding, its arrays kept and changed in place as vLLM's are."""
     def __init__(self, n):
-        self.n, self.computed = n, 128
-        self.graph = "FULL"
+        self.n, self.graph = n, "FULL"
+        self.req_ids = [f"r{i}" for i in range(n)]
+        self.qsl = np.arange(n + 1, dtype=np.int32)
+        self.computed_np = np.full(n, 128, dtype=np.int32)
+
+    @property
+    def computed(self):
+        return int(self.computed_np[0])
+
+    @computed.setter
+    def computed(self, value):
+        self.computed_np[:] = value
 
     def rows(self):
-        return [_runner.Row(f"r{i}", i, i, i + 1, self.computed, 128) for i in range(self.n)]
+        return [_runner.Row(r, i, i, i + 1, int(self.computed_np[i]), 128) for i, r in enumerate(self.req_ids)]
+
+    def batch_arrays(self):
+        return self.req_ids, self.qsl, self.computed_np
 
     def begin_step(self):
         pass
 
 
-def state(rows, every, dtype, device, folder, threaded):
+def state(rows, every, dtype, device, folder):
     s = _worker.WorkerState.__new__(_worker.WorkerState)
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = _View(rows), torch.device(device), 0, None, 0, {}
     s.fragmented, s.leading_batch, s.copies = {}, False, _rowqueue.HostCopies(torch.device(device))
-    s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder, threaded=threaded)
+    s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
-    s.answers, s.plans, s.last_rows = _delivery.Folder(), {}, (None, None)
+    s.answers, s.plans, s.last_rows, s.steady = _delivery.Folder(), {}, (None, None), None
     for i in range(rows):
         if i % every == 0:
             steps = [_plan.Scheduled(_SaveStep(at), "all", False) for at in WIDTHS]
@@ -114,13 +130,16 @@ def main():
     ap.add_argument("--profile", action="store_true", help="cProfile the steps: the 15 costliest functions")
     ap.add_argument("--bytes", action="store_true", help="answers as bytes (the caller on another machine)")
     ap.add_argument("--memory", action="store_true", help="rows kept in memory until the take, not in files")
-    ap.add_argument("--writer", choices=("thread", "step"), help="who writes rows into files (FRAGMENTS_VLLM_ROWS_WRITER)")
+    ap.add_argument("--width", type=int, help="every location this wide (8: the data's own copies out of the time)")
+    ap.add_argument("--unsteady", action="store_true", help="work the step out afresh every step (_steady.py off)")
     ap.add_argument("--as-gpu", action="store_true", help="on the CPU, the GPU's path: every copy asynchronous, "
                     "its rows queued until the step's (here: done) event, written at the next step")
     args = ap.parse_args()
+    if args.width:
+        global WIDTHS
+        WIDTHS = dict.fromkeys(WIDTHS, args.width)
     folder = None if args.memory else _delivery.rows_folder()
-    threaded = (args.writer or "step") == "thread"
-    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder, threaded)
+    s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder)
     if args.as_gpu:
         as_gpu(s)
     prof = None
@@ -132,6 +151,8 @@ def main():
     for step in range(args.steps):
         s.view.computed = 128 + step
         s.step_work = None
+        if args.unsteady:
+            s.steady = None
         s.saves.flush()  # begin_step
         s._drain_slots()
         s.copies.seal(s.saves)  # end_step
@@ -148,7 +169,7 @@ def main():
     t2 = time.perf_counter()
     assert all(len(r) == len(WIDTHS) for r in read.values())
     mb = sum(v["bytes"] for v in out.values()) / 2**20
-    where = "memory" if folder is None else f"files in {folder}" + (", a writer thread" if threaded else "")
+    where = "memory" if folder is None else f"files in {folder}" + (", work afresh each step" if args.unsteady else "")
     print(f"vllm_step_cost ({args.device}, rows in {where}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
           f"{(t1 - t0) / args.steps * 1e3:.2f} ms per step (drain), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
           f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)")

@@ -99,16 +99,6 @@ def rows_folder() -> Optional[str]:
     return SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else None
 
 
-def rows_threaded(device) -> bool:
-    """Whether a worker's rows are written by a thread of their own rather than at its next step
-    (FRAGMENTS_VLLM_ROWS_WRITER=thread|step; step by default: measured faster on this machine's CPU and on the
-    H100's host, bench/README.md, since the thread's Python contends for the GIL with vLLM's host loop)."""
-    how = os.environ.get("FRAGMENTS_VLLM_ROWS_WRITER", "step")
-    if how not in ("thread", "step"):
-        raise ValueError(f"FRAGMENTS_VLLM_ROWS_WRITER={how!r}: expected thread or step")
-    return how == "thread"
-
-
 def write(parts: Dict[str, List[torch.Tensor]], folder: str, key: str) -> Optional[str]:
     """name -> its row blocks, written as one safetensors file (the blocks of a name concatenated in order)
     with one copy each; the path, or None when shared memory has no room for it or cannot be written (the

@@ -8,9 +8,11 @@ next step, and the take writes a header.
 Layout of the file (a valid safetensors file once sealed, one tensor):
   [8-byte header length][JSON header, padded with spaces to `start`][rows in step order]
 The header's room is reserved when the file is made (its longest form: the name is known then), so rows
-never move. Rows go in with pwrite (_rowqueue, _C.write_rows), not through a mapping: the kernel copies them
-into the page cache without a page fault per page (3x faster here than a mapping's first touch), and a full
-tmpfs answers ENOSPC instead of a SIGBUS. Sealing writes the header over its reserved room and cuts the file at the last kept row.
+never move. Rows go in with pwrite (_C.RowSink, on its own thread: it reserves each block's room, in order, and
+keeps the rows and steps written), not through a mapping: the kernel copies them into the page cache without a
+page fault per page (3x faster here than a mapping's first touch), and a full tmpfs answers ENOSPC instead of a
+SIGBUS (the sink then keeps that save's later rows in memory: `spilled`). Sealing writes the header over its
+reserved room and cuts the file at the last kept row.
 """
 from __future__ import annotations
 
@@ -27,17 +29,17 @@ from . import _delivery
 class RowFile:
     """The rows of one save of one request (the worker's store: _saves.SavesStore), in a file in `folder`."""
 
-    def __init__(self, folder: str, key: str, name: str, row_shape: Tuple[int, ...], dtype: torch.dtype):
-        self.name, self.row_shape, self.dtype = name, tuple(row_shape), dtype
+    def __init__(self, sink, folder: str, key: str, name: str, row_shape: Tuple[int, ...], dtype: torch.dtype):
+        self.sink, self.name, self.row_shape, self.dtype = sink, name, tuple(row_shape), dtype
         self.row_bytes = int(torch.Size(row_shape).numel()) * dtype.itemsize
         longest = len(self._header(10**15)) + 8  # the header at its longest (digits of the largest counts)
         self.start = -(-longest // mmap.PAGESIZE) * mmap.PAGESIZE  # rows start on a page: mapped when read
-        self.rows = 0
-        self.marks: List[Tuple[int, int]] = []  # (step, rows written up to the end of that step), in step order
+        self.fid = None  # the sink's id of this file, once the header's room is written
         self.path, fd = _delivery.new_file(folder, key)
         self.open = True  # until sealed (the caller's then) or discarded
         try:  # the header's room written now: sealing never needs space that a full tmpfs could refuse
             _write_all(fd, b" " * self.start, 0)
+            self.fid = sink.open(self.path, self.start, self.row_bytes)
         except BaseException:
             self.discard()
             raise
@@ -50,39 +52,26 @@ class RowFile:
             raise ValueError(f"save {self.name!r}: rows of {list(block.shape[1:])} {block.dtype} after rows of "
                              f"{list(self.row_shape)} {self.dtype}")
 
-    def reserve(self, n: int, step: int) -> int:
-        """Room for `n` rows of `step` after those before: the byte offset where they go (_rowqueue writes them
-        there with _C.write_rows, which opens the file by path: no descriptor stays open between writes)."""
-        offset = self.start + self.rows * self.row_bytes
-        self.rows += n
-        if self.marks and self.marks[-1][0] == step:
-            self.marks[-1] = (step, self.rows)
-        else:
-            self.marks.append((step, self.rows))
-        return offset
+    @property
+    def rows(self) -> int:
+        """Rows put for this file (after a refused write: those before it; the rest are `spilled`)."""
+        return self.sink.rows(self.fid)
 
-    def cut(self, offset: int) -> None:
-        """Rows from byte `offset` on were not written (a write refused): the file ends before them."""
-        self.rows = (offset - self.start) // self.row_bytes
-        marks: List[Tuple[int, int]] = []
-        for step, end in self.marks:
-            if min(end, self.rows) > (marks[-1][1] if marks else 0):
-                marks.append((step, min(end, self.rows)))
-        self.marks = marks
+    @property
+    def marks(self) -> List[Tuple[int, int]]:
+        """(step, rows up to the end of that step), in step order."""
+        return self.sink.marks(self.fid)
+
+    def failed(self) -> Optional[str]:
+        """Why a write was refused (its rows and the later ones wait in memory: `spilled`), or None."""
+        failure = self.sink.failed(self.fid)
+        return None if failure is None else failure[1]
 
     def kept(self, steps: Optional[int]) -> int:
         """Rows of steps before `steps` (all when None): rows are written in step order."""
         if steps is None:
             return self.rows
         return max((end for step, end in self.marks if step < steps), default=0)
-
-    def blocks(self) -> List[Tuple[int, torch.Tensor]]:
-        """(step, its rows) in memory: where the file cannot go on (shared memory full)."""
-        out, begin, rows = [], 0, self._read(self.rows)
-        for step, end in self.marks:
-            out.append((step, rows[begin:end]))
-            begin = end
-        return out
 
     def seal(self, steps: Optional[int]) -> Optional[str]:
         """The file as safetensors holding the kept rows, its path (None, the file gone, when none are kept)."""
@@ -102,19 +91,25 @@ class RowFile:
             self.discard()
             raise
         self.open = False
+        self.sink.close(self.fid)
         return self.path
 
     def read(self, steps: Optional[int]) -> Optional[torch.Tensor]:
-        """The kept rows as a tensor in memory (the caller gets bytes); the file goes."""
+        """The kept rows as a tensor in memory (the caller gets bytes; or a write was refused: the rows the sink
+        kept in memory follow the file's); the file goes."""
         rows = self.kept(steps)
         try:
-            return self._read(rows) if rows else None
+            blocks = [self._read(rows)] if rows else []
+            blocks += [t for step, t in self.sink.spilled(self.fid) if steps is None or step < steps]
+            return torch.cat(blocks) if len(blocks) > 1 else blocks[0] if blocks else None
         finally:
             self.discard()
 
     def discard(self) -> None:
         if self.open:
             self.open = False
+            if self.fid is not None:
+                self.sink.close(self.fid)
             _delivery.remove(self.path)
 
     def _header(self, rows: int) -> bytes:

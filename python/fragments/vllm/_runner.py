@@ -58,6 +58,11 @@ class Runner:
     def rows(self) -> List[Row]:
         raise NotImplementedError
 
+    def batch_arrays(self):
+        """(request ids, query start offsets [n + 1], tokens computed [n]) as the runner holds them (numpy, not
+        copied), for _steady.Steady to tell a batch that follows on from the last; None: not known."""
+        return None
+
     def sampling_params(self, req_id: str):
         """A live request's SamplingParams, for a plan not seen when the request was new (None: unknown)."""
         return None
@@ -86,6 +91,11 @@ class V1(Runner):
         qsl = self.runner.query_start_loc.np
         return [Row(req_id, i, int(qsl[i]), int(qsl[i + 1]), int(batch.num_computed_tokens_cpu[i]),
                     int(batch.num_prompt_tokens[i])) for i, req_id in enumerate(batch.req_ids)]
+
+    def batch_arrays(self):
+        batch = self.runner.input_batch
+        n = len(batch.req_ids)
+        return batch.req_ids, self.runner.query_start_loc.np[:n + 1], batch.num_computed_tokens_cpu[:n]
 
     def sampling_params(self, req_id: str):
         state = self.runner.requests.get(req_id)
@@ -129,6 +139,13 @@ class V2(Runner):
         qsl, prompt_len = b.query_start_loc_np, self.runner.req_states.prompt_len.np
         return [Row(req_id, i, int(qsl[i]), int(qsl[i + 1]), int(b.num_computed_tokens_np[i]),
                     int(prompt_len[b.idx_mapping_np[i]])) for i, req_id in enumerate(b.req_ids)]
+
+    def batch_arrays(self):
+        b = self.batch
+        if b is None:
+            return None
+        n = len(b.req_ids)
+        return b.req_ids, b.query_start_loc_np[:n + 1], b.num_computed_tokens_np[:n]
 
     def begin_step(self) -> None:
         self.batch = None

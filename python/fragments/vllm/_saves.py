@@ -17,11 +17,11 @@ Rank 0 answers the caller; the other ranks' saves are equal copies nobody reads,
 the bookkeeping (keys, errors) and no tensors (keep=False).
 
 Where rows wait: with a `folder` (shared memory on the worker's machine), each save's rows go into a file of
-their own as the steps run (_rowfile.RowFile), and the take seals those files instead of copying. Rows copied
-from a GPU without waiting are queued until their copy is done (`seal_step` gives them the step's CUDA event).
-With `threaded`, a writer thread of the store's own waits for each event and writes the rows (the writes
-release the GIL, so vLLM's host loop, which bounds its decode steps, goes on meanwhile); without, `flush`
-writes those done at the next step. Without a folder, rows wait in memory.
+their own as the steps run (_rowfile.RowFile), and the take seals those files instead of copying. The writing
+is _C.RowSink's, on a thread of its own (_rowqueue.RowQueue); rows copied from a GPU without waiting are handed
+to it once their step's CUDA event is done (`seal_step`, then `flush` at the next step). Without a folder, rows
+wait in memory. While a decode batch repeats, the worker hands a location's block over as one `add_batch`
+(a SaveBatch prepared once: the requests' files, rows and bytes), not request by request.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 from . import _delivery
 from ._rowfile import RowFile
-from ._rowqueue import READY, RowQueue
+from ._rowqueue import READY, RowQueue, SaveBatch
 
 log = logging.getLogger("fragments.vllm")
 
@@ -85,7 +85,7 @@ class SavesStore:
 
     def __init__(self, keep: bool = True, clock: Callable[[], float] = time.monotonic,
                  copy: Optional[Callable] = None, wait: Optional[Callable[[], None]] = None,
-                 folder: Optional[str] = None, threaded: bool = False):
+                 folder: Optional[str] = None):
         self.keep = keep
         self.folder = folder if keep else None  # where rows are written as the steps run (None: in memory)
         # how a kept save leaves the device (the worker's: a GPU value into pinned memory without waiting), and
@@ -100,8 +100,8 @@ class SavesStore:
         self._lock = threading.Lock()
         self._records: Dict[str, _Record] = {}
         # rows on their way to their files (None: rows wait in memory)
-        self.rows = RowQueue(self.folder, self._records, self._lock, wait, threaded) if self.folder else None
-        self.threaded = self.rows is not None and self.rows.threaded
+        self.rows = RowQueue(self.folder, self._records, self._lock, wait) if self.folder else None
+        self.generation = 0  # changes whenever a prepared SaveBatch may no longer hold (add_batch)
         self._finished: "OrderedDict[str, float]" = OrderedDict()  # key -> when it finished, oldest first
         self._gone: "OrderedDict[str, tuple]" = OrderedDict()  # key -> (status, why): taken or dropped
         self.bytes = 0
@@ -125,6 +125,7 @@ class SavesStore:
                              "(FRAGMENTS_VLLM_SAVES_MAX_REQUESTS)")
                 return
             self._records[key] = _Record(error)
+            self.generation += 1
 
     def add(self, key: str, name: str, tensor, copied: bool = False, step: int = 0) -> None:
         """One step's rows of a save (this rank's whole value); copied to the host when kept (`copied`: the
@@ -139,7 +140,6 @@ class SavesStore:
                 return
             rows = host if host.dim() > 0 else host.reshape(1)  # a scalar is a row of its own (stacked at take)
             self.rows.put(name, rows, [(key, 0, rows.shape[0], step)], None if tensor.is_cuda and not copied else READY)
-        self.flush()
 
     def add_rows(self, name: str, host, parts, pending: bool = False) -> None:
         """One step's rows of several requests' saves of `name`, all in `host` (one host copy for all): `parts`
@@ -156,7 +156,52 @@ class SavesStore:
                     self._records[key].saves.setdefault(name, []).append((step, host, lo, hi))
                 return
             self.rows.put(name, host, kept, None if pending else READY)
-        self.flush()
+
+    def batch(self, name: str, host, parts) -> Optional[SaveBatch]:
+        """The files of save `name` for `parts` [(key, first row, row past the last)] of blocks like `host`, made
+        now where missing, for add_batch at this and later steps; None where a request's rows cannot go to a file
+        (no folder, shared memory full, rows of another shape): add_rows serves those. Requests that keep
+        nothing (taken, dropped, truncated) are left out."""
+        row_bytes = host[0].numel() * host.element_size() if host.dim() > 0 and host.shape[0] else 0
+        if self.rows is None or row_bytes == 0:
+            return None
+        keys, order, files, lo, hi = [], [], [], [], []
+        with self._lock:
+            for i, (key, a, b) in enumerate(parts):
+                record = self._records.get(key)
+                if record is None or record.truncated:
+                    continue
+                f = self.rows.file(record, key, name, host)
+                if f is None:
+                    return None
+                keys.append(key)
+                order.append(i)
+                files.append(f.fid)
+                lo.append(a)
+                hi.append(b)
+            return SaveBatch(name, keys, None if len(order) == len(parts) else order, files, lo, hi, row_bytes,
+                             self.generation)
+
+    def add_batch(self, batch: SaveBatch, host, steps: List[int], pending: bool = False) -> bool:
+        """One step's block of `batch`'s requests (`steps`: each one's step, in the batch's order of parts given
+        to `batch`; only those it kept are read): one call to the sink. False, nothing kept, where the batch no
+        longer holds or a request would pass a cap: add_rows then decides, request by request."""
+        with self._lock:
+            if batch.generation != self.generation:
+                return False
+            total = sum(batch.bytes)
+            if self.bytes + total > self.max_bytes:
+                return False
+            records = [self._records[key] for key in batch.keys]
+            if any(r.bytes + size > self.request_bytes for r, size in zip(records, batch.bytes)):
+                return False
+            for r, size in zip(records, batch.bytes):
+                r.bytes += size
+            self.bytes += total
+            self.rows.put_files(host, batch.files, batch.lo, batch.hi,
+                                steps if batch.order is None else [steps[i] for i in batch.order],
+                                None if pending else READY)
+        return True
 
     def seal_step(self, event) -> None:
         """The copies queued so far are done when `event` (recorded after them on the stream) is."""
@@ -235,7 +280,11 @@ class SavesStore:
             same = folder is not None and self.folder is not None and \
                 os.path.realpath(folder) == os.path.realpath(self.folder)
             for name, f in record.files.items():
-                if not same:  # the caller is elsewhere: the rows travel as bytes (or in the caller's folder)
+                failed = f.failed()
+                if failed is not None:  # shared memory was full: its later rows waited in the sink's memory
+                    log.warning("fragments: %s: the rows of %s went on in memory: writing %s failed (%s)", key, name,
+                                f.path, failed)
+                if not same or failed is not None:  # the rows travel as bytes (or in the caller's folder)
                     rows = f.read(steps)
                     if rows is not None:
                         kept[name] = [rows]
@@ -283,6 +332,7 @@ class SavesStore:
     def _pop(self, key: str) -> Optional[_Record]:
         record = self._records.pop(key, None)
         if record is not None:
+            self.generation += 1
             self._finished.pop(key, None)
             self.bytes -= record.bytes
         return record
@@ -313,6 +363,7 @@ class SavesStore:
 
     def _truncate(self, key: str, record: _Record, reason: str, why: str) -> None:
         record.truncated = why
+        self.generation += 1
         self.dropped[reason] += 1
         if self.keep:
             log.warning("fragments: %s: %s", key, why)

@@ -33,19 +33,14 @@ import torch
 
 from .. import _C
 from ..core import executor
-from . import _delivery, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _tap, _vllm_api
+from . import _delivery, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _steady, _tap, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
 current: Optional["WorkerState"] = None  # this process's state, once vLLM has loaded the model (_install.py)
 
 
-class _Work:
-    """One plan step acting on one request's rows at one location in this forward."""
-    __slots__ = ("key", "start", "stop", "step", "at_step")
-
-    def __init__(self, key, start, stop, step, at_step):
-        self.key, self.start, self.stop, self.step, self.at_step = key, start, stop, step, at_step
+_Work = _steady.Work  # one plan step acting on one request's rows at one location in this forward
 
 
 class WorkerState:
@@ -73,7 +68,7 @@ class WorkerState:
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
         self.copies = _rowqueue.HostCopies(self.device)  # saves' device -> host copies, without waiting
         self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self.copies.copy, wait=self.copies.wait,
-                                       folder=_delivery.rows_folder(), threaded=_delivery.rows_threaded(self.device))
+                                       folder=_delivery.rows_folder())
         self.last_rows: tuple = (None, None)  # _where's last (rows, device) and _runner.row_index's index
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.in_step = False
@@ -82,6 +77,7 @@ class WorkerState:
         self.slots: Dict[str, torch.Tensor] = {}  # CUDA graphs: location -> the buffer their replays copy to
         self.executing = False  # inside execute_model (a forward), not an ad-hoc module call (fragments_call)
         self.step_work: Optional[Dict[str, List[_Work]]] = None
+        self.steady: Optional[_steady.Steady] = None  # the last step's work while the batch follows on from it
         self.logits_done: set = set()  # logits locations acted at in this step (V2 may compute logits twice)
         self.hooks: Dict[str, object] = {}  # location -> its hook's handle: only where a live plan acts
         self.compiled = not runner.model_config.enforce_eager
@@ -152,6 +148,7 @@ class WorkerState:
             if new.req_id not in self.plans:
                 changed |= self._plan_of(new.req_id, new.sampling_params) is not None
         if changed:
+            self.steady = None  # plans came or went: the work is worked out afresh
             self._sync_hooks()
         self.in_step = bool(self.hooks)
         if self.compiled:  # taps are always in the graph; their bodies act only while a live plan acts
@@ -191,24 +188,35 @@ class WorkerState:
         self.step_work = None
 
     def _work(self) -> Dict[str, List[_Work]]:
-        """Location -> work of this forward, built once per step from the runner's batch (same on every rank)."""
+        """Location -> work of this forward, built once per step from the runner's batch (same on every rank),
+        or the last step's while the batch follows on from it (_steady.py)."""
         if self.step_work is not None:
             return self.step_work
+        batch = self.view.batch_arrays()
+        if self.steady is not None and self.steady.follows(batch):
+            self.step_work = self.steady.work
+            return self.step_work
         work: Dict[str, List[_Work]] = {}
+        shift, planned, variable = [0], [], []
         for row in self.view.rows():
             plan = self._plan_of(row.req_id)
             if plan is None or plan.error:
                 continue
+            planned.append(row.index)
             step = row.step
             for s in plan.steps:
-                if not s.runs_at(step) or not self.here(s.at):
+                runs = s.runs_at(step)
+                if not isinstance(s.steps, str):  # a set of steps: the work changes when one begins or ends
+                    variable.append((s, step, runs))
+                if not runs or not self.here(s.at):
                     continue
                 if s.logits:  # the logits processor sees one row per request: its sampled position
                     if row.samples:
-                        work.setdefault(s.at, []).append(_Work(plan.key, row.index, row.index + 1, s, step))
+                        work.setdefault(s.at, []).append(_Work(plan.key, row.index, row.index + 1, s, step, shift))
                 else:
-                    work.setdefault(s.at, []).append(_Work(plan.key, row.start, row.stop, s, step))
+                    work.setdefault(s.at, []).append(_Work(plan.key, row.start, row.stop, s, step, shift))
         self.step_work = work
+        self.steady = _steady.Steady.of(batch, planned, work, shift, variable)
         return work
 
     def _plan_of(self, req_id: str, params=None) -> Optional["_plan.RequestPlan"]:
@@ -314,15 +322,16 @@ class WorkerState:
                            "not a floating-point activation (vLLM calls this module with it first)")
             return None
         rule = self.fragmented.get(location)
-        rows = sorted({r for w in work for r in range(w.start, w.stop)})
+        prep = _steady.prepared(self.steady, self.step_work, location, work,
+                                lambda rows: self._where(rows, value.device))
+        rows, where, position = prep.rows, prep.where, prep.position
         if rows and rows[-1] >= value.shape[0]:
             # a tensor laid out other than [tokens, ...]: the requests fail alike on every rank, vLLM goes on
             for w in work:
                 self._fail(w.key, f"{location} holds {list(value.shape)}, not one row per token of this step "
                            f"({rows[-1] + 1} or more): a layout the plugin does not read")
             return None
-        edits = any(w.step.do != "save" for w in work)
-        where = self._where(rows, value.device)
+        edits = prep.edits
         piece = value.narrow(0, where.start, len(rows)) if isinstance(where, range) else value.index_select(0, where)
         if rule is None:
             whole = piece.clone() if edits and isinstance(where, range) else piece  # edits never touch `value`
@@ -333,20 +342,14 @@ class WorkerState:
             else:
                 gathered = self.tp.all_gather(piece.unsqueeze(0).contiguous(), dim=0)
                 whole = _C.whole_from_pieces(rule_json, list(gathered.unbind(0)))
-        position = {r: k for k, r in enumerate(rows)}
         edited = False
-        # read-only work here: one host copy of the rows for every request's saves (their rows are views of it);
-        # ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
-        # (on the CPU, rows written into their files at once, not by a writer thread later, need no copy)
+        # read-only work here: one host copy of the rows for every request's plain saves (SaveGroup: one call to
+        # the store per save name); ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
+        # (on the CPU, rows written into their files at once need no copy)
         host = None if edits or not self.saves.keep else \
-            whole if self.saves.folder and not self.saves.threaded and not self.copies.asynchronous(whole) else \
-            self.copies.copy(whole)
-        shared: Dict[str, list] = {}  # save name -> the requests' rows of `host` (SavesStore.add_rows: one call)
-        for w in work:
+            whole if self.saves.folder and not self.copies.asynchronous(whole) else self.copies.copy(whole)
+        for w in (work if host is None else prep.rest):
             s = w.step
-            if host is not None and not s.index:
-                shared.setdefault(s.as_, []).append((w.key, position[w.start], position[w.stop - 1] + 1, w.at_step))
-                continue
             view = whole[position[w.start]:position[w.stop - 1] + 1]
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
@@ -358,8 +361,10 @@ class WorkerState:
                 edited |= self._step(location, s, w, view)
             except (RuntimeError, ValueError) as e:
                 self._fail(w.key, f"{location} ({s.do}) at step {w.at_step}: {e}")
-        for name, parts in shared.items():
-            self.saves.add_rows(name, host, parts, pending=self.copies.asynchronous(whole))
+        if host is not None:
+            pending = self.copies.asynchronous(whole)
+            for group in prep.saves:
+                group.add(self.saves, host, pending)
         if not edited:
             return None
         new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)

@@ -214,17 +214,36 @@ class RowFilesTest(unittest.TestCase):
         self.assertEqual(s.take("b")["status"], "dropped")
 
     def test_shared_memory_full_mid_request_goes_on_in_memory(self):
+        """A write refused by the kernel (here EFBIG: a file size limit set so that the third row does not fit,
+        as a full tmpfs refuses with ENOSPC) sends that save's later rows to the sink's memory; the take reads the
+        file's rows back and sends all of them, in order. Another save in the same blocks is untouched."""
+        import resource
+        import signal
         s = SavesStore(folder=self.dir)
         s.open("a")
-        rows = [torch.full((1, 3), float(i)) for i in range(4)]
+        s.open("b")
+        rows = [torch.tensor([[float(i), 0.0, 0.0], [float(i), 1.0, 1.0]]) for i in range(4)]
         s.add_rows("h", rows[0], [("a", 0, 1, 0)])
         s.add_rows("h", rows[1], [("a", 0, 1, 1)])
-        with mock.patch("fragments._C.write_rows", side_effect=lambda paths, *_: [28] * len(paths)):  # ENOSPC
+        f = s._records["a"].files["h"]
+        limit = f.start + 2 * f.row_bytes  # a's file holds two rows and no more
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+        try:
             s.add_rows("h", rows[2], [("a", 0, 1, 2)])
-        s.add_rows("h", rows[3], [("a", 0, 1, 3)])
-        self.assertEqual(self.mine(), [])  # the file went; its rows are in memory now
-        got = _delivery.tensors(s.take("a"))
-        self.assertTrue(torch.equal(got["h"], torch.cat(rows)))
+            s.add_rows("h", rows[3], [("a", 0, 1, 3)])
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+        self.assertIsNotNone(f.failed())
+        with self.assertLogs("fragments.vllm", "WARNING") as logs:
+            got = _delivery.tensors(s.take("a", folder=self.dir))
+        self.assertIn("went on in memory", logs.output[0])
+        self.assertTrue(torch.equal(got["h"], torch.cat([r[:1] for r in rows])))
+        self.assertEqual(self.mine(), [])  # a's row file went with the take (its answer, read, too)
+        s.add_rows("h", rows[0][1:], [("b", 0, 1, 0)])
+        self.assertTrue(torch.equal(_delivery.tensors(s.take("b", folder=self.dir))["h"], rows[0][1:]))
 
     def test_rows_still_being_copied_wait_for_their_event(self):
         class Event:
@@ -239,102 +258,60 @@ class RowFilesTest(unittest.TestCase):
         s.open("a")
         s.add_rows("h", torch.ones(2, 3), [("a", 0, 2, 0)], pending=True)
         s.flush()
-        self.assertEqual(s.stats()["queued"], 1)  # not sealed: not read
+        self.assertEqual(s.stats()["queued"], 1)  # not sealed: not written
         event = Event()
         s.seal_step(event)
         s.flush()
         self.assertEqual(s.stats()["queued"], 1)  # its copy still runs
-        s.add_rows("h", torch.zeros(1, 3), [("a", 0, 1, 1)])  # ready, but queued behind: order is kept
-        self.assertEqual(s.stats()["queued"], 2)
+        s.add_rows("h", torch.zeros(1, 3), [("a", 0, 1, 1)])  # ready: written now, after the room reserved above
+        self.assertEqual(s.stats()["queued"], 1)
         event.done = True
         s.flush()
+        s.rows.sink.drain()
         self.assertEqual(s.stats()["queued"], 0)
         s.add_rows("h", torch.full((1, 3), 2.0), [("a", 0, 1, 2)], pending=True)
-        s.seal_step(Event())
+        last = Event()
+        s.seal_step(last)
         got = _delivery.tensors(s.take("a", folder=self.dir))  # the take waits for the copy
+        self.assertTrue(last.done)  # waited for before the sink read the block
         self.assertEqual(got["h"][:, 0].tolist(), [1.0, 1.0, 0.0, 2.0])
 
-    def test_a_step_writes_every_copied_block_in_one_call(self):
-        """At the next step every block whose copy is done goes out in one _C.write_rows call (one GIL release),
-        in order: a decode step's locations and requests are dozens of rows."""
-        from fragments import _C
+    def test_a_batch_of_requests_is_one_call_to_the_sink(self):
+        """A prepared SaveBatch hands a location's block for all its requests to the sink in one put; it stops
+        holding when the store's requests change (here one is taken), and a step that would bring a request past
+        its cap is left to add_rows, which truncates the requests it would."""
         s = SavesStore(folder=self.dir)
-        for key in ("a", "b"):
+        for key in ("a", "b", "c"):
             s.open(key)
+        block = torch.arange(9.0).reshape(3, 3)
+        parts = [("a", 0, 1), ("b", 1, 2), ("c", 2, 3)]
+        batch = s.batch("h", block, parts)
+        puts = []
+        real = s.rows.sink
+
+        class Counting:  # the sink, its puts counted
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def put(self, *args):
+                puts.append(len(args[1]))
+                return real.put(*args)
+        s.rows.sink = Counting()
         for step in range(3):
-            for name in ("h", "g"):
-                s.add_rows(name, torch.full((2, 3), float(step)), [("a", 0, 1, step), ("b", 1, 2, step)],
-                           pending=True)
-        s.seal_step(mock.Mock(query=lambda: True))  # the step's copies are done
-        calls = []
-        real = _C.write_rows
-        with mock.patch.object(_C, "write_rows", side_effect=lambda p, o, d: calls.append(len(p)) or real(p, o, d)):
-            s.flush()
-        self.assertEqual(calls, [12])  # 3 steps x 2 saves x 2 requests, one call
-        got = _delivery.tensors(s.take("a", folder=self.dir))
-        self.assertEqual(got["h"][:, 0].tolist(), [0.0, 1.0, 2.0])
-        self.assertEqual(got["g"][:, 0].tolist(), [0.0, 1.0, 2.0])
-
-    def test_a_writer_thread_writes_rows_in_order_once_their_copy_is_done(self):
-        import threading
-        import time
-
-        class Event:  # a copy that takes a while; synchronize is called off the stepping thread
-            def __init__(self):
-                self.done, self.threads = threading.Event(), set()
-
-            def query(self):
-                return self.done.is_set()
-
-            def synchronize(self):
-                self.threads.add(threading.current_thread().name)
-                self.done.wait()
-        s = SavesStore(folder=self.dir, threaded=True)
-        s.open("a")
-        events = []
-        for step in range(6):
-            s.add_rows("h", torch.full((1, 3), float(step)), [("a", 0, 1, step)], pending=True)
-            events.append(Event())
-            s.seal_step(events[-1])
-        self.assertEqual(s.stats()["queued"], 6)  # the stepping thread never waited for a copy
-        for e in events[:3]:
-            e.done.set()
-        deadline = time.monotonic() + 10
-        while s.stats()["queued"] > 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.assertEqual(s.stats()["queued"], 3)  # written by the writer thread, the rest waits for its copy
-        self.assertEqual(events[0].threads, {"fragments-saves-writer"})
-        threading.Timer(0.2, lambda: [e.done.set() for e in events[3:]]).start()
-        got = _delivery.tensors(s.take("a", folder=self.dir))  # waits for the copies still running
-        self.assertEqual(got["h"][:, 0].tolist(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
-        self.assertEqual(self.mine(), [])
-
-    def test_a_writer_thread_whose_write_is_refused_goes_on_in_memory(self):
-        import errno
-        import time
-
-        from fragments import _C
-        real, calls = _C.write_rows, []
-
-        def write_rows(paths, offsets, sources):  # shared memory full from the third batch on
-            calls.append(len(paths))
-            if len(calls) <= 2:
-                return real(paths, offsets, sources)
-            return [errno.ENOSPC] * len(paths)
-        s = SavesStore(folder=self.dir, threaded=True)
-        s.open("a")
-        s.open("b")
-        with mock.patch.object(_C, "write_rows", write_rows):
-            for step in range(5):
-                s.add_rows("h", torch.tensor([[float(step), 0.0], [float(step), 1.0]]),
-                           [("a", 0, 1, step), ("b", 1, 2, step)])
-                deadline = time.monotonic() + 10
-                while s.stats()["queued"] and time.monotonic() < deadline:
-                    time.sleep(0.005)
-            got = {k: _delivery.tensors(s.take(k, folder=self.dir))["h"] for k in ("a", "b")}
-        self.assertGreaterEqual(len(calls), 3)
-        self.assertEqual(got["a"].tolist(), [[float(i), 0.0] for i in range(5)])
-        self.assertEqual(got["b"].tolist(), [[float(i), 1.0] for i in range(5)])
+            self.assertTrue(s.add_batch(batch, block + step, [step] * 3))
+        self.assertEqual(puts, [3, 3, 3])
+        got = _delivery.tensors(s.take("b", folder=self.dir))
+        self.assertEqual(got["h"].tolist(), [[3.0 + step, 4.0 + step, 5.0 + step] for step in range(3)])
+        self.assertFalse(s.add_batch(batch, block, [3] * 3))  # b was taken: the batch no longer holds
+        batch = s.batch("h", block, parts)
+        self.assertEqual(batch.keys, ["a", "c"])
+        s.request_bytes = s._records["a"].bytes + 3 * 4  # a and c have room for one more row, not two
+        self.assertTrue(s.add_batch(batch, block + 3, [3] * 3))
+        self.assertFalse(s.add_batch(batch, block + 4, [4] * 3))
+        s.add_rows("h", block + 4, [(k, a, b, 4) for k, a, b in parts])  # what the worker does then
+        got = {k: _delivery.tensors(s.take(k, folder=self.dir)) for k in ("a", "c")}
+        self.assertEqual(got["a"]["h"][:, 0].tolist(), [0.0, 1.0, 2.0, 3.0])
+        self.assertEqual(got["c"]["h"][:, 0].tolist(), [6.0, 7.0, 8.0, 9.0])
         self.assertEqual(self.mine(), [])
 
     def test_a_take_that_fails_midway_leaves_no_file_of_its_request(self):

@@ -1,0 +1,129 @@
+"""A decode batch that repeats from step to step: its work, and each location's rows and saves, worked out once.
+
+Why: while vLLM decodes the same requests step after step (one token each, each one step further), a step's
+work is the last one's with every request's step one more. Worked out afresh it cost, for 64 requests of which
+16 save 4 locations, 0.28 ms of Python per step (the runner's rows, every plan step of every row) and as much
+again for each location's rows, positions and saving requests (tools/probes/vllm_step_cost.py --as-gpu),
+beside a plain GPU decode step of 2.6 ms. The worker (_worker.WorkerState._work) works a step out as before
+whenever its batch is new, and keeps it here while the runner's batch follows on from it (`Steady.follows`:
+a few array comparisons); each location's `Prepared` share is made at its first visit and kept as long.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+
+class Work:
+    """One plan step acting on one request's rows [start, stop) at one location in this forward; the request's
+    step is `base` plus the batch's `shift` (Steady: how many steps it has followed on)."""
+    __slots__ = ("key", "start", "stop", "step", "base", "shift")
+
+    def __init__(self, key, start, stop, step, base, shift):
+        self.key, self.start, self.stop, self.step, self.base, self.shift = key, start, stop, step, base, shift
+
+    @property
+    def at_step(self) -> int:
+        return self.base + self.shift[0]
+
+
+class SaveGroup:
+    """One save name's read-only work at a location: its requests' rows of the location's block (`parts`, in the
+    order of `work`) and the store's SaveBatch for them (made at the first step, None until then)."""
+    __slots__ = ("name", "work", "parts", "batch")
+
+    def __init__(self, name: str):
+        self.name, self.work, self.parts, self.batch = name, [], [], None
+
+    def add(self, store, host, pending: bool) -> None:
+        """The group's rows of `host` into `store` (_saves.SavesStore): one call with the SaveBatch (made at the
+        first step, again when the store's requests changed); request by request where it cannot serve."""
+        steps = [w.at_step for w in self.work]
+        if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
+            return
+        if store.folder is not None:
+            self.batch = store.batch(self.name, host, self.parts)
+            if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
+                return
+        store.add_rows(self.name, host, [(k, a, b, st) for (k, a, b), st in zip(self.parts, steps)], pending)
+
+
+class Prepared:
+    """A location's share of a step's work: the rows it reads (`rows`, `where`: a range or an index tensor,
+    `position` of each row in the block), whether any step edits, the save groups (plain saves, served from one
+    host block) and the rest (indexed saves, edits, Python steps), each run as before."""
+    __slots__ = ("rows", "where", "position", "edits", "saves", "rest")
+
+    def __init__(self, work: List[Work], where_of):
+        self.rows = sorted({r for w in work for r in range(w.start, w.stop)})
+        self.where = where_of(self.rows)
+        self.position = {r: k for k, r in enumerate(self.rows)}
+        self.edits = any(w.step.do != "save" for w in work)
+        groups: Dict[str, SaveGroup] = {}
+        self.rest: List[Work] = []
+        for w in work:
+            if w.step.do == "save" and not w.step.index:
+                g = groups.get(w.step.as_)
+                if g is None:
+                    g = groups[w.step.as_] = SaveGroup(w.step.as_)
+                g.work.append(w)
+                g.parts.append((w.key, self.position[w.start], self.position[w.stop - 1] + 1))
+            else:
+                self.rest.append(w)
+        self.saves = list(groups.values())
+
+
+class Steady:
+    """A step's work kept while the runner's batch follows on from it: the same requests in the same places,
+    one token each, each one step further, and no plan step whose schedule (a set of steps) turns on or off."""
+    __slots__ = ("req_ids", "qsl", "planned", "computed", "work", "shift", "variable", "prepared")
+
+    def __init__(self, req_ids, qsl, planned, computed, work, shift, variable):
+        self.req_ids, self.qsl, self.planned, self.computed = req_ids, qsl, planned, computed
+        self.work, self.shift, self.variable = work, shift, variable
+        self.prepared: Dict[str, Prepared] = {}
+
+    @staticmethod
+    def of(batch, planned: List[int], work, shift: list, variable: list) -> Optional["Steady"]:
+        """`batch`: the runner's (request ids, query start offsets, tokens computed) at the step `work` was worked
+        out for; `planned`: the batch indices of requests with a plan; `variable`: [(a scheduled plan step whose
+        steps are a set, its request's step now, whether it runs now)]. None unless every request decodes."""
+        if batch is None:
+            return None
+        req_ids, qsl, computed = batch
+        if len(req_ids) == 0 or not np.all(np.diff(qsl) == 1):
+            return None  # a prefill (or a chunk of one) in the batch: its next step differs
+        ix = np.asarray(planned, dtype=np.int64)
+        return Steady(list(req_ids), qsl.copy(), ix, computed[ix].copy(), work, shift, variable)
+
+    def follows(self, batch) -> bool:
+        """Whether this step's batch is the kept one advanced: then `shift` says by how many steps."""
+        if batch is None:
+            return False
+        req_ids, qsl, computed = batch
+        if not isinstance(req_ids, list):
+            req_ids = list(req_ids)
+        if req_ids != self.req_ids or not np.array_equal(qsl, self.qsl):
+            return False
+        if len(self.planned):
+            advanced = computed[self.planned] - self.computed
+            d = int(advanced[0])
+            if d <= 0 or not np.all(advanced == d):
+                return False
+        else:
+            d = self.shift[0] + 1
+        if any(s.runs_at(base + d) != ran for s, base, ran in self.variable):
+            return False
+        self.shift[0] = d
+        return True
+
+
+def prepared(steady: Optional[Steady], step_work, location: str, work: List[Work], where_of) -> Prepared:
+    """The location's share of this step's work: kept in `steady` while this step's work is its own."""
+    if steady is None or steady.work is not step_work:
+        return Prepared(work, where_of)
+    prep = steady.prepared.get(location)
+    if prep is None:
+        prep = steady.prepared[location] = Prepared(work, where_of)
+    return prep
