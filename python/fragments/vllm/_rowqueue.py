@@ -32,13 +32,15 @@ READY = True  # a block whose rows can be read now (no copy in flight)
 
 class SaveBatch:
     """Where one location's block of rows goes, for a fixed set of requests: the files of save `name` of
-    `keys`, rows [lo, hi) each, `row_bytes` a row; `order`: which of the parts it was made from they are (None:
-    all). Valid while its store's `generation` is unchanged (a request opened, taken, dropped or truncated)."""
-    __slots__ = ("name", "keys", "order", "files", "lo", "hi", "bytes", "generation")
+    `keys` (their store records), rows [lo, hi) each, `row_bytes` a row; `order`: which of the parts it was made
+    from they are (None: all). Valid while its store's `generation` is unchanged (a request opened, taken, dropped or truncated)."""
+    __slots__ = ("name", "keys", "records", "order", "files", "lo", "hi", "bytes", "total", "largest", "generation")
 
-    def __init__(self, name, keys, order, files, lo, hi, row_bytes, generation):
-        self.name, self.keys, self.order, self.files, self.lo, self.hi = name, keys, order, files, lo, hi
+    def __init__(self, name, keys, records, order, files, lo, hi, row_bytes, generation):
+        self.name, self.keys, self.records, self.order = name, keys, records, order
+        self.files, self.lo, self.hi = files, lo, hi
         self.bytes = [(h - l) * row_bytes for l, h in zip(lo, hi)]
+        self.total, self.largest = sum(self.bytes), max(self.bytes, default=0)
         self.generation = generation
 
 

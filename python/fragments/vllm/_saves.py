@@ -26,6 +26,7 @@ wait in memory. While a decode batch repeats, the worker hands a location's bloc
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -179,8 +180,8 @@ class SavesStore:
                 files.append(f.fid)
                 lo.append(a)
                 hi.append(b)
-            return SaveBatch(name, keys, None if len(order) == len(parts) else order, files, lo, hi, row_bytes,
-                             self.generation)
+            return SaveBatch(name, keys, [self._records[k] for k in keys], None if len(order) == len(parts) else order,
+                             files, lo, hi, row_bytes, self.generation)
 
     def add_batch(self, batch: SaveBatch, host, steps: List[int], pending: bool = False) -> bool:
         """One step's block of `batch`'s requests (`steps`: each one's step, in the batch's order of parts given
@@ -189,15 +190,15 @@ class SavesStore:
         with self._lock:
             if batch.generation != self.generation:
                 return False
-            total = sum(batch.bytes)
-            if self.bytes + total > self.max_bytes:
+            if self.bytes + batch.total > self.max_bytes:
                 return False
-            records = [self._records[key] for key in batch.keys]
-            if any(r.bytes + size > self.request_bytes for r, size in zip(records, batch.bytes)):
+            records = batch.records  # the same records while the generation holds
+            if max(map(_bytes_of, records)) + batch.largest > self.request_bytes and \
+                    any(r.bytes + size > self.request_bytes for r, size in zip(records, batch.bytes)):
                 return False
             for r, size in zip(records, batch.bytes):
                 r.bytes += size
-            self.bytes += total
+            self.bytes += batch.total
             self.rows.put_files(host, batch.files, batch.lo, batch.hi,
                                 steps if batch.order is None else [steps[i] for i in batch.order],
                                 None if pending else READY)
@@ -380,6 +381,9 @@ class SavesStore:
         self._gone.move_to_end(key)
         while len(self._gone) > 4 * self.max_requests:
             self._gone.popitem(last=False)
+
+
+_bytes_of = operator.attrgetter("bytes")
 
 
 def _kept(saves: Dict[str, List], steps: Optional[int]) -> Dict[str, list]:
