@@ -39,7 +39,6 @@ namespace py = pybind11;
 
 namespace frag::python {
 void bind_rules(py::module& m);  // _C_rules.cpp: the rule library and plans for hook-based front ends (vLLM)
-void bind_files(py::module& m);  // _C_files.cpp: saves' rows into their files with the GIL released (vLLM)
 void bind_row_sink(py::module& m);  // _C_rowsink.cpp: saves' rows into their files by a writer thread (vLLM)
 namespace {
 
@@ -547,7 +546,6 @@ PYBIND11_MODULE(_C, m) {
   using namespace frag::python;
   m.doc() = "fragments' C++ runtime (program::ShardedModel) for the Python front end";
   bind_rules(m);
-  bind_files(m);
   bind_row_sink(m);
   bind_errors(m);
   bind_rank_context(m);

@@ -3,8 +3,8 @@
 // RowSink: the rows a vLLM worker saves, written into per-save files by a
 // writer thread of the sink's own, with no Python on that thread. Why: per
 // step, reserving each request's room in its file and writing its rows from
-// Python (a RowFile.reserve and a write_rows entry per request: _rowfile.py,
-// _rowqueue.py, _C_files.cpp) cost ~0.9 ms of a 2.6 ms GPU decode step. Here a
+// Python (a RowFile.reserve and a _C.write_rows entry per request, before this
+// sink) cost ~0.9 ms of a 2.6 ms GPU decode step. Here a
 // step's block goes in with one put (its parts: file, rows, request step); the
 // rows are reserved in C++ and the pwrites run on the thread, without the GIL.
 //   open(path, start, row_bytes) -> file id    put(block, files, lo, hi, steps, ready) -> seq

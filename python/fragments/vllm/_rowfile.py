@@ -142,6 +142,6 @@ def _write_all(fd: int, data: bytes, offset: int) -> None:
 
 
 def as_bytes(block: torch.Tensor):
-    """A host block [n, ...] as [n, row bytes] uint8 numpy sharing its memory (what _C.write_rows writes)."""
+    """A host block [n, ...] as [n, row bytes] uint8 numpy sharing its memory (what a read fills)."""
     block = block.contiguous()
     return block.reshape(block.shape[0], -1).view(torch.uint8).numpy()
