@@ -190,6 +190,8 @@ class SavesStore:
         with self._lock:
             if batch.generation != self.generation:
                 return False
+            if not batch.keys:  # every request it was made for keeps nothing (truncated, say)
+                return True
             if self.bytes + batch.total > self.max_bytes:
                 return False
             records = batch.records  # the same records while the generation holds

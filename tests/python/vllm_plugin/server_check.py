@@ -435,13 +435,15 @@ def main():
     args = ap.parse_args()
     served = Served(args.tp, pp=args.pp, env=dict(FRAGMENTS_VLLM_MAX_SAVE_BYTES=str(CAP), FRAGMENTS_VLLM_SAVES_TTL=str(TTL),
                                       FRAGMENTS_VLLM_MAX_BODY_BYTES=str(8 << 20)))
+    raised = True
     try:
         client = served.client()
         alone, jobs = run_checks(client, served.prompts, served.vocab, served.work)
         if not args.core:
             misuse_checks(served, client, alone, jobs)
+        raised = False
     finally:
-        served.done(FAILED)
+        served.done(FAILED or raised)  # the server's log kept when a check failed or raised
     print(json.dumps({"tp": args.tp, "pp": args.pp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
     sys.exit(1 if FAILED else 0)
 

@@ -309,6 +309,9 @@ class RowFilesTest(unittest.TestCase):
         self.assertTrue(s.add_batch(batch, block + 3, [3] * 3))
         self.assertFalse(s.add_batch(batch, block + 4, [4] * 3))
         s.add_rows("h", block + 4, [(k, a, b, 4) for k, a, b in parts])  # what the worker does then
+        batch = s.batch("h", block, parts)  # made again: a and c truncated, b taken: it keeps nothing
+        self.assertEqual(batch.keys, [])
+        self.assertTrue(s.add_batch(batch, block + 5, [5] * 3))
         got = {k: _delivery.tensors(s.take(k, folder=self.dir)) for k in ("a", "c")}
         self.assertEqual(got["a"]["h"][:, 0].tolist(), [0.0, 1.0, 2.0, 3.0])
         self.assertEqual(got["c"]["h"][:, 0].tolist(), [6.0, 7.0, 8.0, 9.0])
