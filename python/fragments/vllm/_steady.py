@@ -10,9 +10,12 @@ a few array comparisons); each location's `Prepared` share is made at its first 
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional
 
 import numpy as np
+
+log = logging.getLogger("fragments.vllm")
 
 
 class Work:
@@ -36,9 +39,20 @@ class SaveGroup:
     def __init__(self, name: str):
         self.name, self.work, self.parts, self.bases, self.batch = name, [], [], [], None
 
-    def add(self, store, host, pending: bool) -> None:
-        """The group's rows of `host` into `store` (_saves.SavesStore): one call with the SaveBatch (made at the
-        first step, again when the store's requests changed); request by request where it cannot serve."""
+    def add(self, store, host, pending: bool, location: str) -> None:
+        """The group's rows of `host` into `store` (_saves.SavesStore). Rank 0's work alone: should it fail, the
+        requests' saves say so and their work goes on, alike on every rank (no collective is left half-issued)."""
+        try:
+            self._add(store, host, pending)
+        except Exception as e:
+            log.exception("fragments: saving %s at %s failed", self.name, location)
+            for w in self.work:
+                store.fail(w.key, f"fragments plan of request {w.key}: saving {self.name} at {location} failed at "
+                           f"step {w.at_step}: {type(e).__name__}: {e}")
+
+    def _add(self, store, host, pending: bool) -> None:
+        """One call with the SaveBatch (made at the first step, again when the store's requests changed); request
+        by request where it cannot serve."""
         shift = self.work[0].shift[0]  # one for the whole step's work
         steps = [base + shift for base in self.bases]
         if self.batch is not None and store.add_batch(self.batch, host, steps, pending):

@@ -364,7 +364,7 @@ class WorkerState:
         if host is not None:
             pending = self.copies.asynchronous(whole)
             for group in prep.saves:
-                group.add(self.saves, host, pending)
+                group.add(self.saves, host, pending, location)
         if not edited:
             return None
         new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)

@@ -151,6 +151,17 @@ class SteadyTest(unittest.TestCase):
         self.assertEqual(got["k-r0"]["a.output"][:, 0].tolist(), [1000.0 * n for n in range(6)])
         self.assertEqual(got["k-r1"]["a.output"][:, 0].tolist(), [1000.0 * n + 3 for n in range(6)])
 
+    def test_a_save_that_fails_fails_its_requests_saves_not_the_step(self):
+        """Saving is rank 0's alone: an error there (here the store's add_batch raising) leaves the requests' work
+        as it is (every rank must go on alike) and puts the reason in their saves' error."""
+        from unittest import mock
+        with mock.patch.object(_saves.SavesStore, "add_batch", side_effect=RuntimeError("boom")), \
+                self.assertLogs("fragments.vllm", "ERROR"):
+            s, works = self.run_steps(afresh=False, steps=2)
+        self.assertIs(works[0], works[1])
+        answer = s.take_saves(["k-r0"], _delivery.route())["k-r0"]
+        self.assertIn("saving a.output at a.output failed at step 1: RuntimeError: boom", answer["error"])
+
     def test_no_steady_batch_with_a_prefill(self):
         self.assertIsNone(_steady.Steady.of((["a", "b"], np.array([0, 1, 5]), np.array([3, 0])), [0], {}, [0], []))
         self.assertIsNotNone(_steady.Steady.of((["a", "b"], np.array([0, 1, 2]), np.array([3, 4])), [0], {}, [0], []))
