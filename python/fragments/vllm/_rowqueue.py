@@ -16,7 +16,6 @@ so that a step's block costs one put.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from typing import Callable, Dict, Optional
 
@@ -46,11 +45,11 @@ class SaveBatch:
 
 class RowQueue:
     """The rows of a store's saves on their way to its folder (module docstring). `records`: the store's key ->
-    record (`files`, `saves`, `error`), guarded by `lock`, the store's; `wait`: waits for the device's copies."""
+    record (`files`, `saves`, `error`), read and changed under the store's lock, which its callers hold; `wait`:
+    waits for the device's copies."""
 
-    def __init__(self, folder: str, records: Dict[str, object], lock: threading.Lock,
-                 wait: Optional[Callable[[], None]]):
-        self.folder, self._records, self._lock, self._wait = folder, records, lock, wait
+    def __init__(self, folder: str, records: Dict[str, object], wait: Optional[Callable[[], None]]):
+        self.folder, self._records, self._wait = folder, records, wait
         self.sink = _C.RowSink()
         self._sealed: "deque[tuple]" = deque()  # (a step's CUDA event, the last block put before it)
         self._released = 0  # blocks up to this one may be written

@@ -101,7 +101,7 @@ class SavesStore:
         self._lock = threading.Lock()
         self._records: Dict[str, _Record] = {}
         # rows on their way to their files (None: rows wait in memory)
-        self.rows = RowQueue(self.folder, self._records, self._lock, wait) if self.folder else None
+        self.rows = RowQueue(self.folder, self._records, wait) if self.folder else None
         self.generation = 0  # changes whenever a prepared SaveBatch may no longer hold (add_batch)
         self._finished: "OrderedDict[str, float]" = OrderedDict()  # key -> when it finished, oldest first
         self._gone: "OrderedDict[str, tuple]" = OrderedDict()  # key -> (status, why): taken or dropped
@@ -147,7 +147,7 @@ class SavesStore:
         is [(key, first row, row past the last, step)]; `pending`: host's copy may still run (seal_step). In
         memory they are kept as (host, rows) and the views cut when taken, so a decode step costs a tuple per
         request here; in a folder they are written into each save's file once the copy is done."""
-        row_bytes = host[0].numel() * host.element_size() if host.dim() > 0 and host.shape[0] else 0
+        row_bytes = _row_bytes(host)
         with self._lock:
             kept = [(key, lo, hi, step) for key, lo, hi, step in parts if self._room(key, name, (hi - lo) * row_bytes)]
             if not kept:
@@ -163,7 +163,7 @@ class SavesStore:
         now where missing, for add_batch at this and later steps; None where a request's rows cannot go to a file
         (no folder, shared memory full, rows of another shape): add_rows serves those. Requests that keep
         nothing (taken, dropped, truncated) are left out."""
-        row_bytes = host[0].numel() * host.element_size() if host.dim() > 0 and host.shape[0] else 0
+        row_bytes = _row_bytes(host)
         if self.rows is None or row_bytes == 0:
             return None
         keys, order, files, lo, hi = [], [], [], [], []
@@ -386,6 +386,11 @@ class SavesStore:
 
 
 _bytes_of = operator.attrgetter("bytes")
+
+
+def _row_bytes(host) -> int:
+    """Bytes of one row of a host block [n, ...] (0 for a scalar or no rows)."""
+    return host[0].numel() * host.element_size() if host.dim() > 0 and host.shape[0] else 0
 
 
 def _kept(saves: Dict[str, List], steps: Optional[int]) -> Dict[str, list]:

@@ -34,10 +34,10 @@ class Work:
 class SaveGroup:
     """One save name's read-only work at a location: its requests' rows of the location's block (`parts`, in the
     order of `work`) and the store's SaveBatch for them (made at the first step, None until then)."""
-    __slots__ = ("name", "work", "parts", "bases", "batch")
+    __slots__ = ("name", "work", "parts", "batch")
 
     def __init__(self, name: str):
-        self.name, self.work, self.parts, self.bases, self.batch = name, [], [], [], None
+        self.name, self.work, self.parts, self.batch = name, [], [], None
 
     def add(self, store, host, pending: bool, location: str) -> None:
         """The group's rows of `host` into `store` (_saves.SavesStore). Rank 0's work alone: should it fail, the
@@ -54,13 +54,12 @@ class SaveGroup:
         """One call with the SaveBatch (made at the first step, again when the store's requests changed); request
         by request where it cannot serve."""
         shift = self.work[0].shift[0]  # one for the whole step's work
-        steps = [base + shift for base in self.bases]
+        steps = [w.base + shift for w in self.work]
         if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
             return
-        if store.folder is not None:
-            self.batch = store.batch(self.name, host, self.parts)
-            if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
-                return
+        self.batch = store.batch(self.name, host, self.parts)  # None where the store cannot batch (no folder)
+        if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
+            return
         store.add_rows(self.name, host, [(k, a, b, st) for (k, a, b), st in zip(self.parts, steps)], pending)
 
 
@@ -83,7 +82,6 @@ class Prepared:
                 if g is None:
                     g = groups[w.step.as_] = SaveGroup(w.step.as_)
                 g.work.append(w)
-                g.bases.append(w.base)
                 g.parts.append((w.key, self.position[w.start], self.position[w.stop - 1] + 1))
             else:
                 self.rest.append(w)
