@@ -92,7 +92,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=80, help="decode steps timed after each prefix")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    folder = tempfile.mkdtemp(prefix="decode_benchmark.")
+    with tempfile.TemporaryDirectory(prefix="decode_benchmark.") as folder:  # the export goes on every path
+        return run(a, folder)
+
+
+def run(a, folder):
     path = export(folder)
     import fragments
 

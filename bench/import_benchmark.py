@@ -24,6 +24,7 @@
 Targets (issue 30): peak memory <= 2 GB + the largest tensor, import wall time <= 1.5x the copy.
 """
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -239,6 +240,8 @@ def main():
     from fragkit.synthetic import like_config, tensor_shapes
 
     work = args.work or tempfile.mkdtemp(prefix="fragkit-import-bench-")
+    if not args.work:  # also where the checks before the try below stop the run
+        atexit.register(shutil.rmtree, work, True)
     os.makedirs(work, exist_ok=True)
     if args.checkpoint:
         ckpt = os.path.abspath(args.checkpoint)

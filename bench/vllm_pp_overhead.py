@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,8 +73,8 @@ def main():
     if args.child:
         return child(args)
     import pp_check
-    from vllm_check import plugin_dist
-    work = tempfile.mkdtemp(prefix="frag-pp-bench-")
+    from vllm_check import plugin_dist, work_folder
+    work = work_folder("frag-pp-bench-")  # removed at exit, whatever the end (FRAG_KEEP_WORK=1 keeps it)
     folder = os.path.join(work, "model")
     pp_check.write_llama(folder)
     site = plugin_dist(os.path.join(work, "site"))

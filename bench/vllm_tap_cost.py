@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -103,8 +102,8 @@ def main():
         return child(args, args.child)
 
     sys.path.insert(0, os.path.join(ROOT, "tests", "python", "vllm_plugin"))
-    from vllm_check import plugin_dist
-    args.work = tempfile.mkdtemp(prefix="frag-vllm-tapcost-")
+    from vllm_check import plugin_dist, remove_work, work_folder
+    args.work = work_folder("frag-vllm-tapcost-")  # removed at the end or at exit (a failed engine)
     args.model = os.path.join(args.work, "model")
     write_model(args.model)
     site = plugin_dist(os.path.join(args.work, "site"))
@@ -136,7 +135,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    subprocess.run(["rm", "-rf", args.work])
+    remove_work()
 
 
 if __name__ == "__main__":

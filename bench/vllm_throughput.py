@@ -28,11 +28,9 @@ shared machine), beside the issue's goals (none ≥ 0.97×, quarter ≥ 0.85×),
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -421,8 +419,8 @@ def main():
         ap.error("--rounds and --start-orders must be at least 1")
 
     sys.path.insert(0, os.path.join(ROOT, "tests", "python", "vllm_plugin"))
-    from vllm_check import plugin_dist
-    work = tempfile.mkdtemp(prefix="frag-vllm-bench-")
+    from vllm_check import plugin_dist, remove_work, work_folder
+    work = work_folder("frag-vllm-bench-")  # removed at the end or at exit (a failed engine)
     args.model = os.path.join(work, "model")
     write_model(args.model, args.gpu, args.layers)
     site = plugin_dist(os.path.join(work, "site"))
@@ -478,7 +476,7 @@ def main():
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.json}")
-    shutil.rmtree(work, ignore_errors=True)
+    remove_work()
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ tolerance, and the run times. Exits 1 if any comparison is out of tolerance. tes
 runs the same checks in the suite.
 """
 import argparse
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +62,8 @@ class RealModelCheck:
         self.tp = tp
         self.exports = exports
         self.work = work or tempfile.mkdtemp(prefix="real_model_check.")
+        if not work:  # ours: removed when the process ends (the script, or real_model_test's run)
+            atexit.register(shutil.rmtree, self.work, True)
         self.rows: List[dict] = []
         self.times: Dict[str, float] = {}
         self.dirs = {t: os.path.join(exports, "smollm2_tp%d" % t) for t in (1, tp)}
@@ -326,6 +330,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=3)
     args = p.parse_args(argv)
     exports = args.exports or tempfile.mkdtemp(prefix="smollm2_exports.")
+    if not args.exports:  # the imports of this run: removed when it ends, whatever the end
+        atexit.register(shutil.rmtree, exports, True)
     check = RealModelCheck(os.path.abspath(args.frag), exports, args.tp)
     check.check_logits()
     gen = check.check_generation()

@@ -15,8 +15,10 @@ Prints one line per comparison; exits 1 if any fails. tests/python/real_model_ge
 fragments cannot be imported beside fragkit, which finds the GGUF.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,6 +89,8 @@ class GenerationCheck:
         self.export = os.path.join(exports, "smollm2_tp%d" % tp)
         self.tp, self.tokens = tp, tokens
         self.work = work or tempfile.mkdtemp(prefix="real_model_generation.")
+        if not work:  # ours: removed when the process ends (the script, or real_model_generation_test's run)
+            atexit.register(shutil.rmtree, self.work, True)
         self.tokenizer = AutoTokenizer.from_pretrained(os.path.join(self.export, "tokenizer"))
         path = smollm2_gguf_path()
         self.hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

@@ -2,6 +2,7 @@
 removed since is named and not counted (stop 46 counted a renamed target's 7 old cases as passed); every
 unittest run in a log counts (a runner that runs three files was counted as its first)."""
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ def _log(root, label, text):
 class SummarizeTest(unittest.TestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="summarize-")
+        self.addCleanup(shutil.rmtree, self.root, True)
         _log(self.root, "tests/now_test", "[  PASSED  ] 3 tests.\n")
         # two files run by one runner: both runs count
         _log(self.root, "tests/py_test", "Ran 4 tests in 0.1s\n\nOK (skipped=1)\n...\nRan 2 tests in 0.013s\n\nOK\n")

@@ -25,8 +25,10 @@ Run on a machine with 2 GPUs after tools/device/build_and_test.sh (or any CMake 
 Prints one line per check and "N passed, N failed"; exits 1 if any check failed.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -135,6 +137,8 @@ def main():
         print("multi_gpu_check: SKIPPED: needs 2 GPUs, this machine has %d" % torch.cuda.device_count())
         return 0
     work = args.work or tempfile.mkdtemp(prefix="frag-multi-gpu-")
+    if not args.work:  # ours: removed when the check ends, whatever the end
+        atexit.register(shutil.rmtree, work, True)
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "ids.txt"), "w") as f:
         g = torch.Generator().manual_seed(7)

@@ -214,7 +214,8 @@ def run(models, folder, backends):
         for name, tp in SESSION_MODELS:
             write(folder, f"session_{name}", session_battery(os.path.join(models, name), tp))
     if "vllm" in backends:
-        write(folder, "vllm_llama_tp2", vllm_battery(tempfile.mkdtemp(prefix="frag-bitid-vllm-")))
+        with tempfile.TemporaryDirectory(prefix="frag-bitid-vllm-") as work:  # gone before __main__'s os._exit
+            write(folder, "vllm_llama_tp2", vllm_battery(work))
 
 
 def compare(old, new):

@@ -95,6 +95,7 @@ class AttachTest(unittest.TestCase):
     def test_attach(self):
         logits, lens = self.expected()
         folder = tempfile.mkdtemp(prefix="attach_test.")
+        self.addCleanup(shutil.rmtree, folder, True)  # the assertions before the try fail too
         connection = os.path.join(folder, "ranks.json")
         with self.assertRaises(fragments.FragmentsError) as nothing:
             fragments.LanguageModel.attach("127.0.0.1:9", authkey="00")
@@ -152,7 +153,6 @@ class AttachTest(unittest.TestCase):
                 host.wait()
             host.stdout.close()
             host_log.close()
-            shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

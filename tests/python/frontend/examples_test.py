@@ -7,6 +7,7 @@ Needs tests/models/{llama_tp1,llama_tp2}, examples/ and `fragments` importable; 
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ class ExamplesTest(unittest.TestCase):
         cls.model = fragments.load(os.path.join(MODELS, "llama_tp1", "rank0.pt"))
         cls.layers = len(cls.model.model.layers)
         cls.work = tempfile.mkdtemp(prefix="examples_test.")
+        cls.addClassCleanup(shutil.rmtree, cls.work, True)
 
     def last_logits(self, ids, edit=None):
         with self.model.trace(ids):

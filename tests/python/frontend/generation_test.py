@@ -9,6 +9,7 @@ yields every step. An old-style rank file (forward(input_ids) only) still genera
 ragged prompts in words. Needs tests/models/{llama,moe}_tp{1,2} (Bazel provides them).
 """
 import os
+import shutil
 import sys
 import tempfile
 import unittest
@@ -82,6 +83,7 @@ class GenerationTest(unittest.TestCase):
         """A rank file whose forward takes token ids only (made before the cache) recomputes, as before."""
         import subprocess
         folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder, True)
         script = ("import sys, torch\nsys.path.insert(0, '.')\nfrom fragkit import models\n"
                   "from fragkit.export import export\n"
                   "class Old(models.LlamaForCausalLM):\n"

@@ -36,7 +36,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,9 +164,10 @@ def main():
     if args.trace and args.family != "llama":
         raise SystemExit("compiled_check.py: --trace runs trace_check.py's checks, written for the tiny Llama")
 
-    from vllm_check import FAILED, check, check_edit, check_saves, down0_input, plugin_dist, read_plan, use_bound
+    from vllm_check import (FAILED, check, check_edit, check_saves, down0_input, plugin_dist, read_plan, use_bound,
+                            work_folder)
     use_bound(args.family)
-    work = tempfile.mkdtemp(prefix=f"frag-vllm-compiled-{args.family}-tp{args.tp}-")
+    work = work_folder(f"frag-vllm-compiled-{args.family}-tp{args.tp}-")  # the --child-plain's folder inside it
     import torch
     import families
 
@@ -319,4 +319,6 @@ def main():
 if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
+    from vllm_check import remove_work
+    remove_work()  # os._exit skips the exit hooks; main shut the engine down
     os._exit(rc)  # vLLM's engine processes end with this one

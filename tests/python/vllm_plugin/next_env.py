@@ -66,5 +66,9 @@ if __name__ == "__main__":
     why = missing()
     if why:
         sys.exit(why)
-    e = env(tempfile.mkdtemp(prefix="fragments-next-"))
+    top = tempfile.mkdtemp(prefix="fragments-next-")
+    e = env(top)
     print(f"PYTHON={PYTHON} PYTHONPATH={e['PYTHONPATH']}")
+    # kept: the printed environment is for the commands run after this one (links only; the tests stage theirs in
+    # a folder they remove)
+    print(f"staged in {top}: rm -rf {top} when done", file=sys.stderr)

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,8 +89,8 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
 
-    from vllm_check import plugin_dist, rel
-    work = tempfile.mkdtemp(prefix=f"frag-nnsight-{args.family}-tp{args.tp}-")
+    from vllm_check import plugin_dist, rel, work_folder
+    work = work_folder(f"frag-nnsight-{args.family}-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
     bench = os.path.join(ROOT, "bench")
     sys.path[:0] = [site, bench]
@@ -170,4 +169,6 @@ def main():
 if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
+    from vllm_check import remove_work
+    remove_work()  # os._exit skips the exit hooks; main shut the engine down
     os._exit(rc)  # vLLM's engine processes end with this one

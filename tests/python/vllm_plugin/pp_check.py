@@ -26,14 +26,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import engine_env
-from vllm_check import FAILED, TOL, check, plugin_dist, rel
+from vllm_check import FAILED, TOL, check, plugin_dist, rel, remove_work, work_folder
 
 LAYERS = 4
 
@@ -78,7 +77,7 @@ def main():
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--compiled", action="store_true")
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix=f"frag-vllm-pp{args.pp}-")
+    work = work_folder(f"frag-vllm-pp{args.pp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -258,4 +257,5 @@ def lens_cost(model, h):
 if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
+    remove_work()  # os._exit skips the exit hooks; main shut the engine down
     os._exit(rc)

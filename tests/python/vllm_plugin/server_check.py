@@ -35,18 +35,16 @@ import re
 import concurrent.futures as futures
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from vllm_check import check, FAILED, plugin_dist, rel, TOL  # noqa: E402
+from vllm_check import check, FAILED, plugin_dist, rel, remove_work, TOL, work_folder  # noqa: E402
 
 MAX_TOKENS = 5
 CAP = 65536
@@ -85,8 +83,8 @@ def start_server(folder, tp, port, env, log, args=()):
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     t0 = time.time()
     while time.time() - t0 < 900:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}; log: {log.name}")
+        if proc.poll() is not None:  # the log's cause in the message: its folder goes at exit
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; {log_excerpt(log.name)}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
@@ -94,7 +92,17 @@ def start_server(folder, tp, port, env, log, args=()):
         except OSError:
             time.sleep(2)
     proc.kill()
-    raise RuntimeError("vllm serve did not come up in 900 s")
+    raise RuntimeError(f"vllm serve did not come up in 900 s; {log_excerpt(log.name)}")
+
+
+def log_excerpt(path):
+    """The server log's root cause and tail (child_output.excerpt), for a failure's message."""
+    import child_output
+    try:
+        with open(path, errors="replace") as f:
+            return f"its log {path}:\n{child_output.excerpt(f.read())}"
+    except OSError as e:
+        return f"no log: {e}"
 
 
 def plans(vocab):
@@ -353,7 +361,7 @@ class Served:
         from safetensors.torch import save_file
         import families
         self.tp = tp
-        self.work = tempfile.mkdtemp(prefix=f"frag-vllm-{name}-tp{tp}-")
+        self.work = work_folder(f"frag-vllm-{name}-tp{tp}-")
         self.folder = os.path.join(self.work, "model")
         self.vocab = families.config("llama").vocab_size
         write_model(self.folder, self.vocab)
@@ -422,9 +430,12 @@ class Served:
         self.proc = None
 
     def done(self, failed):
+        """Stops the server and removes its folder (FRAG_KEEP_WORK=1 keeps it); on a failure the server's log is
+        printed first."""
         self.stop()
-        if not failed:
-            shutil.rmtree(self.work, ignore_errors=True)  # kept on failure: the server's log is in it
+        if failed:
+            print(f"vllm serve, {log_excerpt(self.log.name)}", file=sys.stderr, flush=True)
+        remove_work(self.work)
 
 
 def main():
@@ -443,7 +454,7 @@ def main():
             misuse_checks(served, client, alone, jobs)
         raised = False
     finally:
-        served.done(FAILED or raised)  # the server's log kept when a check failed or raised
+        served.done(FAILED or raised)  # the server's log printed when a check failed or raised
     print(json.dumps({"tp": args.tp, "pp": args.pp, "engine_start_s": round(served.start_s, 1), "failed": FAILED}))
     sys.exit(1 if FAILED else 0)
 

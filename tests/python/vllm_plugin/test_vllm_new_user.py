@@ -11,7 +11,6 @@ layer 0's q|k|v comes back whole. (With FRAGMENTS_VLLM_CPU_DEFAULTS=0 the same s
 import os
 import subprocess
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,8 +40,9 @@ class NewUserTest(unittest.TestCase):
         import engine_env
         if engine_env.GPU:
             self.skipTest("the CPU build's settings: this vLLM is the CUDA build")
-        from vllm_check import plugin_dist
-        work = tempfile.mkdtemp(prefix="frag-vllm-new-user-")
+        from vllm_check import plugin_dist, remove_work, work_folder
+        work = work_folder("frag-vllm-new-user-")
+        self.addCleanup(remove_work, work)  # the children (engines shut down) have ended by then
         site = plugin_dist(os.path.join(work, "site"))
         env = {k: v for k, v in os.environ.items()
                if k not in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_SIM_MULTI_NUMA",

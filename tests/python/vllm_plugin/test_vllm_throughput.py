@@ -14,6 +14,7 @@ are those of the rounds. No speed is asserted: the ratios are the benchmark's to
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,9 @@ class VllmThroughputSmokeTest(unittest.TestCase):
         if importlib.util.find_spec("vllm") is None:
             print("SKIPPED vllm_throughput smoke test: vllm is not installed", file=sys.stderr)
             self.skipTest("vllm is not installed")
-        out = os.path.join(tempfile.mkdtemp(prefix="frag-vllm-bench-smoke-"), "result.json")
+        folder = tempfile.mkdtemp(prefix="frag-vllm-bench-smoke-")
+        self.addCleanup(shutil.rmtree, folder, True)
+        out = os.path.join(folder, "result.json")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"),
                                                            os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vllm_throughput.py"), "--prompts", "8",

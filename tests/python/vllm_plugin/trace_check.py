@@ -28,7 +28,6 @@ Each check prints one line; exits non-zero on a failure (tolerance 1e-5 relative
 import argparse
 import os
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -134,8 +133,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tp", type=int)
     args = ap.parse_args()
-    from vllm_check import FAILED, plugin_dist
-    work = tempfile.mkdtemp(prefix=f"frag-vllm-trace-tp{args.tp}-")
+    from vllm_check import FAILED, plugin_dist, work_folder
+    work = work_folder(f"frag-vllm-trace-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -289,4 +288,6 @@ def trace_checks(model, folder, cfg, prompt_a, prompt_b, g):
 if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
+    from vllm_check import remove_work
+    remove_work()  # os._exit skips the exit hooks; main shut the engine down
     os._exit(rc)

@@ -24,8 +24,10 @@ at submission, alone, the prompt beside it served; the engine unharmed) and a la
   still ran.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -68,6 +70,31 @@ def plugin_dist(folder):
     with open(os.path.join(dist, "entry_points.txt"), "w") as f:
         f.write("[vllm.general_plugins]\nfragments = fragments.vllm:register\n")
     return folder
+
+
+_WORK = []
+
+
+def work_folder(prefix):
+    """A fresh folder for a check's or benchmark's files (checkpoint, plugin dist, compile cache): tests and
+    scripts delete what they write, so it goes when the process ends, whatever the end. remove_work() before
+    os._exit (which skips exit hooks; the engines shut down first), atexit otherwise (an exception, sys.exit).
+    FRAG_KEEP_WORK=1 keeps it to look into, its path printed. A child given the folder (--work) makes none."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    if not _WORK:
+        atexit.register(remove_work)  # registered before the engine starts: runs after its exit hooks
+    _WORK.append(path)
+    return path
+
+
+def remove_work(path=None):
+    """Removes `path` (default: every folder work_folder made), or keeps it where FRAG_KEEP_WORK=1."""
+    for p in [q for q in _WORK if path in (None, q)]:
+        _WORK.remove(p)
+        if os.environ.get("FRAG_KEEP_WORK") == "1":
+            print(f"work folder kept (FRAG_KEEP_WORK=1): {p}", flush=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def down0_input(locs, reader):
@@ -160,7 +187,7 @@ def main():
     args = ap.parse_args()
     use_bound(args.family)
 
-    work = tempfile.mkdtemp(prefix=f"frag-vllm-{args.family}-tp{args.tp}-")
+    work = work_folder(f"frag-vllm-{args.family}-tp{args.tp}-")
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -300,4 +327,5 @@ def main():
 if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
+    remove_work()  # os._exit skips the exit hooks
     os._exit(rc)  # vLLM's engine processes end with this one
