@@ -738,6 +738,12 @@ void validate(const FragmentRule& rule) {
 
 CollectiveKind collective_for(const FragmentRule& rule) { return layout_of(rule).collective(); }
 
+bool piece_is_whole(const FragmentRule& rule) {
+  validate(rule);
+  if (rule.group_size != 1) return false;
+  return rule.kind != LayoutKind::kVocabShard || rule.org_vocab == rule.padded_vocab;
+}
+
 // ===== shapes =====
 
 std::vector<int64_t> whole_shape(const FragmentRule& rule, at::IntArrayRef piece_shape) {

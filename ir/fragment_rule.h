@@ -165,6 +165,12 @@ void validate(const FragmentRule& rule);
 /// kQkv and kVocabShard; kAllReduce for kPartialSum; kNone for kReplicated.
 CollectiveKind collective_for(const FragmentRule& rule);
 
+/// Whether one rank's piece is the whole as it is: a group of one rank with
+/// nothing to drop (every kind but kVocabShard whose padded vocab exceeds its
+/// org vocab). Then whole_from_pieces of that one piece would only copy it, so
+/// callers that may alias the piece skip the call.
+bool piece_is_whole(const FragmentRule& rule);
+
 /// Assembles the whole from `pieces`, given in group-rank order (what
 /// all_gather returns as a list). All pieces must have the same shape.
 ///  - kReplicated: returns pieces[0] (one or more pieces accepted).

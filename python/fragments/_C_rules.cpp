@@ -7,6 +7,7 @@
 //   classify_layers   ir::ModuleDescription list (vLLM's attribute names) → the
 //                     fragment table (passes::classify_parallel_layers) as JSON
 //   whole_from_pieces / piece_of_whole   ir/fragment_rule.h on a rule's JSON
+//   Rule              a rule parsed once (collective, piece_is_whole, the two above)
 //   parse_plan        runtime::Plan::from_json, "segment"/"heads" resolved with
 //                     the table's head layouts; steps come back as dicts
 //   index_view        runtime::WholeIndex::select (a view: edits write through)
@@ -133,6 +134,24 @@ void bind_rules(py::module& m) {
       py::arg("rule"), "\"all_gather\", \"all_reduce\" or \"none\": the collective that makes the whole.");
   m.def(
       "describe_rule", [](const std::string& rule) { return ir::describe(rule_of(rule)); }, py::arg("rule"));
+  // A rule parsed once, for callers that apply it at every step (the vLLM worker): no JSON in the hot path.
+  py::class_<ir::FragmentRule>(m, "Rule")
+      .def(py::init(&rule_of), py::arg("rule"), "The rule of its JSON text (frag::Error when it is not one).")
+      .def_property_readonly(
+          "collective",
+          [](const ir::FragmentRule& r) {
+            switch (ir::collective_for(r)) {
+              case ir::CollectiveKind::kAllGather: return "all_gather";
+              case ir::CollectiveKind::kAllReduce: return "all_reduce";
+              default: return "none";
+            }
+          },
+          "\"all_gather\", \"all_reduce\" or \"none\".")
+      .def_property_readonly("piece_is_whole", &ir::piece_is_whole,
+                             "One rank's piece is the whole as it is (a group of one, nothing to drop).")
+      .def("whole_from_pieces", &ir::whole_from_pieces, py::arg("pieces"))
+      .def("piece_of_whole", &ir::piece_of_whole, py::arg("whole"), py::arg("rank"))
+      .def("__repr__", [](const ir::FragmentRule& r) { return "<fragments Rule: " + ir::describe(r) + ">"; });
   m.def(
       "parse_plan",
       &parse_plan,

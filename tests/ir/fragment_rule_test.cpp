@@ -560,6 +560,32 @@ TEST_F(FragmentRuleTest, CollectiveFor) {
   EXPECT_EQ(collective_for(FragmentRule::partial_sum("tp", 2)), CollectiveKind::kAllReduce);
 }
 
+// piece_is_whole says exactly when whole_from_pieces of one piece gives that piece back unchanged.
+TEST_F(FragmentRuleTest, PieceIsWholeMatchesAssembly) {
+  struct Case {
+    FragmentRule rule;
+    std::vector<int64_t> piece;
+  };
+  const std::vector<Case> cases = {
+      {FragmentRule::replicated(), {3, 8}},
+      {FragmentRule::shard(-1, "tp", 1), {3, 8}},
+      {FragmentRule::segments({4, 4}, {"gate", "up"}, "tp", 1), {3, 8}},
+      {FragmentRule::qkv(4, 2, 2, 2, "tp", 1), {3, 16}},
+      {FragmentRule::partial_sum("tp", 1), {3, 8}},
+      {FragmentRule::vocab_shard(64, 64, "tp", 1), {3, 64}},
+      {FragmentRule::vocab_shard(10, 64, "tp", 1), {3, 64}},  // drops the padding: not the piece
+  };
+  for (const auto& c : cases) {
+    const torch::Tensor piece = torch::randn(c.piece);
+    const torch::Tensor whole = whole_from_pieces(c.rule, {piece});
+    const bool same = whole.sizes() == piece.sizes() && torch::equal(whole, piece);
+    EXPECT_EQ(piece_is_whole(c.rule), same) << c.rule;
+  }
+  EXPECT_FALSE(piece_is_whole(FragmentRule::shard(-1, "tp", 2)));
+  EXPECT_FALSE(piece_is_whole(FragmentRule::qkv(4, 2, 2, 2, "tp", 2)));
+  EXPECT_FALSE(piece_is_whole(FragmentRule::partial_sum("tp", 2)));
+}
+
 TEST_F(FragmentRuleTest, Equality) {
   EXPECT_EQ(FragmentRule::shard(-1, "tp", 2), FragmentRule::shard(-1, "tp", 2));
   EXPECT_NE(FragmentRule::shard(-1, "tp", 2), FragmentRule::shard(0, "tp", 2));

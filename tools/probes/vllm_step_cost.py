@@ -14,6 +14,9 @@ event is done), minus the CUDA calls. Here, 64 requests, 16 saving: 0.72 ms a st
 which the data's own gathers and copies (CPU index_select and clone of 1.7 MB) are most; with --width 8 (the
 data out of it) 0.14 ms a step, 0.35 ms --unsteady. Before run34 (rows reserved in Python and written by
 the stepping thread): 1.06-1.09 ms a step here, 1.47 ms on the H100's host with the CUDA calls (run33).
+Since run35, --warmup steps (16) run untimed first: run35's H100 figures (1.90 ms; 1.09 ms at --width 8)
+counted one-time costs (the first pinned blocks, CUDA's lazy setup, the sink's files) in 128 timed steps.
+With warm-up, here: 0.53 ms a step at full width, 0.09 ms at --width 8.
 """
 import argparse
 import collections
@@ -67,7 +70,7 @@ class _View:
 def state(rows, every, dtype, device, folder):
     s = _worker.WorkerState.__new__(_worker.WorkerState)
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = _View(rows), torch.device(device), 0, None, 0, {}
-    s.fragmented, s.leading_batch, s.copies = {}, False, _rowqueue.HostCopies(torch.device(device))
+    s.fragmented, s.rules, s.leading_batch, s.copies = {}, {}, False, _rowqueue.HostCopies(torch.device(device))
     s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
     s.answers, s.plans, s.last_rows, s.steady = _delivery.Folder(), {}, (None, None), None
@@ -125,6 +128,8 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=16, help="steps run before the timed ones (not timed): the first "
+                    "pinned blocks, CUDA's lazy setup, the sink's files")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="cProfile the steps: the 15 costliest functions")
@@ -142,20 +147,28 @@ def main():
     s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder)
     if args.as_gpu:
         as_gpu(s)
-    prof = None
-    if args.profile:
-        import cProfile
-        prof = cProfile.Profile()
-        prof.enable()
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        s.view.computed = 128 + step
+    def step(n):
+        s.view.computed = 128 + n
         s.step_work = None
         if args.unsteady:
             s.steady = None
         s.saves.flush()  # begin_step
         s._drain_slots()
         s.copies.seal(s.saves)  # end_step
+
+    for n in range(args.warmup):
+        step(n)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()
+    for n in range(args.warmup, args.warmup + args.steps):
+        step(n)
+    t_host = time.perf_counter() - t0  # the stepping thread's time: what vLLM's loop waits for
     if args.device == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -171,7 +184,8 @@ def main():
     mb = sum(v["bytes"] for v in out.values()) / 2**20
     where = "memory" if folder is None else f"files in {folder}" + (", work afresh each step" if args.unsteady else "")
     print(f"vllm_step_cost ({args.device}, rows in {where}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
-          f"{(t1 - t0) / args.steps * 1e3:.2f} ms per step (drain), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
+          f"{t_host / args.steps * 1e3:.2f} ms per step on the stepping thread ({(t1 - t0) / args.steps * 1e3:.2f} with "
+          f"the device's queue drained; {args.warmup} warm-up steps untimed), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
           f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)")
 
 

@@ -191,3 +191,10 @@ def widths(modules: Dict[str, nn.Module], hidden_size: int) -> Dict[str, int]:
                 out[f"{path}.input"] = int(width_in)
             out[f"{path}.output"] = int(width_out)
     return out
+
+
+def rules(fragmented: Dict[str, dict]) -> Dict[str, object]:
+    """Each fragmented location's rule parsed once (_C.Rule: no JSON at every step), left out where one rank's
+    piece is the whole (tp 1): there the worker has nothing to gather or cut."""
+    parsed = {loc: _C.Rule(json.dumps(rule)) for loc, rule in fragmented.items()}
+    return {loc: r for loc, r in parsed.items() if not r.piece_is_whole}

@@ -61,6 +61,7 @@ class WorkerState:
         self.table = json.loads(_C.classify_layers(described, "vLLM model"))
         self.qkv_attributes = _layers.qkv_attributes(described)
         self.fragmented, self.refused = _layers.locations(model, self.table)
+        self.rules = _layers.rules(self.fragmented)
         self.modules = dict(model.named_modules())
         self.leading_batch = _vllm_api.leading_batch(model)  # transformers' modules: [1, tokens, width]
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -321,7 +322,7 @@ class WorkerState:
                            f"{'' if not isinstance(value, torch.Tensor) else ' of ' + str(value.dtype)}, "
                            "not a floating-point activation (vLLM calls this module with it first)")
             return None
-        rule = self.fragmented.get(location)
+        rule = self.rules.get(location)
         prep = _steady.prepared(self.steady, self.step_work, location, work,
                                 lambda rows: self._where(rows, value.device))
         rows, where, position = prep.rows, prep.where, prep.position
@@ -335,13 +336,11 @@ class WorkerState:
         piece = value.narrow(0, where.start, len(rows)) if isinstance(where, range) else value.index_select(0, where)
         if rule is None:
             whole = piece.clone() if edits and isinstance(where, range) else piece  # edits never touch `value`
+        elif rule.collective == "all_reduce":
+            whole = self.tp.all_reduce(piece.clone())
         else:
-            rule_json = json.dumps(rule)
-            if _C.collective_for(rule_json) == "all_reduce":
-                whole = self.tp.all_reduce(piece.clone())
-            else:
-                gathered = self.tp.all_gather(piece.unsqueeze(0).contiguous(), dim=0)
-                whole = _C.whole_from_pieces(rule_json, list(gathered.unbind(0)))
+            gathered = self.tp.all_gather(piece.unsqueeze(0).contiguous(), dim=0)
+            whole = rule.whole_from_pieces(list(gathered.unbind(0)))
         edited = False
         # read-only work here: one host copy of the rows for every request's plain saves (SaveGroup: one call to
         # the store per save name); ranks other than 0 keep no tensors (their saves are equal copies nobody reads)
@@ -367,7 +366,7 @@ class WorkerState:
                 group.add(self.saves, host, pending, location)
         if not edited:
             return None
-        new_piece = whole if rule is None else _C.piece_of_whole(json.dumps(rule), whole, self.rank)
+        new_piece = whole if rule is None else rule.piece_of_whole(whole, self.rank)
         return where, new_piece.to(value.dtype)
 
     def _where(self, rows: List[int], device) -> object:

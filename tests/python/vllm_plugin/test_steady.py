@@ -50,7 +50,7 @@ def state(folder, view, plans):
     """A worker state whose taps' values sit in slots (a FULL graph's), `plans`: req id -> [(location, steps)]."""
     s = _worker.WorkerState.__new__(_worker.WorkerState)
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = view, torch.device("cpu"), 0, None, 0, {}
-    s.fragmented, s.leading_batch, s.copies = {}, False, _rowqueue.HostCopies(torch.device("cpu"))
+    s.fragmented, s.rules, s.leading_batch, s.copies = {}, {}, False, _rowqueue.HostCopies(torch.device("cpu"))
     s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
     s.answers, s.plans, s.last_rows, s.steady = _delivery.Folder(), {}, (None, None), None
     for req, steps in plans.items():
