@@ -90,9 +90,10 @@ def child_plain(args):
     return 0
 
 
-def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None):
+def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None, name="plain"):
     """Plain vLLM (compiled, or eager) on [prompt, prompt] (SAMPLING) in a child process without the plugin: its
-    tokens and logprobs (None if it failed: a failed check), and the seconds it took."""
+    tokens and logprobs (None if it failed: a failed check), and the seconds it took. `name`: its folder in
+    `work` (its own compile cache)."""
     from vllm_check import check
     env = dict(os.environ)
     env["FRAGMENTS_VLLM"] = "0"  # and no plugin dist on its path: vLLM as it comes, but for its CPU MoE bug:
@@ -110,7 +111,7 @@ def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None):
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(fix)] + paths)
     t0 = time.time()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "llama", str(tp), "--child-plain",  # (any family)
-                           "--model", folder, "--work", os.path.join(work, "plain"), "--prompt", json.dumps(prompt),
+                           "--model", folder, "--work", os.path.join(work, name), "--prompt", json.dumps(prompt),
                            "--max-tokens", str(max_tokens or 0)] + (["--eager"] if eager else []),
                           env=env, capture_output=True, text=True, timeout=900)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("PLAIN ")), None)
@@ -158,6 +159,8 @@ def main():
     ap.add_argument("--eager", action="store_true", help="--child-plain: an eager engine")
     ap.add_argument("--max-tokens", type=int, default=0, help="--child-plain: tokens per request (0: SAMPLING's)")
     ap.add_argument("--only", help="tap only the locations this regex matches (default: every location)")
+    ap.add_argument("--plain-recompiled", action="store_true",
+                    help="also compile plain vLLM a second time (a fresh cache) and say whether it matches itself")
     args = ap.parse_args()
     if args.child_plain:
         return child_plain(args)
@@ -188,6 +191,16 @@ def main():
 
     # plain compiled vLLM first, in its own process without the plugin (one engine at a time on this machine)
     plain, plain_s = plain_run(args.tp, folder, work, prompt_a)
+    if args.plain_recompiled and plain is not None:
+        # plain vLLM against itself compiled afresh (a cache of its own): Inductor picks some kernels' launch
+        # configs by timing them, so two compiles of one model need not agree to the bit (a note, not a check)
+        again, _ = plain_run(args.tp, folder, work, prompt_a, name="plain-again")
+        if again is not None:
+            same = again[:2] == plain[:2]
+            gap = max((abs(x[k] - y[k]) for a, b in zip(plain[:2], again[:2])
+                       for x, y in zip(a["logprobs"], b["logprobs"]) for k in x if k in y), default=0.0)
+            print(f"note plain compiled vLLM against itself compiled afresh: exact {same}, max |dlogprob| {gap:.2e}",
+                  flush=True)
 
     site = plugin_dist(os.path.join(work, "site"))
     sys.path.insert(0, site)

@@ -11,6 +11,8 @@ Cases (tp 1; every family of families.FAMILIES):
   split-*                       compiled cases with FRAGMENTS_VLLM_GRAPH_TAPS=split (the way before run33; run33 ran
                                 the default way's as slots-*)
   cuda-graphs-v2-gpt_neox-dense-* taps at GPT-NeoX's dense layers' inputs, then outputs (compiled_check --only)
+  cuda-graphs-v1-qwen3-recompiled / -deterministic   Qwen3 V1's 1 ulp: plain vLLM against itself compiled afresh,
+                                and with TORCHINDUCTOR_DETERMINISTIC=1 (launch configs not chosen by timing)
   server-tp1                    server_check.py 1 (vllm serve with per-request plans)
   trace-eager, trace-cuda-graphs trace_check.py / compiled_check.py --trace (fragments.vllm.VLLM's traces)
   nnsight-<family>              nnsight_compare.py (nnsight's VLLM beside the plugin, values against transformers)
@@ -70,6 +72,14 @@ def cases():
     for side in ("input", "output"):
         out.append((f"cuda-graphs-v2-gpt_neox-dense-{side}s", ["compiled_check.py", "gpt_neox", "1", "--only",
                                                                rf"dense(_4h_to_h)?\.{side}$"], {"FRAG_VLLM_RUNNER": "v2"}))
+    # Qwen3 on V1, 1 ulp off plain compiled vLLM (run33, run35). Run35's kernels: a tap at the embedding splits
+    # Inductor's embedding + RMSNorm kernel in two, and each reduction kernel gets its launch config by timing
+    # (autotuning). Whether plain vLLM matches itself compiled afresh, and whether Inductor's deterministic mode
+    # (configs not chosen by timing) makes the tapped engine exact:
+    out.append(("cuda-graphs-v1-qwen3-recompiled", ["compiled_check.py", "qwen3", "1", "--plain-recompiled"],
+                {"FRAG_VLLM_RUNNER": "v1"}))
+    out.append(("cuda-graphs-v1-qwen3-deterministic", ["compiled_check.py", "qwen3", "1", "--plain-recompiled"],
+                {"FRAG_VLLM_RUNNER": "v1", "TORCHINDUCTOR_DETERMINISTIC": "1"}))
     out.append(("server-tp1", ["server_check.py", "1"], {}))  # vllm serve on the GPU, plans per request
     # the Python trace API (fragments.vllm.VLLM): eager, and through a compiled engine with CUDA graphs
     out.append(("trace-eager", ["trace_check.py", "1"], {}))
