@@ -15,8 +15,10 @@ Eager engines (enforce_eager=True) act through module hooks; compiled engines at
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from typing import Optional
@@ -44,12 +46,32 @@ def register() -> None:
         return
     _vllm_api.check(first_process="FRAGMENTS_VLLM_DIR" not in os.environ)  # the tested range; needed internals
     if "FRAGMENTS_VLLM_DIR" not in os.environ:  # the first process; spawned workers inherit it
-        os.environ["FRAGMENTS_VLLM_DIR"] = tempfile.mkdtemp(prefix="fragments-vllm-")
+        _own_state_dir(tempfile.mkdtemp(prefix="fragments-vllm-"))
         _cpu_defaults()
     from . import _install, _saves, _server
     _install.install()
     _saves.install_rpc()
     _server.install_into_api_server()  # only in `vllm serve`'s API server process
+
+
+_STATE_DIR: Optional[tuple] = None  # (pid, folder): the shared state folder this process made
+
+
+def _own_state_dir(folder: str) -> None:
+    global _STATE_DIR
+    os.environ["FRAGMENTS_VLLM_DIR"] = folder
+    _STATE_DIR = (os.getpid(), folder)
+    atexit.register(remove_state_dir)
+
+
+def remove_state_dir() -> None:
+    """The shared state folder goes with the process that made it, at its exit (atexit), or here before an
+    os._exit. vLLM's processes started from it are gone by then; a forked child that inherits the exit hook
+    leaves the folder alone."""
+    global _STATE_DIR
+    if _STATE_DIR is not None and _STATE_DIR[0] == os.getpid():
+        shutil.rmtree(_STATE_DIR[1], ignore_errors=True)
+        _STATE_DIR = None
 
 
 def _cpu_defaults() -> None:

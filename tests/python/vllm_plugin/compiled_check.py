@@ -116,8 +116,9 @@ def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None, name="plai
                           env=env, capture_output=True, text=True, timeout=900)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("PLAIN ")), None)
     seconds = time.time() - t0
-    check(f"plain {'eager' if eager else 'compiled'} vLLM ran", proc.returncode == 0 and line is not None,
-          f"{seconds:.0f} s" if line else proc.stderr[-3000:])
+    ran = proc.returncode == 0 and line is not None
+    check(f"plain {'eager' if eager else 'compiled'} vLLM ran" + ("" if name == "plain" else f" ({name})"), ran,
+          f"{seconds:.0f} s" if ran else f"exit {proc.returncode}: {proc.stderr[-3000:]}")
     return (json.loads(line[6:]) if line else None), seconds
 
 

@@ -88,7 +88,11 @@ def work_folder(prefix):
 
 
 def remove_work(path=None):
-    """Removes `path` (default: every folder work_folder made), or keeps it where FRAG_KEEP_WORK=1."""
+    """Removes `path` (default: every folder work_folder made, and the plugin's state folder where this process
+    made it: os._exit skips its exit hook too), or keeps it where FRAG_KEEP_WORK=1."""
+    plugin = sys.modules.get("fragments.vllm")
+    if path is None and plugin is not None and os.environ.get("FRAG_KEEP_WORK") != "1":
+        plugin.remove_state_dir()
     for p in [q for q in _WORK if path in (None, q)]:
         _WORK.remove(p)
         if os.environ.get("FRAG_KEEP_WORK") == "1":
