@@ -83,6 +83,12 @@ def work_folder(prefix):
     path = tempfile.mkdtemp(prefix=prefix)
     if not _WORK:
         atexit.register(remove_work)  # registered before the engine starts: runs after its exit hooks
+        # vLLM's IPC sockets (tp > 1, vllm serve) go in its temporary folder and stay there: here, in this one.
+        # A socket's path has room for 107 bytes; the name vLLM adds is a 36-character uuid.
+        ipc = os.path.join(path, "ipc")
+        if "VLLM_RPC_BASE_PATH" not in os.environ and len(ipc) + 40 <= 107:
+            os.makedirs(ipc)
+            os.environ["VLLM_RPC_BASE_PATH"] = ipc
     _WORK.append(path)
     return path
 
