@@ -72,7 +72,8 @@ def plugin_dist(folder):
     return folder
 
 
-_WORK = []
+_WORK = []  # folders work_folder made, removed at exit or by remove_work
+_IPC = []  # the folder of vLLM's IPC sockets (one, for the whole process), removed by remove_work() alone
 
 
 def work_folder(prefix):
@@ -81,30 +82,34 @@ def work_folder(prefix):
     os._exit (which skips exit hooks; the engines shut down first), atexit otherwise (an exception, sys.exit).
     FRAG_KEEP_WORK=1 keeps it to look into, its path printed. A child given the folder (--work) makes none."""
     path = tempfile.mkdtemp(prefix=prefix)
-    if not _WORK:
+    if not _WORK and not _IPC:
         atexit.register(remove_work)  # registered before the engine starts: runs after its exit hooks
-        # vLLM's IPC sockets (tp > 1, vllm serve) go in its temporary folder and stay there: here, in this one.
+    if not _IPC and "VLLM_RPC_BASE_PATH" not in os.environ:
+        # vLLM's IPC sockets (tp > 1, vllm serve) go in its temporary folder and stay there: here, in a folder of
+        # their own that lasts as long as the process (a work folder may go earlier: server_check's servers).
         # A socket's path has room for 107 bytes; the name vLLM adds is a 36-character uuid.
-        ipc = os.path.join(path, "ipc")
-        if "VLLM_RPC_BASE_PATH" not in os.environ and len(ipc) + 40 <= 107:
-            os.makedirs(ipc)
+        ipc = tempfile.mkdtemp(prefix="frag-ipc-")
+        _IPC.append(ipc)
+        if len(ipc) + 40 <= 107:
             os.environ["VLLM_RPC_BASE_PATH"] = ipc
     _WORK.append(path)
     return path
 
 
 def remove_work(path=None):
-    """Removes `path` (default: every folder work_folder made, and the plugin's state folder where this process
-    made it: os._exit skips its exit hook too), or keeps it where FRAG_KEEP_WORK=1."""
+    """Removes `path` (default: every folder work_folder made, the sockets' folder, and the plugin's state
+    folder where this process made it: os._exit skips its exit hook too), or keeps it where FRAG_KEEP_WORK=1."""
+    keep = os.environ.get("FRAG_KEEP_WORK") == "1"
     plugin = sys.modules.get("fragments.vllm")
-    if path is None and plugin is not None and os.environ.get("FRAG_KEEP_WORK") != "1":
+    if path is None and plugin is not None and not keep:
         plugin.remove_state_dir()
-    for p in [q for q in _WORK if path in (None, q)]:
-        _WORK.remove(p)
-        if os.environ.get("FRAG_KEEP_WORK") == "1":
-            print(f"work folder kept (FRAG_KEEP_WORK=1): {p}", flush=True)
-        else:
-            shutil.rmtree(p, ignore_errors=True)
+    for folders in (_WORK, _IPC if path is None else []):
+        for p in [q for q in folders if path in (None, q)]:
+            folders.remove(p)
+            if keep:
+                print(f"work folder kept (FRAG_KEEP_WORK=1): {p}", flush=True)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def down0_input(locs, reader):
