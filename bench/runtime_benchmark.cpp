@@ -638,15 +638,6 @@ ModelResult run_model(const std::string& label, const std::string& folder, const
 
 std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
-const char* collective_name(const ir::FragmentRule& rule) {
-  switch (ir::collective_for(rule)) {
-    case ir::CollectiveKind::kAllGather: return "all_gather";
-    case ir::CollectiveKind::kAllReduce: return "all_reduce";
-    case ir::CollectiveKind::kNone: return "none";
-  }
-  return "?";
-}
-
 const char* verdict(double value, double target) { return value <= target ? "meets" : "MISSES"; }
 
 void print_result(const ModelResult& r, const Options& options) {
@@ -756,8 +747,8 @@ void print_result(const ModelResult& r, const Options& options) {
   if (options.locations) {
     fmt::print("\n  {:<46} {:<11} {:<16} {:<16} {}\n", "location", "collective", "whole", "piece", "visits");
     for (const auto& p : r.pieces)
-      fmt::print("  {:<46} {:<11} {:<16} {:<16} {}\n", p.location, collective_name(p.rule), shape_text(p.whole_shape),
-                 shape_text(p.piece_shape), p.visits);
+      fmt::print("  {:<46} {:<11} {:<16} {:<16} {}\n", p.location, ir::collective_name(ir::collective_for(p.rule)),
+                 shape_text(p.whole_shape), shape_text(p.piece_shape), p.visits);
   }
 }
 

@@ -738,6 +738,15 @@ void validate(const FragmentRule& rule) {
 
 CollectiveKind collective_for(const FragmentRule& rule) { return layout_of(rule).collective(); }
 
+const char* collective_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kNone: return "none";
+  }
+  return "unknown";
+}
+
 bool piece_is_whole(const FragmentRule& rule) {
   validate(rule);
   if (rule.group_size != 1) return false;

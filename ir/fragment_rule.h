@@ -165,6 +165,9 @@ void validate(const FragmentRule& rule);
 /// kQkv and kVocabShard; kAllReduce for kPartialSum; kNone for kReplicated.
 CollectiveKind collective_for(const FragmentRule& rule);
 
+/// The name of a collective: "all_gather", "all_reduce" or "none".
+const char* collective_name(CollectiveKind kind);
+
 /// Whether one rank's piece is the whole as it is: a group of one rank with
 /// nothing to drop (every kind but kVocabShard whose padded vocab exceeds its
 /// org vocab). Then whole_from_pieces of that one piece would only copy it, so

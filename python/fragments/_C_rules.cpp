@@ -101,22 +101,12 @@ py::list parse_plan(const std::string& text, const std::string& source, const st
   return steps;
 }
 
-/// The Python name of a collective.
-const char* collective_name(ir::CollectiveKind kind) {
-  switch (kind) {
-    case ir::CollectiveKind::kAllGather: return "all_gather";
-    case ir::CollectiveKind::kAllReduce: return "all_reduce";
-    case ir::CollectiveKind::kNone: return "none";
-  }
-  return "none";
-}
-
 /// A rule parsed once, for callers that apply it at every step (the vLLM worker): no JSON in the hot path.
 void bind_rule_class(py::module& m) {
   py::class_<ir::FragmentRule>(m, "Rule")
       .def(py::init(&rule_of), py::arg("rule"), "The rule of its JSON text (frag::Error when it is not one).")
       .def_property_readonly(
-          "collective", [](const ir::FragmentRule& r) { return collective_name(ir::collective_for(r)); },
+          "collective", [](const ir::FragmentRule& r) { return ir::collective_name(ir::collective_for(r)); },
           "\"all_gather\", \"all_reduce\" or \"none\".")
       .def_property_readonly("piece_is_whole", &ir::piece_is_whole,
                              "One rank's piece is the whole as it is (a group of one, nothing to drop).")
@@ -148,7 +138,7 @@ void bind_rules(py::module& m) {
       py::arg("rule"), py::arg("whole"), py::arg("rank"), "Rank `rank`'s piece of `whole`; rule as JSON.");
   m.def(
       "collective_for",
-      [](const std::string& rule) { return collective_name(ir::collective_for(rule_of(rule))); },
+      [](const std::string& rule) { return ir::collective_name(ir::collective_for(rule_of(rule))); },
       py::arg("rule"), "\"all_gather\", \"all_reduce\" or \"none\": the collective that makes the whole.");
   m.def(
       "describe_rule", [](const std::string& rule) { return ir::describe(rule_of(rule)); }, py::arg("rule"));

@@ -558,6 +558,9 @@ TEST_F(FragmentRuleTest, CollectiveFor) {
   EXPECT_EQ(collective_for(FragmentRule::qkv(4, 2, 2, 2, "tp", 2)), CollectiveKind::kAllGather);
   EXPECT_EQ(collective_for(FragmentRule::vocab_shard(10, 64, "tp", 2)), CollectiveKind::kAllGather);
   EXPECT_EQ(collective_for(FragmentRule::partial_sum("tp", 2)), CollectiveKind::kAllReduce);
+  EXPECT_STREQ(collective_name(CollectiveKind::kAllGather), "all_gather");
+  EXPECT_STREQ(collective_name(CollectiveKind::kAllReduce), "all_reduce");
+  EXPECT_STREQ(collective_name(CollectiveKind::kNone), "none");
 }
 
 // piece_is_whole says exactly when whole_from_pieces of one piece gives that piece back unchanged.

@@ -122,6 +122,11 @@ def plain_run(tp, folder, work, prompt, eager=False, max_tokens=None, name="plai
     return (json.loads(line[6:]) if line else None), seconds
 
 
+def logprob_gap(a, b):
+    """The largest |logprob difference| between two requests' tokens_and_logprobs, over the tokens both list."""
+    return max((abs(x[k] - y[k]) for x, y in zip(a["logprobs"], b["logprobs"]) for k in x if k in y), default=0.0)
+
+
 def check_plain(plain, r0, r1, moe=False, what="compiled"):
     """[plain request, read-only plan] on prompt A against plain compiled vLLM's same batch: exactly equal.
     MoE (as vllm_check.py): tokens equal and logprobs within 1e-5. vLLM's CPU experts group the tokens of every
@@ -133,17 +138,14 @@ def check_plain(plain, r0, r1, moe=False, what="compiled"):
         return
     plain, reproducible = plain[:2], plain[2]
     got = [tokens_and_logprobs(r0), tokens_and_logprobs(r1)]
-
-    def gap(a, b):
-        return max((abs(x[k] - y[k]) for x, y in zip(a["logprobs"], b["logprobs"]) for k in x if k in y), default=0.0)
     for name, i in [(f"read-only plan: tokens and logprobs equal plain {what} vLLM's (no plugin, no taps; exactly"
                      f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 1),
                     (f"no plan: the plain row beside it equals plain {what} vLLM's (exactly"
                      f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 0)]:
         exact = got[i] == plain[i]
-        ok = exact or (moe and got[i]["tokens"] == plain[i]["tokens"] and gap(got[i], plain[i]) <= 1e-5)
+        ok = exact or (moe and got[i]["tokens"] == plain[i]["tokens"] and logprob_gap(got[i], plain[i]) <= 1e-5)
         check(name, ok, f"{got[i]['tokens']} vs {plain[i]['tokens']}; exact {exact}, max |dlogprob| "
-              f"{gap(got[i], plain[i]):.2e}; plain vLLM bit-reproducible across two identical batches: {reproducible}")
+              f"{logprob_gap(got[i], plain[i]):.2e}; plain vLLM bit-reproducible across two identical batches: {reproducible}")
 
 
 def main():
@@ -198,8 +200,7 @@ def main():
         again, _ = plain_run(args.tp, folder, work, prompt_a, name="plain-again")
         if again is not None:
             same = again[:2] == plain[:2]
-            gap = max((abs(x[k] - y[k]) for a, b in zip(plain[:2], again[:2])
-                       for x, y in zip(a["logprobs"], b["logprobs"]) for k in x if k in y), default=0.0)
+            gap = max(logprob_gap(a, b) for a, b in zip(plain[:2], again[:2]))
             print(f"note plain compiled vLLM against itself compiled afresh: exact {same}, max |dlogprob| {gap:.2e}",
                   flush=True)
 
