@@ -13,6 +13,7 @@
 #include "ir/fragment_rule.h"
 #include "ir/fragment_table.h"
 #include "tests/passes/pass_fixtures.h"
+#include "tests/support/test_support.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -384,8 +385,10 @@ TEST(Classify, FusedMoeReducingItselfIsNotFragmented) {
 
 // ----- aliases ---------------------------------------------------------------
 
+/// `text` in a file `name` of a folder of this process's own (removed at its exit: test_support.h).
 std::string temp_file(const std::string& name, const std::string& text) {
-  const std::string path = ::testing::TempDir() + "/" + name;
+  static const std::string folder = frag::testing::temporary_folder();
+  const std::string path = folder + "/" + name;
   std::ofstream(path) << text;
   return path;
 }

@@ -4,6 +4,7 @@
 #include "cli/launcher.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,12 +12,49 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
 namespace frag::testing {
 namespace {
+
+/// The folders temporary_folder made, removed with what they hold when the process that made them exits
+/// (FRAG_KEEP_WORK=1 keeps them). Why: under ctest (the sanitizer stage) they are made in /tmp, where nothing
+/// else removes them (about 100 a CI run); Bazel's TEST_TMPDIR is Bazel's to clean, and cleaned the same way.
+/// A forked child that exits normally leaves its parent's folders alone.
+class MadeFolders {
+ public:
+  void add(std::string folder) {
+    std::lock_guard<std::mutex> lock(mu_);
+    folders_.emplace_back(::getpid(), std::move(folder));
+  }
+  ~MadeFolders() {
+    const char* keep = std::getenv("FRAG_KEEP_WORK");
+    if (keep != nullptr && *keep != '\0' && std::string(keep) != "0") return;
+    for (const auto& [pid, folder] : folders_)
+      if (pid == ::getpid()) remove_tree(folder);
+  }
+
+ private:
+  /// nftw, deepest first, links not followed: not std::filesystem::remove_all (remove_flat_folder says why).
+  static void remove_tree(const std::string& folder) {
+    ::nftw(folder.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
+  }
+  static int remove_one(const char* path, const struct stat*, int, struct FTW*) {
+    ::remove(path);
+    return 0;
+  }
+  std::mutex mu_;
+  std::vector<std::pair<pid_t, std::string>> folders_;
+};
+
+MadeFolders& made_folders() {
+  static MadeFolders folders;
+  return folders;
+}
 
 // LibTorch's c10d FlightRecorder inserts into a std::map before taking its lock (record() in
 // torch/csrc/distributed/c10d/FlightRecorderDetail.hpp, all_pg_status_): a race when one process holds
@@ -64,6 +102,7 @@ std::string temporary_folder() {
   const char* base = std::getenv("TEST_TMPDIR");
   std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/frag_test_XXXXXX";
   if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  made_folders().add(pattern);
   return pattern;
 }
 

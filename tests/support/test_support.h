@@ -60,7 +60,8 @@ std::string frag_binary();
 /// `extension` "pt2" for its torch.export archives (model_files("llama_tp2_pt2", "pt2")).
 std::vector<std::string> model_files(const std::string& export_name, const std::string& extension = "pt");
 
-/// A fresh empty folder for one test's outputs.
+/// A fresh empty folder for one test's outputs, removed when the process that made it exits
+/// (FRAG_KEEP_WORK=1 keeps it).
 std::string temporary_folder();
 /// Removes a flat folder (temporary_folder's). Not std::filesystem::remove_all: libtorch exports a copy
 /// of it that the dynamic linker may pick, and that copy crashed in a test here.

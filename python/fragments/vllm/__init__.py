@@ -96,14 +96,29 @@ def _cpu_defaults() -> None:
                      "VLLM_CPU_OMP_THREADS_BIND, e.g. '0-3|4-7', chooses them)")
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         total, available = _memory_gib()
-        if available < 0.9 * total:
+        reserved = _default_reservation()
+        # the margin: each worker measures its node's free memory after its own start (torch, the model), not now
+        if available < min(1.0, reserved + MEMORY_MARGIN) * total:
             space = max(1, int(available // 4))
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(space)
-            notes.append(f"{available:.1f} of {total:.1f} GiB free, less than vLLM's default reservation (0.9): "
-                         f"KV cache {space} GiB (VLLM_CPU_KVCACHE_SPACE chooses it)")
+            notes.append(f"{available:.1f} of {total:.1f} GiB free, too little for vLLM's default reservation "
+                         f"({reserved:g} of it): KV cache {space} GiB (VLLM_CPU_KVCACHE_SPACE chooses it)")
     if notes:
         print("fragments: vLLM CPU build: " + "; ".join(notes) + " (FRAGMENTS_VLLM_CPU_DEFAULTS=0: leave vLLM's "
               "defaults)", file=sys.stderr, flush=True)
+
+
+MEMORY_MARGIN = 0.05  # of total memory, above vLLM's reservation: what its workers take before they measure
+
+
+def _default_reservation() -> float:
+    """vLLM's default gpu_memory_utilization, the share of a CPU node's memory it reserves (0.9 before 0.24,
+    0.92 in 0.24)."""
+    try:
+        from vllm.config import CacheConfig  # a pydantic dataclass
+        return float(CacheConfig.__pydantic_fields__["gpu_memory_utilization"].default)
+    except Exception:  # noqa: B902 - another layout of vLLM's config: its 0.24 value
+        return 0.92
 
 
 def _numa_nodes() -> int:
