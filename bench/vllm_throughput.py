@@ -24,6 +24,9 @@ column, the median of the per-round ratios with their spread (min–max, interqu
 (wall) and tokens per CPU second (user + system of the engine's processes: steadier than wall time on a
 shared machine), beside the issue's goals (none ≥ 0.97×, quarter ≥ 0.85×), and writes every round to
 --json (default bench/results/vllm_throughput_cpu.json).
+--profile-dir DIR: after the rounds, one more run of plain, none and quarter each under vLLM's torch profiler
+(not counted in the rounds), its traces in DIR/<column>; tools/probes/trace_gaps.py DIR sums them up (where
+the GPU sat idle, copies to the host, CUDA calls).
 """
 import argparse
 import json
@@ -107,6 +110,16 @@ def engine_settings(args, mode):
     return common
 
 
+def with_profiler(settings, args, mode):
+    """--profile-dir: vLLM's torch profiler in the engine (every step of a profiled run, no stacks: small traces),
+    traces under <dir>/<mode>."""
+    if not args.profile_dir:
+        return settings
+    return dict(settings, profiler_config={
+        "profiler": "torch", "torch_profiler_dir": os.path.join(os.path.abspath(args.profile_dir), mode),
+        "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False})
+
+
 def prompts(n, length):
     import random
     rng = random.Random(0)
@@ -116,7 +129,7 @@ def prompts(n, length):
 def vllm_runner(args, mode):
     """The plain or plugin engine: returns run(column) -> (tokens/s, tokens per CPU s, values saved)."""
     from vllm import LLM, SamplingParams
-    llm = LLM(args.model, **engine_settings(args, mode))
+    llm = LLM(args.model, **with_profiler(engine_settings(args, mode), args, mode))
     ps = [{"prompt_token_ids": p} for p in prompts(args.prompts, args.prompt_len)]
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     tokens = args.prompts * args.max_tokens
@@ -183,6 +196,15 @@ def vllm_runner(args, mode):
         saved, outs = out["run"]
         detail = {} if before is None else dict(where_time_went(before, stats(), outs), wall_s=wall)
         return tokens / wall, tokens / cpu, saved, detail
+
+    def profiled(column):
+        """One run of `column` under vLLM's profiler (--profile-dir; not a round: its rate is not reported)."""
+        llm.start_profile(column)
+        try:
+            return run(column)
+        finally:
+            llm.stop_profile()
+    run.profiled = profiled
     return run
 
 
@@ -247,7 +269,7 @@ def child(args):
         command = json.loads(line)
         if command.get("quit"):
             break
-        rate, per_cpu, saved, detail = run(command["column"])
+        rate, per_cpu, saved, detail = (run.profiled if command.get("profile") else run)(command["column"])
         print(PROTOCOL + json.dumps({"column": command["column"], "tokens_per_s": rate, "tokens_per_cpu_s": per_cpu,
                                      "saved": saved, "detail": detail}), flush=True)
 
@@ -265,7 +287,8 @@ class Engine:
             env["FRAGMENTS_VLLM"] = "0"  # belt and braces: no entry points on its path either
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--prompts",
                str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-               "--chunked-prefill", args.chunked_prefill, "--gpu", "on" if args.gpu else "off"]
+               "--chunked-prefill", args.chunked_prefill, "--gpu", "on" if args.gpu else "off"] + \
+            (["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else [])
         self.mode, self.log = mode, os.path.join(log_dir, f"{mode}.log")
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True)
@@ -289,8 +312,8 @@ class Engine:
             sys.stderr.write(f.read()[-4000:])
         raise RuntimeError(f"the {self.mode} engine exited ({self.proc.wait()}); log {self.log}")
 
-    def run(self, column):
-        self.proc.stdin.write(json.dumps({"column": column}) + "\n")
+    def run(self, column, profile=False):
+        self.proc.stdin.write(json.dumps({"column": column, "profile": profile}) + "\n")
         self.proc.stdin.flush()
         return self._answer()
 
@@ -368,6 +391,16 @@ def run_pass(args, columns, started, site, work, start_s, index):
             if rows.get("quarter", {}).get("detail"):  # where the plugin's saving column spent its time
                 print("  quarter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
                                                 for k, v in sorted(rows["quarter"]["detail"].items())), flush=True)
+        if args.profile_dir:  # after the rounds: one run of each vLLM column under the profiler, traces kept
+            for c in [c for c in columns if c in ("plain", "none", "quarter")]:
+                traces = os.path.join(args.profile_dir, OWNER[c])
+                before = set(os.listdir(traces)) if os.path.isdir(traces) else set()
+                engines[OWNER[c]].run(c, profile=True)
+                os.makedirs(os.path.join(args.profile_dir, c), exist_ok=True)
+                for name in sorted(set(os.listdir(traces)) - before):  # the run's own files, under its column
+                    if ".trace." in name:
+                        os.replace(os.path.join(traces, name), os.path.join(args.profile_dir, c, name))
+                print(f"profiled {c}: traces in {os.path.join(args.profile_dir, c)}", flush=True)
     finally:
         for e in engines.values():
             e.close()
@@ -402,6 +435,8 @@ def main():
                     help="on: the GPU settings (engine_settings, write_model); auto: on where vLLM's platform is CUDA")
     ap.add_argument("--layers", type=int, default=8, help="GPU: the 8B-shaped model's layers")
     ap.add_argument("--batch1", action="store_true", help="also batch-1 decode per step (b1_* columns)")
+    ap.add_argument("--profile-dir", help="after the rounds, one run of plain, none and quarter under vLLM's torch "
+                    "profiler, traces here (summed up by tools/probes/trace_gaps.py)")
     ap.add_argument("--child")
     ap.add_argument("--model")
     args = ap.parse_args()

@@ -16,7 +16,10 @@ data out of it) 0.14 ms a step, 0.35 ms --unsteady. Before run34 (rows reserved 
 the stepping thread): 1.06-1.09 ms a step here, 1.47 ms on the H100's host with the CUDA calls (run33).
 Since run35, --warmup steps (16) run untimed first: run35's H100 figures (1.90 ms; 1.09 ms at --width 8)
 counted one-time costs (the first pinned blocks, CUDA's lazy setup, the sink's files) in 128 timed steps.
-With warm-up, here: 0.53 ms a step at full width, 0.09 ms at --width 8.
+With warm-up, here: 0.53 ms a step at full width, 0.09 ms at --width 8. On the H100's host (run36): 0.41 ms
+(0.32 at --width 8); with a step's saves drained in one block (_drain.py) 0.28 ms (0.18), of which the one
+pinned block from torch's allocator was 94 us (since then the drain's own pool; not measured on a GPU yet).
+Every run checks the first and last saving requests' rows against the slots' rows.
 """
 import argparse
 import collections
@@ -107,6 +110,10 @@ class _CopiesAsGpu(_rowqueue.HostCopies):
         self.stream = True
         return part.detach().clone()
 
+    def into(self, host, part):
+        self.stream = True
+        return host.copy_(part)
+
     def seal(self, store):
         if self.stream is not None:
             store.seal_step(_Done())
@@ -181,6 +188,10 @@ def main():
     read = {k: _delivery.tensors(v) for k, v in out.items()}
     t2 = time.perf_counter()
     assert all(len(r) == len(WIDTHS) for r in read.values())
+    for i in (0, args.every * (len(keys) - 1)):  # the first and last saving requests: their row at every step
+        for at, got in read[f"k{i}"].items():
+            want = s.slots[at][i].cpu().expand(args.warmup + args.steps, -1)
+            assert torch.equal(got, want), f"request {i} at {at}: saved rows differ from the slot's row"
     mb = sum(v["bytes"] for v in out.values()) / 2**20
     where = "memory" if folder is None else f"files in {folder}" + (", work afresh each step" if args.unsteady else "")
     print(f"vllm_step_cost ({args.device}, rows in {where}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "

@@ -151,6 +151,19 @@ class HostCopies:
         self.stream = torch.cuda.current_stream(part.device)
         return host
 
+    def host_block(self, nbytes: int):
+        """A host block for into(): pinned where the device is a GPU (its copies then run without waiting)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def into(self, host, part):
+        """copy() into a block the caller keeps (host_block's, same bytes as `part`): no allocation."""
+        if part.device.type != "cuda":
+            return host.copy_(part.detach().reshape(host.shape))
+        host.copy_(part.detach(), non_blocking=True)
+        self.pending = True
+        self.stream = torch.cuda.current_stream(part.device)
+        return host
+
     def seal(self, store) -> None:
         """At a step's end: its copies are done when an event recorded after them is (store.seal_step)."""
         if self.stream is not None:

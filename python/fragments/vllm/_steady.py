@@ -91,12 +91,13 @@ class Prepared:
 class Steady:
     """A step's work kept while the runner's batch follows on from it: the same requests in the same places,
     one token each, each one step further, and no plan step whose schedule (a set of steps) turns on or off."""
-    __slots__ = ("req_ids", "qsl", "planned", "computed", "work", "shift", "variable", "prepared")
+    __slots__ = ("req_ids", "qsl", "planned", "computed", "work", "shift", "variable", "prepared", "drain")
 
     def __init__(self, req_ids, qsl, planned, computed, work, shift, variable):
         self.req_ids, self.qsl, self.planned, self.computed = req_ids, qsl, planned, computed
         self.work, self.shift, self.variable = work, shift, variable
         self.prepared: Dict[str, Prepared] = {}
+        self.drain = None  # _drain.SlotDrain of a FULL graph's slots, or False where none serves (worked out once)
 
     @staticmethod
     def of(batch, planned: List[int], work, shift: list, variable: list) -> Optional["Steady"]:

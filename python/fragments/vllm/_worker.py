@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ..core import executor
-from . import _delivery, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _steady, _tap, _vllm_api
+from . import _delivery, _drain, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _steady, _tap, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
@@ -444,30 +444,10 @@ class WorkerState:
             _runner.write_rows(rows, *acted)
 
     def _slot_copy(self, location: str, x) -> None:
-        """In a graph being captured: x copied into the location's slot (one buffer for every graph, as large as
-        the largest vLLM captures; a graph uses its first rows)."""
-        x = self._token_rows(x)  # [tokens, ...]: a graph's size is its token count
-        slot = self.slots.get(location)
-        if slot is None:
-            largest = getattr(self.runner.vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
-            slot = self.slots[location] = x.new_empty((max(largest, x.shape[0]),) + tuple(x.shape[1:]))
-        elif slot.shape[0] < x.shape[0] or slot.shape[1:] != x.shape[1:] or slot.dtype != x.dtype:
-            raise RuntimeError(f"fragments: a CUDA graph captured at {location} with a value of {tuple(x.shape)} "
-                               f"{x.dtype}, its slot {tuple(slot.shape)} {slot.dtype} (made for vLLM's largest "
-                               "graph): one slot cannot serve both; start the engine with compilation_config "
-                               '{"cudagraph_mode": "NONE"} or enforce_eager=True')
-        slot[:x.shape[0]].copy_(x)
+        _drain.fill(self, location, x)
 
     def _drain_slots(self) -> None:
-        """After a graph's replay with read-only plans in the step: each tapped location's work on the value its
-        slot holds (as the tap's body would have done in the forward)."""
-        work = self._work()
-        for location in self.taps:
-            if location not in self.slots:
-                continue  # not in the compiled forward (the logits processor): its tap ran eagerly
-            self.tap_calls[location] = self.tap_calls.get(location, 0) + 1
-            if work.get(location):
-                self._act(location, self._token_rows(self.slots[location]), work[location])
+        _drain.drain(self)
 
     def compile_stats(self) -> dict:
         from . import _compile

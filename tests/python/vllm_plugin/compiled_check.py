@@ -138,6 +138,11 @@ def check_plain(plain, r0, r1, moe=False, what="compiled"):
         return
     plain, reproducible = plain[:2], plain[2]
     got = [tokens_and_logprobs(r0), tokens_and_logprobs(r1)]
+    if plain[0] == plain[1] and not moe:
+        # within the one engine, where a second compile's own bits cannot enter (plain compiled vLLM need not
+        # match itself compiled afresh on a GPU: run36): the plan changes nothing its plain twin does not have
+        check("read-only plan: tokens and logprobs equal the plain row's beside it in the same engine (exactly)",
+              got[1] == got[0], f"max |dlogprob| {logprob_gap(got[0], got[1]):.2e}")
     for name, i in [(f"read-only plan: tokens and logprobs equal plain {what} vLLM's (no plugin, no taps; exactly"
                      f"{'; MoE: tokens, and logprobs within 1e-5' if moe else ''})", 1),
                     (f"no plan: the plain row beside it equals plain {what} vLLM's (exactly"

@@ -1,0 +1,75 @@
+"""tools/probes/trace_gaps.py on synthetic torch-profiler traces: the GPU's span, busy and idle time (kernels on
+two streams overlapping), the gaps past the threshold, copies to the host with their bytes, the kernels and CUDA
+runtime calls by time; a gzip trace found in a folder; a folder without traces and a file that is not one refused
+with one line and exit 1."""
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools", "probes"))
+import trace_gaps  # noqa: E402
+
+TOOL = os.path.join(ROOT, "tools", "probes", "trace_gaps.py")
+
+
+def event(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 7, "args": args}
+
+
+EVENTS = [event("kernel", "gemm", 0, 10), event("kernel", "norm", 5, 15),  # overlapping: busy 0-20
+          event("kernel", "gemm", 50, 10),  # a gap of 30 us before it
+          event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 70, 10, bytes=1 << 20),  # a gap of 10 us
+          event("cuda_runtime", "cudaHostAlloc", 40, 30), event("cuda_runtime", "cudaLaunchKernel", 1, 2),
+          event("cuda_runtime", "cudaLaunchKernel", 45, 2), event("cpu_op", "aten::index_select", 0, 99)]
+
+
+class TraceGapsTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="trace-gaps-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def test_span_busy_idle_and_gaps(self):
+        s = trace_gaps.summary(EVENTS, gap_us=20, top=8)
+        self.assertAlmostEqual(s["span_ms"], 0.080)
+        self.assertAlmostEqual(s["busy_ms"], 0.040)  # 0-20, 50-60, 70-80
+        self.assertAlmostEqual(s["idle_ms"], 0.040)
+        self.assertEqual((s["gaps"], s["largest_gaps_us"]), (1, [30.0]))  # the 10 us gap is under the threshold
+        self.assertEqual((s["copies_to_host"], s["copies_to_host_mb"]), (1, 1.0))
+        self.assertEqual(s["kernels_ms"][0], ("gemm", 0.020))
+        self.assertEqual(s["runtime_ms"][0], ("cudaHostAlloc", 0.030, 1))
+        self.assertEqual(s["runtime_ms"][1], ("cudaLaunchKernel", 0.004, 2))
+
+    def test_a_gzip_trace_in_a_folder(self):
+        os.makedirs(os.path.join(self.dir, "plugin"))
+        with gzip.open(os.path.join(self.dir, "plugin", "quarter_dp0_pp0_tp0.pt.trace.json.gz"), "wt") as f:
+            json.dump({"traceEvents": EVENTS}, f)
+        out = subprocess.run([sys.executable, TOOL, self.dir, "--json", os.path.join(self.dir, "s.json")],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("GPU span 0.1 ms: busy 0.0, idle 0.0 (50%); 1 gaps over 20 us", out.stdout)
+        self.assertIn("cudaHostAlloc", out.stdout)
+        with open(os.path.join(self.dir, "s.json")) as f:
+            self.assertEqual(len(json.load(f)), 1)
+
+    def test_no_traces_and_not_a_trace(self):
+        out = subprocess.run([sys.executable, TOOL, self.dir], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 1)
+        self.assertEqual(out.stderr.count("\n"), 1, out.stderr)
+        self.assertIn("no trace files", out.stderr)
+        bad = os.path.join(self.dir, "bad.json")
+        with open(bad, "w") as f:
+            f.write("{not json")
+        out = subprocess.run([sys.executable, TOOL, bad], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("not a trace", out.stderr)
+        self.assertEqual(out.stdout, "")
+
+
+if __name__ == "__main__":
+    unittest.main()

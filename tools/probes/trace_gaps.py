@@ -1,0 +1,134 @@
+"""Where a profiled vLLM run's GPU waited: torch profiler traces (Chrome trace JSON, as vLLM's profiler writes
+them: bench/vllm_throughput.py --profile-dir) summed up, one line block per trace file.
+
+    python tools/probes/trace_gaps.py DIR_OR_FILE [...] [--gap-us 20] [--top 8]
+
+For each trace: the GPU's span (first kernel or copy to the last), its busy time (the union of kernels, copies and
+memsets on every stream) and idle time, the idle gaps longer than --gap-us (count, total, the largest), copies to
+the host (count, bytes where recorded, time), the kernels that took most time, and the CUDA runtime calls that
+took most host time (a cudaHostAlloc, a synchronize or an event wait there is the host holding the GPU up).
+Why: in run36 the saving column's rounds lost more time than the worker's measured host phases; the trace says
+whether the GPU sat idle between steps, and behind what.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data.get("traceEvents", data) if isinstance(data, dict) else data
+
+
+def union_us(intervals) -> float:
+    """Total length of the union of (start, end) intervals."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def gaps_us(intervals) -> list:
+    """The idle stretches between the union's pieces, in order."""
+    out, end = [], None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            out.append(a - end)
+        end = b if end is None else max(end, b)
+    return out
+
+
+def summary(events: list, gap_us: float, top: int) -> dict:
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
+    out = {"gpu_events": len(gpu)}
+    if spans:
+        start, end = min(a for a, _ in spans), max(b for _, b in spans)
+        busy = union_us(spans)
+        gaps = [g for g in gaps_us(spans) if g > gap_us]
+        out.update(span_ms=(end - start) / 1e3, busy_ms=busy / 1e3, idle_ms=(end - start - busy) / 1e3,
+                   gaps=len(gaps), gaps_ms=sum(gaps) / 1e3, largest_gaps_us=sorted(gaps, reverse=True)[:top])
+    to_host = [e for e in gpu if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    out["copies_to_host"] = len(to_host)
+    out["copies_to_host_ms"] = sum(float(e["dur"]) for e in to_host) / 1e3
+    out["copies_to_host_mb"] = sum(float(e.get("args", {}).get("bytes", 0)) for e in to_host) / 2**20
+    kernels = collections.Counter()
+    for e in gpu:
+        if e.get("cat") == "kernel":
+            kernels[e.get("name", "?")[:80]] += float(e["dur"])
+    out["kernels_ms"] = [(name, t / 1e3) for name, t in kernels.most_common(top)]
+    runtime = collections.Counter()
+    calls = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "dur" in e:
+            runtime[e.get("name", "?")] += float(e["dur"])
+            calls[e.get("name", "?")] += 1
+    out["runtime_ms"] = [(name, t / 1e3, calls[name]) for name, t in runtime.most_common(top)]
+    return out
+
+
+def traces(paths) -> list:
+    found = []
+    for p in paths:
+        if os.path.isdir(p):
+            found += sorted(glob.glob(os.path.join(p, "**", "*.json*"), recursive=True))
+        else:
+            found.append(p)
+    return [f for f in found if f.endswith((".json", ".json.gz"))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--gap-us", type=float, default=20.0, help="idle stretches shorter than this are not counted")
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--json", help="also write the summaries here")
+    args = ap.parse_args(argv)
+    files = traces(args.paths)
+    if not files:
+        print(f"trace_gaps: no trace files (*.json, *.json.gz) under {', '.join(args.paths)}", file=sys.stderr)
+        return 1
+    results = {}
+    for f in files:
+        try:
+            s = summary(load(f), args.gap_us, args.top)
+        except (OSError, ValueError) as e:
+            print(f"trace_gaps: {f}: not a trace ({e})", file=sys.stderr)
+            return 1
+        results[f] = s
+        print(f"== {f}")
+        if "span_ms" in s:
+            print(f"GPU span {s['span_ms']:.1f} ms: busy {s['busy_ms']:.1f}, idle {s['idle_ms']:.1f} "
+                  f"({s['idle_ms'] / max(s['span_ms'], 1e-9):.0%}); {s['gaps']} gaps over {args.gap_us:g} us, "
+                  f"{s['gaps_ms']:.1f} ms; largest (us): {', '.join(f'{g:.0f}' for g in s['largest_gaps_us'])}")
+        else:
+            print("no GPU events (a CPU run): the host's calls only")
+        print(f"copies to the host: {s['copies_to_host']}, {s['copies_to_host_mb']:.1f} MiB, "
+              f"{s['copies_to_host_ms']:.2f} ms")
+        for name, ms in s["kernels_ms"]:
+            print(f"  kernel {ms:9.2f} ms  {name}")
+        for name, ms, n in s["runtime_ms"]:
+            print(f"  cuda   {ms:9.2f} ms  {n:6d}x  {name}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
