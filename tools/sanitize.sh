@@ -24,7 +24,8 @@ tier=(tests/ir/fragment_rule_test tests/ir/location_table_test tests/ir/head_lay
       tests/runtime/plan_test tests/runtime/intervention_runtime_test tests/runtime/ad_hoc_call_test
       tests/runtime/communicator_test tests/runtime/collective_watchdog_test tests/runtime/whole_value_test
       tests/program/cuda_test tests/examples/api_example_test
-      tests/cli/torch2_fixture_test tests/cli/frag_faults_test tests/cli/launcher_test)
+      tests/cli/torch2_fixture_test tests/cli/frag_faults_test tests/cli/launcher_test
+      tests/support/test_support_test)
 # Suites with in-process thread ranks (communicator_test, ad_hoc_call_test) once crashed here inside
 # LibTorch's c10d FlightRecorder, which inserts into a map before taking its lock; tests/support turns its
 # recording off (TORCH_FR_BUFFER_SIZE=0), so they run in the tier. frag's ranks are processes: no race there.

@@ -18,7 +18,7 @@ else holds it: torch's caching host allocator then cost ~94 us a step for the on
 It serves a step only where that is all a step does: one rank's value is the whole (no collective: tp 1, or a
 whole location), plain saves only (no edit, no indexed save, no Python step), rank 0 keeping rows that go to
 files, a device whose copies run without waiting. Otherwise the worker acts location by location as before
-(_worker.WorkerState._act). A plan is kept with the step's work (_steady.Steady) and made afresh with it.
+(_worker.WorkerState._act). A SlotDrain is kept with the step's work (_steady.Steady) and made afresh with it.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ class HostBlocks:
 
 
 class _Part:
-    """One location's share: its slot, the rows read (a range or an index tensor), its bytes [lo, hi) of the
-    block, the shape of its rows and its save groups."""
+    """One location's share: the rows read from its slot (a range or an index tensor), its bytes [lo, hi) of the
+    block, their dtype and shape, its save groups, and `out`, its view of the device buffer."""
     __slots__ = ("location", "where", "count", "lo", "hi", "dtype", "shape", "groups", "out")
 
     def __init__(self, location, where, count, lo, hi, dtype, shape, groups):

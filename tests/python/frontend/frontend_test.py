@@ -228,8 +228,9 @@ class FrontEndTest(unittest.TestCase):
         with model.trace(torch.tensor([[3, 1, 4, 1, 5, 9]])):
             expected = model.output.save()
         with tempfile.TemporaryDirectory() as folder:
+            # --log-dir: torch elastic's own folder in ours (by default a torchelastic_* one left in /tmp)
             run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                  os.path.join(HERE, "torchrun_script.py"),
+                                  "--log-dir", os.path.join(folder, "elastic"), os.path.join(HERE, "torchrun_script.py"),
                                   os.path.join(MODELS, "llama_tp2", "rank{rank}.pt"), folder],
                                  capture_output=True, text=True, timeout=300)
             self.assertEqual(run.returncode, 0, run.stdout + run.stderr)

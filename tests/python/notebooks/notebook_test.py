@@ -10,11 +10,14 @@ Needs tests/models/smollm2_tp3 (Bazel: //tests/models:smollm2_tp3; else set SMOL
 `python -m fragkit.checkpoint --from smollm2 --tp 3`), nbclient and ipykernel, `fragments` importable.
 """
 import ast
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -28,9 +31,18 @@ from process_watch import alive, wait_gone  # noqa: E402
 from slow_tier import slow_tier  # noqa: E402
 
 
+# IPython's and Jupyter's folders in one of the test's own, removed at its exit: without a writable home (Bazel's
+# tests) they fall back to temporary folders of their own and leave them in /tmp (three per run).
+HOMES = tempfile.mkdtemp(prefix="frag-notebook-")
+atexit.register(shutil.rmtree, HOMES, True)
+
+
 def environment():
     path = [os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, SMOLLM2_TP3=EXPORT, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, path)))
+    homes = {name: os.path.join(HOMES, name.lower()) for name in
+             ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "MPLCONFIGDIR")}
+    return dict(os.environ, SMOLLM2_TP3=EXPORT, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, path)),
+                **homes)
 
 
 def pids_in(text):
