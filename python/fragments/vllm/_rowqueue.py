@@ -145,20 +145,16 @@ class HostCopies:
     def copy(self, part):
         if part.device.type != "cuda":
             return part.detach().to("cpu", copy=True)
-        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)  # torch's pinned cache: reused
-        host.copy_(part.detach(), non_blocking=True)
-        self.pending = True
-        self.stream = torch.cuda.current_stream(part.device)
-        return host
+        return self.into(torch.empty(part.shape, dtype=part.dtype, pin_memory=True), part)  # torch's pinned cache
 
     def host_block(self, nbytes: int):
         """A host block for into(): pinned where the device is a GPU (its copies then run without waiting)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def into(self, host, part):
-        """copy() into a block the caller keeps (host_block's, same bytes as `part`): no allocation."""
+        """`part` copied into `host` (a block of the same shape and dtype; the caller's to keep or reuse)."""
         if part.device.type != "cuda":
-            return host.copy_(part.detach().reshape(host.shape))
+            return host.copy_(part.detach())
         host.copy_(part.detach(), non_blocking=True)
         self.pending = True
         self.stream = torch.cuda.current_stream(part.device)
