@@ -25,8 +25,9 @@ column, the median of the per-round ratios with their spread (min–max, interqu
 shared machine), beside the issue's goals (none ≥ 0.97×, quarter ≥ 0.85×), and writes every round to
 --json (default bench/results/vllm_throughput_cpu.json).
 --profile-dir DIR: after the rounds, one more run of plain, none and quarter each under vLLM's torch profiler
-(not counted in the rounds), its traces in DIR/<column>; tools/probes/trace_gaps.py DIR sums them up (where
-the GPU sat idle, copies to the host, CUDA calls).
+(not counted in the rounds), its traces in DIR/<column>, with vLLM's own host spans (preprocess, forward,
+sample, ...) and the plugin's (begin_step, end_step) in every engine; tools/probes/trace_gaps.py DIR sums them up
+(where the GPU sat idle, copies to the host, CUDA calls, host time a step by span).
 """
 import argparse
 import json
@@ -448,6 +449,8 @@ def main():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.profile_dir:  # vLLM's own spans (preprocess, forward, sample, ...) in every engine's trace, beside
+        os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the plugin's (same cost in each column)
     if args.child:
         return child(args)
     if args.rounds < 1 or args.start_orders < 1:

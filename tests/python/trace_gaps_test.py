@@ -1,7 +1,7 @@
 """tools/probes/trace_gaps.py on synthetic torch-profiler traces: the GPU's span, busy and idle time (kernels on
 two streams overlapping), the gaps past the threshold, copies to the host with their bytes, the kernels and CUDA
-runtime calls by time; a gzip trace found in a folder; a folder without traces and a file that is not one refused
-with one line and exit 1."""
+runtime calls by time; the host's spans by time and the step's pace; a gzip trace found in a folder; a folder
+without traces and a file that is not one refused with one line and exit 1."""
 import gzip
 import json
 import os
@@ -26,7 +26,13 @@ EVENTS = [event("kernel", "gemm", 0, 10), event("kernel", "norm", 5, 15),  # ove
           event("kernel", "gemm", 50, 10),  # a gap of 30 us before it
           event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 70, 10, bytes=1 << 20),  # a gap of 10 us
           event("cuda_runtime", "cudaHostAlloc", 40, 30), event("cuda_runtime", "cudaLaunchKernel", 1, 2),
-          event("cuda_runtime", "cudaLaunchKernel", 45, 2), event("cpu_op", "aten::index_select", 0, 99)]
+          event("cuda_runtime", "cudaLaunchKernel", 45, 2), event("cpu_op", "aten::index_select", 0, 99),
+          event("user_annotation", "gpu_model_runner: preprocess", 0, 5),  # steps start at 0, 100, 300
+          event("user_annotation", "gpu_model_runner: preprocess", 100, 5),
+          event("user_annotation", "gpu_model_runner: preprocess", 300, 7),
+          event("user_annotation", "fragments: end_step", 20, 40),
+          event("user_annotation", "fragments: end_step", 120, 20),
+          event("gpu_user_annotation", "fragments: end_step", 20, 500)]  # the GPU's copy of a span: not host time
 
 
 class TraceGapsTest(unittest.TestCase):
@@ -45,6 +51,15 @@ class TraceGapsTest(unittest.TestCase):
         self.assertEqual(s["runtime_ms"][0], ("cudaHostAlloc", 0.030, 1))
         self.assertEqual(s["runtime_ms"][1], ("cudaLaunchKernel", 0.004, 2))
 
+    def test_host_spans_and_the_steps_pace(self):
+        s = trace_gaps.summary(EVENTS, gap_us=20, top=8)
+        self.assertEqual(s["host_spans_ms"], [("fragments: end_step", 0.060, 2),
+                                              ("gpu_model_runner: preprocess", 0.017, 3)])
+        self.assertEqual((s["steps"], s["step_median_us"], s["step_p90_us"]), (3, 200.0, 200.0))  # 100, 200
+        s = trace_gaps.summary(EVENTS, gap_us=20, top=8, step_span="fragments: end_step")
+        self.assertEqual((s["steps"], s["step_median_us"]), (2, 100.0))
+        self.assertNotIn("steps", trace_gaps.summary(EVENTS, 20, 8, step_span="nothing"))
+
     def test_a_gzip_trace_in_a_folder(self):
         os.makedirs(os.path.join(self.dir, "plugin"))
         with gzip.open(os.path.join(self.dir, "plugin", "quarter_dp0_pp0_tp0.pt.trace.json.gz"), "wt") as f:
@@ -54,6 +69,8 @@ class TraceGapsTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("GPU span 0.1 ms: busy 0.0, idle 0.0 (50%); 1 gaps over 20 us", out.stdout)
         self.assertIn("cudaHostAlloc", out.stdout)
+        self.assertIn("steps ('gpu_model_runner: preprocess'): 3, a step every 200 us", out.stdout)
+        self.assertIn("30.0 us each  fragments: end_step", out.stdout)
         with open(os.path.join(self.dir, "s.json")) as f:
             self.assertEqual(len(json.load(f)), 1)
 

@@ -6,7 +6,10 @@ them: bench/vllm_throughput.py --profile-dir) summed up, one line block per trac
 For each trace: the GPU's span (first kernel or copy to the last), its busy time (the union of kernels, copies and
 memsets on every stream) and idle time, the idle gaps longer than --gap-us (count, total, the largest), copies to
 the host (count, bytes where recorded, time), the kernels that took most time, and the CUDA runtime calls that
-took most host time (a cudaHostAlloc, a synchronize or an event wait there is the host holding the GPU up).
+took most host time (a cudaHostAlloc, a synchronize or an event wait there is the host holding the GPU up),
+the host spans by total time (record_function's: vLLM's own under VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, the
+plugin's "fragments: begin_step"/"end_step") and the step's period: the time from one --step-span's start to the
+next (median, 90th percentile), the host's pace where the GPU waits on it.
 Why: in run36 the saving column's rounds lost more time than the worker's measured host phases; the trace says
 whether the GPU sat idle between steps, and behind what.
 """
@@ -53,7 +56,27 @@ def gaps_us(intervals) -> list:
     return out
 
 
-def summary(events: list, gap_us: float, top: int) -> dict:
+def percentile(values, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def host_spans(events: list, step_span: str, top: int) -> dict:
+    """record_function spans on the host by total time, and the period of `step_span` (start to next start)."""
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and "dur" in e]
+    total, count = collections.Counter(), collections.Counter()
+    for e in spans:
+        total[e.get("name", "?")] += float(e["dur"])
+        count[e.get("name", "?")] += 1
+    out = {"host_spans_ms": [(name, t / 1e3, count[name]) for name, t in total.most_common(top)]}
+    starts = sorted(float(e["ts"]) for e in spans if e.get("name") == step_span)
+    periods = [b - a for a, b in zip(starts, starts[1:])]
+    if periods:
+        out.update(steps=len(starts), step_median_us=percentile(periods, 0.5), step_p90_us=percentile(periods, 0.9))
+    return out
+
+
+def summary(events: list, gap_us: float, top: int, step_span: str = "gpu_model_runner: preprocess") -> dict:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
     out = {"gpu_events": len(gpu)}
@@ -79,6 +102,7 @@ def summary(events: list, gap_us: float, top: int) -> dict:
             runtime[e.get("name", "?")] += float(e["dur"])
             calls[e.get("name", "?")] += 1
     out["runtime_ms"] = [(name, t / 1e3, calls[name]) for name, t in runtime.most_common(top)]
+    out.update(host_spans(events, step_span, top))
     return out
 
 
@@ -97,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--gap-us", type=float, default=20.0, help="idle stretches shorter than this are not counted")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--step-span", default="gpu_model_runner: preprocess",
+                    help="the host span that starts once a step (its period is the step's pace)")
     ap.add_argument("--json", help="also write the summaries here")
     args = ap.parse_args(argv)
     files = traces(args.paths)
@@ -106,7 +132,7 @@ def main(argv=None) -> int:
     results = {}
     for f in files:
         try:
-            s = summary(load(f), args.gap_us, args.top)
+            s = summary(load(f), args.gap_us, args.top, args.step_span)
         except (OSError, ValueError) as e:
             print(f"trace_gaps: {f}: not a trace ({e})", file=sys.stderr)
             return 1
@@ -124,6 +150,11 @@ def main(argv=None) -> int:
             print(f"  kernel {ms:9.2f} ms  {name}")
         for name, ms, n in s["runtime_ms"]:
             print(f"  cuda   {ms:9.2f} ms  {n:6d}x  {name}")
+        if "steps" in s:
+            print(f"steps ({args.step_span!r}): {s['steps']}, a step every {s['step_median_us']:.0f} us "
+                  f"(median; 90th percentile {s['step_p90_us']:.0f} us)")
+        for name, ms, n in s["host_spans_ms"]:
+            print(f"  host   {ms:9.2f} ms  {n:6d}x  {1e3 * ms / n:8.1f} us each  {name}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -9,6 +9,7 @@ CUDA-graph capture) call the runner directly, never these, so no plan acts in th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,15 @@ from . import _vllm_api, _worker
 
 log = logging.getLogger("fragments.vllm")
 _lock = threading.Lock()
+
+
+def _scope(name: str):
+    """A named span in a torch profiler's trace while one runs (vLLM's profiler: bench/vllm_throughput.py
+    --profile-dir, summed by tools/probes/trace_gaps.py --host); nothing otherwise (one C call a step)."""
+    import torch
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def state() -> Optional["_worker.WorkerState"]:
@@ -78,7 +88,8 @@ def install() -> None:
             s = getattr(self.model_runner, "_fragments", None)
             if s is None:
                 return original(self, scheduler_output, *args, **kwargs)
-            s.begin_step(scheduler_output)
+            with _scope("fragments: begin_step"):
+                s.begin_step(scheduler_output)
             ended = True
             try:
                 out = original(self, scheduler_output, *args, **kwargs)
@@ -86,7 +97,8 @@ def install() -> None:
                 return out
             finally:
                 if ended:
-                    s.end_step()
+                    with _scope("fragments: end_step"):
+                        s.end_step()
         return execute_model
 
     def sample_tokens(original):
@@ -96,7 +108,8 @@ def install() -> None:
                 return original(self, *args, **kwargs)
             finally:
                 if s is not None:
-                    s.end_step()
+                    with _scope("fragments: end_step"):
+                        s.end_step()
         return sample_tokens
 
     _wrap_front_end()
