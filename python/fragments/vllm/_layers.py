@@ -198,3 +198,9 @@ def rules(fragmented: Dict[str, dict]) -> Dict[str, object]:
     piece is the whole (tp 1): there the worker has nothing to gather or cut."""
     parsed = {loc: _C.Rule(json.dumps(rule)) for loc, rule in fragmented.items()}
     return {loc: r for loc, r in parsed.items() if not r.piece_is_whole}
+
+
+def partial_sums(rules: Dict[str, object]) -> frozenset:
+    """The locations whose rank values are partial sums (an all_reduce makes the whole; the others gather): read
+    from the rules once, so a step tests a set, not a collective's name."""
+    return frozenset(loc for loc, r in rules.items() if r.collective == "all_reduce")

@@ -62,6 +62,7 @@ class WorkerState:
         self.qkv_attributes = _layers.qkv_attributes(described)
         self.fragmented, self.refused = _layers.locations(model, self.table)
         self.rules = _layers.rules(self.fragmented)
+        self.partial_sums = _layers.partial_sums(self.rules)
         self.modules = dict(model.named_modules())
         self.leading_batch = _vllm_api.leading_batch(model)  # transformers' modules: [1, tokens, width]
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -336,7 +337,7 @@ class WorkerState:
         piece = value.narrow(0, where.start, len(rows)) if isinstance(where, range) else value.index_select(0, where)
         if rule is None:
             whole = piece.clone() if edits and isinstance(where, range) else piece  # edits never touch `value`
-        elif rule.collective == "all_reduce":
+        elif location in self.partial_sums:
             whole = self.tp.all_reduce(piece.clone())
         else:
             gathered = self.tp.all_gather(piece.unsqueeze(0).contiguous(), dim=0)
