@@ -1,5 +1,5 @@
 """A CUDA graph's slots: filled while vLLM captures the graph (`fill`), drained after each replay (`drain`),
-a decode step's plain saves at every tapped location in one block (SlotDrain).
+a steady decode's plain saves at every tapped location gathered on the device, STEPS steps to one block (SlotDrain).
 
 A tap inside a captured graph cannot run the worker's Python at replay. So while vLLM captures, the tap's body
 records a copy of its value into the location's slot (one buffer for every graph, as large as vLLM's largest);
@@ -14,6 +14,16 @@ index_select into it each: no allocation) and that buffer goes to the host in on
 each location's save groups get their view of the block, as they got their own block before (_steady.SaveGroup).
 The host blocks are the drain's own (HostBlocks), reused once the sink has written a block's rows and nothing
 else holds it: torch's caching host allocator then cost ~94 us a step for the one block (run36).
+
+Why STEPS steps to a block: on the H100 (run37, vLLM's profiler) the decode step is the host's, the GPU idle 56% of
+it, so every microsecond of the worker's shows in tokens/s; end_step took a median 365 us a step in the saving
+column against 12 us without plans, of which the torch ops (the gathers, the copy, views) were ~130 us and the rest
+Python: each location's save groups, the sink's puts, the block, the event. So a step now only gathers its rows into
+its place in the device block (one index_select each); every STEPS steps (fewer where rows are wide: RING_BYTES)
+the block goes to the host in one copy and each location's rows of all those steps go to the sink in one put
+(_saves.SavesStore.add_batch over several steps). Steps gathered and not yet copied are `filled`; `settle` sends them
+on before anything else could put rows or read saves: a new batch or plan (_worker._work), finished requests
+(_worker._begin_step), a take (_worker.take_saves), a step the drain does not serve (`drain`).
 
 It serves a step only where that is all a step does: one rank's value is the whole (no collective: tp 1, or a
 whole location), plain saves only (no edit, no indexed save, no Python step), rank 0 keeping rows that go to
@@ -30,7 +40,9 @@ import torch
 from . import _steady
 
 ALIGN = 64  # each location's bytes start on a 64-byte boundary of the block (any dtype's view fits)
-POOL = 8  # host blocks a drain keeps: steps whose rows the sink has not written yet, each holding one
+POOL = 4  # host blocks a drain keeps: blocks whose rows the sink has not written yet, STEPS steps each
+STEPS = 8  # steps gathered on the device before one copy to the host and one put per location
+RING_BYTES = 16 << 20  # a block's bytes at most: fewer steps to a block where a step's rows are wider
 
 
 def _holders(block) -> int:
@@ -61,26 +73,29 @@ class HostBlocks:
 
 
 class _Part:
-    """One location's share: the rows read from its slot (a range or an index tensor), its bytes [lo, hi) of the
-    block, their dtype and shape, its save groups, and `out`, its view of the device buffer."""
-    __slots__ = ("location", "where", "count", "lo", "hi", "dtype", "shape", "groups", "out")
+    """One location's share: the rows read from its slot (a range or an index tensor), `size` bytes a step, its
+    bytes [lo, hi) of the block (`steps` steps: step j at lo + j * size), their dtype and one step's shape, its
+    save groups, and `outs`, each step's view of the device block."""
+    __slots__ = ("location", "where", "count", "size", "lo", "hi", "dtype", "shape", "groups", "outs")
 
-    def __init__(self, location, where, count, lo, hi, dtype, shape, groups):
-        self.location, self.where, self.count, self.lo, self.hi = location, where, count, lo, hi
-        self.dtype, self.shape, self.groups, self.out = dtype, shape, groups, None
+    def __init__(self, location, where, count, size, lo, hi, dtype, shape, groups):
+        self.location, self.where, self.count, self.size, self.lo, self.hi = location, where, count, size, lo, hi
+        self.dtype, self.shape, self.groups, self.outs = dtype, shape, groups, []
 
 
 class SlotDrain:
-    """The step's gathers into one device buffer and one host copy of it (module docstring)."""
-    __slots__ = ("parts", "device_block", "host_blocks")
+    """A steady batch's gathers into one device block, STEPS steps of them, and one host copy of it (module
+    docstring). `filled`: steps gathered since the last copy, `shifts`: their steps past the batch's first."""
+    __slots__ = ("parts", "steps", "device_block", "host_blocks", "filled", "shifts")
 
-    def __init__(self, parts: List[_Part], device, host_block: Callable[[int], torch.Tensor]):
-        self.parts = parts
+    def __init__(self, parts: List[_Part], steps: int, device, host_block: Callable[[int], torch.Tensor]):
+        self.parts, self.steps, self.filled, self.shifts = parts, steps, 0, []
         total = parts[-1].hi if parts else 0
         self.device_block = torch.empty(total, dtype=torch.uint8, device=device)
         self.host_blocks = HostBlocks(lambda: host_block(total))
         for p in parts:
-            p.out = self.device_block[p.lo:p.hi].view(p.dtype).view(p.shape)
+            p.outs = [self.device_block[p.lo + j * p.size:p.lo + (j + 1) * p.size].view(p.dtype).view(p.shape)
+                      for j in range(steps)]
 
     @staticmethod
     def of(slots: Dict[str, torch.Tensor], prepared: Dict[str, object], rules: Dict[str, object], copies) \
@@ -88,37 +103,66 @@ class SlotDrain:
         """The drain of `prepared` (location -> _steady.Prepared, every location with work this step, its value
         in `slots`), or None where a location needs more than a plain save of its rows as they are, or its copies
         would not run without waiting (`copies`: _rowqueue.HostCopies)."""
-        parts, offset, device = [], 0, None
+        found = []
         for location, prep in prepared.items():
             slot = slots[location]
             if rules.get(location) is not None or prep.edits or prep.rest or not prep.saves or slot.dim() < 2 \
                     or not prep.rows or prep.rows[-1] >= slot.shape[0] or not copies.asynchronous(slot):
                 return None
-            device = slot.device
-            shape = (len(prep.rows),) + tuple(slot.shape[1:])
-            size = slot.element_size() * len(prep.rows) * slot[0].numel()
-            parts.append(_Part(location, prep.where, len(prep.rows), offset, offset + size, slot.dtype, shape,
-                               prep.saves))
-            offset += -(-size // ALIGN) * ALIGN
-        if not parts:
+            found.append((location, prep, slot, slot.element_size() * len(prep.rows) * slot[0].numel()))
+        if not found:
             return None
-        return SlotDrain(parts, device, copies.host_block)
+        steps = max(1, min(STEPS, RING_BYTES // max(1, sum(size for *_, size in found))))
+        parts, offset = [], 0
+        for location, prep, slot, size in found:
+            shape = (len(prep.rows),) + tuple(slot.shape[1:])
+            parts.append(_Part(location, prep.where, len(prep.rows), size, offset, offset + steps * size, slot.dtype,
+                               shape, prep.saves))
+            offset += -(-(steps * size) // ALIGN) * ALIGN
+        return SlotDrain(parts, steps, found[0][2].device, copies.host_block)
 
-    def run(self, slots: Dict[str, torch.Tensor], store, copies) -> None:
-        """Gathers every location's rows from its slot, copies the block to the host without waiting (`copies`:
-        _rowqueue.HostCopies, sealed at the step's end) and hands each location's view to its save groups."""
+    def run(self, slots: Dict[str, torch.Tensor], shift: int, store, copies) -> None:
+        """Gathers every location's rows from its slot into this step's place in the device block (`shift`: the
+        batch's steps so far, _steady.Steady.shift); once STEPS steps are there, `flush`."""
+        j = self.filled
         for p in self.parts:
             slot = slots[p.location]
             if isinstance(p.where, range):
-                p.out.copy_(slot.narrow(0, p.where.start, p.count))
+                p.outs[j].copy_(slot.narrow(0, p.where.start, p.count))
             else:
-                torch.index_select(slot, 0, p.where, out=p.out)
+                torch.index_select(slot, 0, p.where, out=p.outs[j])
+        self.shifts.append(shift)
+        self.filled = j + 1
+        if self.filled == self.steps:
+            self.flush(store, copies)
+
+    def flush(self, store, copies) -> None:
+        """The steps gathered so far to the host without waiting (`copies`: _rowqueue.HostCopies, sealed at the
+        step's end; one copy of the block when full, each location's filled bytes otherwise) and each location's
+        rows of all of them to its save groups, one put each."""
+        n, shifts = self.filled, self.shifts
+        if not n:
+            return
+        self.filled, self.shifts = 0, []
         block = self.host_blocks.take()
-        host = copies.copy(self.device_block) if block is None else copies.into(block, self.device_block)
+        if n == self.steps:
+            host = copies.copy(self.device_block) if block is None else copies.into(block, self.device_block)
+        else:
+            host = copies.host_block(self.device_block.numel()) if block is None else block
+            for p in self.parts:
+                copies.into(host[p.lo:p.lo + n * p.size], self.device_block[p.lo:p.lo + n * p.size])
         for p in self.parts:
-            view = host[p.lo:p.hi].view(p.dtype).view(p.shape)
+            view = host[p.lo:p.lo + n * p.size].view(p.dtype).view((n * p.count,) + p.shape[1:])
             for group in p.groups:
-                group.add(store, view, True, p.location)
+                group.add_steps(store, view, shifts, p.count, p.location)
+
+
+def settle(state) -> None:
+    """Steps a drain gathered and has not copied yet (`state.draining`) go on to their saves now: before rows of
+    another kind could reach the same files, or saves be read (module docstring)."""
+    kept, state.draining = state.draining, None
+    if kept is not None:
+        kept.flush(state.saves, state.copies)
 
 
 def fill(state, location: str, x) -> None:
@@ -139,7 +183,8 @@ def fill(state, location: str, x) -> None:
 
 def drain(state) -> None:
     """After a graph's replay with read-only plans in the step: each tapped location's work on the value its slot
-    holds (as the tap's body would have done in the forward); a steady decode step's plain saves in one block."""
+    holds (as the tap's body would have done in the forward); a steady decode step's plain saves gathered into the
+    drain's device block (SlotDrain.run)."""
     work = state._work()
     acting = {}
     for location in state.taps:
@@ -149,9 +194,12 @@ def drain(state) -> None:
         if work.get(location):
             acting[location] = work[location]
     kept = _kept(state, acting)
+    if state.draining is not None and state.draining is not kept:
+        settle(state)
     if kept is not None:
         t0 = time.perf_counter()
-        kept.run(state.slots, state.saves, state.copies)
+        kept.run(state.slots, state.steady.shift[0], state.saves, state.copies)
+        state.draining = kept if kept.filled else None
         state.host_s["act"] += time.perf_counter() - t0
         return
     for location, located in acting.items():

@@ -183,27 +183,35 @@ class SavesStore:
             return SaveBatch(name, keys, [self._records[k] for k in keys], None if len(order) == len(parts) else order,
                              files, lo, hi, row_bytes, self.generation)
 
-    def add_batch(self, batch: SaveBatch, host, steps: List[int], pending: bool = False) -> bool:
-        """One step's block of `batch`'s requests (`steps`: each one's step, in the batch's order of parts given
-        to `batch`; only those it kept are read): one call to the sink. False, nothing kept, where the batch no
-        longer holds or a request would pass a cap: add_rows then decides, request by request."""
+    def add_batch(self, batch: SaveBatch, host, steps: List[List[int]], count: int, pending: bool = False) -> bool:
+        """Blocks of `batch`'s requests, several steps' one after the other in `host` (`count` rows a step;
+        `steps`: for each step, each request's step, in the batch's order of parts given to `batch`; only those it
+        kept are read): one call to the sink. False, nothing kept, where the batch no longer holds or a request
+        would pass a cap: add_rows then decides, request by request."""
         with self._lock:
             if batch.generation != self.generation:
                 return False
             if not batch.keys:  # every request it was made for keeps nothing (truncated, say)
                 return True
-            if self.bytes + batch.total > self.max_bytes:
+            n = len(steps)
+            if self.bytes + n * batch.total > self.max_bytes:
                 return False
             records = batch.records  # the same records while the generation holds
-            if max(map(_bytes_of, records)) + batch.largest > self.request_bytes and \
-                    any(r.bytes + size > self.request_bytes for r, size in zip(records, batch.bytes)):
+            if max(map(_bytes_of, records)) + n * batch.largest > self.request_bytes and \
+                    any(r.bytes + n * size > self.request_bytes for r, size in zip(records, batch.bytes)):
                 return False
             for r, size in zip(records, batch.bytes):
-                r.bytes += size
-            self.bytes += batch.total
-            self.rows.put_files(host, batch.files, batch.lo, batch.hi,
-                                steps if batch.order is None else [steps[i] for i in batch.order],
-                                None if pending else READY)
+                r.bytes += n * size
+            self.bytes += n * batch.total
+            order = batch.order
+            if n == 1:  # a step of its own (the location-by-location way): the batch's lists as they are
+                step = steps[0] if order is None else [steps[0][i] for i in order]
+                self.rows.put_files(host, batch.files, batch.lo, batch.hi, step, None if pending else READY)
+                return True
+            lo = [a + j * count for j in range(n) for a in batch.lo]  # a file's parts in step order: the sink
+            hi = [b + j * count for j in range(n) for b in batch.hi]  # reserves its rows in that order
+            flat = [s for step in steps for s in (step if order is None else [step[i] for i in order])]
+            self.rows.put_files(host, batch.files * n, lo, hi, flat, None if pending else READY)
         return True
 
     def seal_step(self, event) -> None:

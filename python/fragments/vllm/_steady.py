@@ -40,27 +40,34 @@ class SaveGroup:
         self.name, self.work, self.parts, self.batch = name, [], [], None
 
     def add(self, store, host, pending: bool, location: str) -> None:
-        """The group's rows of `host` into `store` (_saves.SavesStore). Rank 0's work alone: should it fail, the
-        requests' saves say so and their work goes on, alike on every rank (no collective is left half-issued)."""
+        """One step's rows of `host` (this step's: the work's shift now) into `store` (_saves.SavesStore)."""
+        self.add_steps(store, host, [self.work[0].shift[0]], host.shape[0], location, pending)
+
+    def add_steps(self, store, host, shifts: List[int], count: int, location: str, pending: bool = True) -> None:
+        """The group's rows of several steps of a steady batch into `store`: `host` holds `count` rows a step, the
+        steps' blocks one after the other, `shifts` their steps past the batch's first (_drain.SlotDrain). Rank 0's
+        work alone: should it fail, the requests' saves say so and their work goes on, alike on every rank (no
+        collective is left half-issued)."""
         try:
-            self._add(store, host, pending)
+            self._add(store, host, shifts, count, pending)
         except Exception as e:
             log.exception("fragments: saving %s at %s failed", self.name, location)
             for w in self.work:
                 store.fail(w.key, f"fragments plan of request {w.key}: saving {self.name} at {location} failed at "
-                           f"step {w.at_step}: {type(e).__name__}: {e}")
+                           f"step {w.base + shifts[-1]}: {type(e).__name__}: {e}")
 
-    def _add(self, store, host, pending: bool) -> None:
-        """One call with the SaveBatch (made at the first step, again when the store's requests changed); request
-        by request where it cannot serve."""
-        shift = self.work[0].shift[0]  # one for the whole step's work
-        steps = [w.base + shift for w in self.work]
-        if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
+    def _add(self, store, host, shifts: List[int], count: int, pending: bool) -> None:
+        """One call with the SaveBatch (made at the first step, again when the store's requests changed); step by
+        step and request by request where it cannot serve."""
+        steps = [[w.base + shift for w in self.work] for shift in shifts]
+        if self.batch is not None and store.add_batch(self.batch, host, steps, count, pending):
             return
-        self.batch = store.batch(self.name, host, self.parts)  # None where the store cannot batch (no folder)
-        if self.batch is not None and store.add_batch(self.batch, host, steps, pending):
+        self.batch = store.batch(self.name, host[:count], self.parts)  # None where the store cannot batch
+        if self.batch is not None and store.add_batch(self.batch, host, steps, count, pending):
             return
-        store.add_rows(self.name, host, [(k, a, b, st) for (k, a, b), st in zip(self.parts, steps)], pending)
+        for j, step in enumerate(steps):
+            store.add_rows(self.name, host[j * count:(j + 1) * count],
+                           [(k, a, b, st) for (k, a, b), st in zip(self.parts, step)], pending)
 
 
 class Prepared:

@@ -80,6 +80,7 @@ class WorkerState:
         self.executing = False  # inside execute_model (a forward), not an ad-hoc module call (fragments_call)
         self.step_work: Optional[Dict[str, List[_Work]]] = None
         self.steady: Optional[_steady.Steady] = None  # the last step's work while the batch follows on from it
+        self.draining: Optional[_drain.SlotDrain] = None  # its steps gathered on the device, not copied yet
         self.logits_done: set = set()  # logits locations acted at in this step (V2 may compute logits twice)
         self.hooks: Dict[str, object] = {}  # location -> its hook's handle: only where a live plan acts
         self.compiled = not runner.model_config.enforce_eager
@@ -141,7 +142,10 @@ class WorkerState:
         self.py_forward += 1
         self.view.begin_step()
         changed, self._failed = self._failed, False
-        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():  # done or aborted
+        finished = getattr(scheduler_output, "finished_req_ids", ()) or ()  # done or aborted
+        if finished:
+            _drain.settle(self)  # their last steps' rows may wait in a drain's device block
+        for req_id in finished:
             plan = self.plans.pop(req_id, None)
             if plan is not None:
                 self.saves.finish(plan.key)  # its saves now wait only for their caller (or expire)
@@ -198,6 +202,7 @@ class WorkerState:
         if self.steady is not None and self.steady.follows(batch):
             self.step_work = self.steady.work
             return self.step_work
+        _drain.settle(self)  # the last batch's steps a drain holds go first: a file's rows go in step order
         work: Dict[str, List[_Work]] = {}
         shift, planned, variable = [0], [], []
         for row in self.view.rows():
@@ -468,6 +473,7 @@ class WorkerState:
         concatenated in step order); the other ranks drop theirs and answer None. `keys`: a list, or {key: the
         tokens its request produced, or None} (rows of later steps left out)."""
         t0 = time.perf_counter()
+        _drain.settle(self)
         steps = keys if isinstance(keys, dict) else dict.fromkeys(keys)
         folder = self.answers.get(route) if self.rank == 0 else None
         out = {key: self.saves.take(key, n, folder) for key, n in steps.items()}

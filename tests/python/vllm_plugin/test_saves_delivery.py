@@ -298,23 +298,60 @@ class RowFilesTest(unittest.TestCase):
                 return real.put(*args)
         s.rows.sink = Counting()
         for step in range(3):
-            self.assertTrue(s.add_batch(batch, block + step, [step] * 3))
+            self.assertTrue(s.add_batch(batch, block + step, [[step] * 3], 3))
         self.assertEqual(puts, [3, 3, 3])
         got = _delivery.tensors(s.take("b", folder=self.dir))
         self.assertEqual(got["h"].tolist(), [[3.0 + step, 4.0 + step, 5.0 + step] for step in range(3)])
-        self.assertFalse(s.add_batch(batch, block, [3] * 3))  # b was taken: the batch no longer holds
+        self.assertFalse(s.add_batch(batch, block, [[3] * 3], 3))  # b was taken: the batch no longer holds
         batch = s.batch("h", block, parts)
         self.assertEqual(batch.keys, ["a", "c"])
         s.request_bytes = s._records["a"].bytes + 3 * 4  # a and c have room for one more row, not two
-        self.assertTrue(s.add_batch(batch, block + 3, [3] * 3))
-        self.assertFalse(s.add_batch(batch, block + 4, [4] * 3))
+        self.assertTrue(s.add_batch(batch, block + 3, [[3] * 3], 3))
+        self.assertFalse(s.add_batch(batch, block + 4, [[4] * 3], 3))
         s.add_rows("h", block + 4, [(k, a, b, 4) for k, a, b in parts])  # what the worker does then
         batch = s.batch("h", block, parts)  # made again: a and c truncated, b taken: it keeps nothing
         self.assertEqual(batch.keys, [])
-        self.assertTrue(s.add_batch(batch, block + 5, [5] * 3))
+        self.assertTrue(s.add_batch(batch, block + 5, [[5] * 3], 3))
         got = {k: _delivery.tensors(s.take(k, folder=self.dir)) for k in ("a", "c")}
         self.assertEqual(got["a"]["h"][:, 0].tolist(), [0.0, 1.0, 2.0, 3.0])
         self.assertEqual(got["c"]["h"][:, 0].tolist(), [6.0, 7.0, 8.0, 9.0])
+        self.assertEqual(self.mine(), [])
+
+    def test_several_steps_of_a_batch_in_one_put(self):
+        """A drain's block holds several steps (_drain.SlotDrain): each step's rows of every request one after the
+        other; one put hands them all to the sink, and each request's file has its rows in step order. A batch
+        that leaves a request out (taken) reads only its kept requests' steps; steps that would bring a request
+        past its cap are refused whole (nothing kept), as one step is."""
+        s = SavesStore(folder=self.dir)
+        for key in ("a", "b", "c"):
+            s.open(key)
+        block = torch.arange(9.0).reshape(3, 3)  # a step: a's row 0, b's row 1, c's row 2
+        parts = [("a", 0, 1), ("b", 1, 2), ("c", 2, 3)]
+        batch = s.batch("h", block, parts)
+        puts = []
+        real = s.rows.sink
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def put(self, *args):
+                puts.append(len(args[1]))
+                return real.put(*args)
+        s.rows.sink = Counting()
+        four = torch.cat([block + 100.0 * j for j in range(4)])  # steps 10..13 of the three requests
+        self.assertTrue(s.add_batch(batch, four, [[10 + j] * 3 for j in range(4)], 3))
+        self.assertEqual(puts, [12])  # one put: 4 steps x 3 requests
+        got = _delivery.tensors(s.take("b", folder=self.dir))
+        self.assertEqual(got["h"][:, 0].tolist(), [3.0, 103.0, 203.0, 303.0])
+        batch = s.batch("h", block, parts)  # b taken: a and c
+        self.assertEqual((batch.keys, batch.order), (["a", "c"], [0, 2]))
+        self.assertTrue(s.add_batch(batch, four + 1000.0, [[20 + j, 50, 30 + j] for j in range(4)], 3))
+        s.request_bytes = s._records["a"].bytes + 3 * 3 * 4  # room for three more rows each, not four
+        self.assertFalse(s.add_batch(batch, four, [[40 + j] * 3 for j in range(4)], 3))
+        got = {k: _delivery.tensors(s.take(k, folder=self.dir)) for k in ("a", "c")}
+        self.assertEqual(got["a"]["h"][:, 0].tolist(), [0.0, 100.0, 200.0, 300.0, 1000.0, 1100.0, 1200.0, 1300.0])
+        self.assertEqual(got["c"]["h"][:, 0].tolist(), [6.0, 106.0, 206.0, 306.0, 1006.0, 1106.0, 1206.0, 1306.0])
         self.assertEqual(self.mine(), [])
 
     def test_a_take_that_fails_midway_leaves_no_file_of_its_request(self):

@@ -52,7 +52,7 @@ def state(folder, view, plans):
     s.view, s.device, s.rank, s.pp, s.stage, s.stage_of = view, torch.device("cpu"), 0, None, 0, {}
     s.fragmented, s.rules, s.leading_batch, s.copies = {}, {}, False, _rowqueue.HostCopies(torch.device("cpu"))
     s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
-    s.answers, s.plans, s.last_rows, s.steady = _delivery.Folder(), {}, (None, None), None
+    s.answers, s.plans, s.last_rows, s.steady, s.draining = _delivery.Folder(), {}, (None, None), None, None
     for req, steps in plans.items():
         if steps is None:
             s.plans[req] = None

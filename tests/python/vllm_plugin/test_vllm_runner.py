@@ -187,7 +187,7 @@ class SlotsTest(unittest.TestCase):
                runner=ns(vllm_config=ns(compilation_config=ns(max_cudagraph_capture_size=largest))),
                step_counts=Counter(), host_s=Counter(), taps=["a.output"], tap_calls={"a.output": 0},
                copies=ns(seal=lambda saves: None), saves=None, in_step=True, executing=True, acting=True,
-               editing=False, step_work=None, steady=None)
+               editing=False, step_work=None, steady=None, draining=None)
         for name in ("_slot_copy", "_token_rows", "_drain_slots", "end_step", "tap_opaque"):
             setattr(s, name, types.MethodType(getattr(_worker.WorkerState, name), s))
         return s
