@@ -1,8 +1,9 @@
 """The vLLM worker's host work per decode step and per take, without vLLM or a GPU: a WorkerState with a fake
 runner view, `rows` requests decoding one token each, every `every`-th saving LOCATIONS at every step (the
-throughput benchmark's "quarter" column), the tapped values in FULL-graph slots. Prints ms per step (the slots
-drained and the step's rows written to their files: bench/vllm_throughput.py's worker_end_step_s with the
-worker's begin_step flush) and the take of every saving request.
+throughput benchmark's "quarter" column), the tapped values in FULL-graph slots. Prints ms per step (the
+worker's begin_step and end_step, as vLLM calls them around a FULL graph's replay: plans checked, the slots
+drained, the rows on their way to their files; bench/vllm_throughput.py's worker_begin_step_s + worker_end_step_s)
+and the take of every saving request.
 
     python tools/probes/vllm_step_cost.py [--rows 256] [--every 4] [--steps 128] [--dtype bfloat16] [--memory]
 
@@ -18,7 +19,9 @@ Since run35, --warmup steps (16) run untimed first: run35's H100 figures (1.90 m
 counted one-time costs (the first pinned blocks, CUDA's lazy setup, the sink's files) in 128 timed steps.
 With warm-up, here: 0.53 ms a step at full width, 0.09 ms at --width 8. On the H100's host (run36): 0.41 ms
 (0.32 at --width 8); with a step's saves drained in one block (_drain.py) 0.28 ms (0.18), of which the one
-pinned block from torch's allocator was 94 us (since then the drain's own pool; not measured on a GPU yet).
+pinned block from torch's allocator was 94 us. Run37 (the drain's own pool): 0.27 ms (0.15). Since run37 a step
+is the worker's whole begin_step and end_step (before: the drain and the flush alone), and the drain sends 8 steps
+at once: here at --width 8 --steps 2048, 0.105-0.159 ms a step before, 0.041-0.048 ms after (3 runs each).
 Every run checks the first and last saving requests' rows against the slots' rows.
 """
 import argparse
@@ -26,6 +29,7 @@ import collections
 import os
 import sys
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.join(ROOT, "python"))  # after PYTHONPATH (the GPU machine: the built package)
@@ -77,6 +81,7 @@ def state(rows, every, dtype, device, folder):
     s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
     s.answers, s.plans, s.last_rows, s.steady, s.draining = _delivery.Folder(), {}, (None, None), None, None
+    s.planned = None
     for i in range(rows):
         if i % every == 0:
             steps = [_plan.Scheduled(_SaveStep(at), "all", False) for at in WIDTHS]
@@ -88,6 +93,8 @@ def state(rows, every, dtype, device, folder):
     s.slots = {at: torch.randn(512, w, device=device).to(dtype) for at, w in WIDTHS.items()}
     s.tap_calls, s.host_s, s.step_counts = collections.Counter(), collections.Counter(), collections.Counter()
     s.in_step, s.executing, s.logits_done = True, True, set()
+    # what begin_step and end_step read: a compiled engine with taps in slots, its FULL graph replayed each step
+    s.compiled, s.graphs, s.hooks, s._failed, s.py_forward, s.forwards = True, "slots", {}, False, 0, 0
     return s
 
 
@@ -154,14 +161,15 @@ def main():
     s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder)
     if args.as_gpu:
         as_gpu(s)
-    def step(n):
+    scheduled = types.SimpleNamespace(finished_req_ids=(), scheduled_new_reqs=(),
+                                      num_scheduled_tokens=dict.fromkeys(s.view.req_ids, 1))
+
+    def step(n):  # the worker's part of a decode step: begin_step before vLLM's forward, end_step after it
         s.view.computed = 128 + n
-        s.step_work = None
         if args.unsteady:
             s.steady = None
-        s.saves.flush()  # begin_step
-        s._drain_slots()
-        s.copies.seal(s.saves)  # end_step
+        s.begin_step(scheduled)
+        s.end_step()
 
     for n in range(args.warmup):
         step(n)
@@ -195,7 +203,7 @@ def main():
     mb = sum(v["bytes"] for v in out.values()) / 2**20
     where = "memory" if folder is None else f"files in {folder}" + (", work afresh each step" if args.unsteady else "")
     print(f"vllm_step_cost ({args.device}, rows in {where}): {args.rows} rows, {len(keys)} saving {len(WIDTHS)} locations: "
-          f"{t_host / args.steps * 1e3:.2f} ms per step on the stepping thread ({(t1 - t0) / args.steps * 1e3:.2f} with "
+          f"{t_host / args.steps * 1e3:.3f} ms per step on the stepping thread ({(t1 - t0) / args.steps * 1e3:.3f} with "
           f"the device's queue drained; {args.warmup} warm-up steps untimed), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
           f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)")
 

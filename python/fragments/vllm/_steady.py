@@ -98,10 +98,12 @@ class Prepared:
 class Steady:
     """A step's work kept while the runner's batch follows on from it: the same requests in the same places,
     one token each, each one step further, and no plan step whose schedule (a set of steps) turns on or off."""
-    __slots__ = ("req_ids", "qsl", "planned", "computed", "work", "shift", "variable", "prepared", "drain")
+    __slots__ = ("req_ids", "qsl", "planned", "computed", "first", "work", "shift", "variable", "prepared", "drain")
 
     def __init__(self, req_ids, qsl, planned, computed, work, shift, variable):
-        self.req_ids, self.qsl, self.planned, self.computed = req_ids, qsl, planned, computed
+        """`qsl`, `computed`: the arrays' bytes at the kept step; `first`: the first planned request's count."""
+        self.req_ids, self.qsl, self.planned, self.computed = req_ids, qsl.tobytes(), planned, computed.tobytes()
+        self.first = int(computed[0]) if len(computed) else 0
         self.work, self.shift, self.variable = work, shift, variable
         self.prepared: Dict[str, Prepared] = {}
         self.drain = None  # _drain.SlotDrain of a FULL graph's slots, or False where none serves (worked out once)
@@ -117,7 +119,7 @@ class Steady:
         if len(req_ids) == 0 or not np.all(np.diff(qsl) == 1):
             return None  # a prefill (or a chunk of one) in the batch: its next step differs
         ix = np.asarray(planned, dtype=np.int64)
-        return Steady(list(req_ids), qsl.copy(), ix, computed[ix].copy(), work, shift, variable)
+        return Steady(list(req_ids), qsl, ix, computed[ix], work, shift, variable)
 
     def follows(self, batch) -> bool:
         """Whether this step's batch is the kept one advanced: then `shift` says by how many steps."""
@@ -126,12 +128,12 @@ class Steady:
         req_ids, qsl, computed = batch
         if not isinstance(req_ids, list):
             req_ids = list(req_ids)
-        if req_ids != self.req_ids or not np.array_equal(qsl, self.qsl):
+        if req_ids != self.req_ids or qsl.tobytes() != self.qsl:  # bytes: a few times cheaper than numpy's
             return False
         if len(self.planned):
-            advanced = computed[self.planned] - self.computed
-            d = int(advanced[0])
-            if d <= 0 or not np.all(advanced == d):
+            now = computed[self.planned]
+            d = int(now[0]) - self.first
+            if d <= 0 or (now - d).tobytes() != self.computed:  # every planned request one step further
                 return False
         else:
             d = self.shift[0] + 1
