@@ -81,7 +81,7 @@ def state(rows, every, dtype, device, folder):
     s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
     s.saves.max_bytes = s.saves.request_bytes = 1 << 40
     s.answers, s.plans, s.last_rows, s.steady, s.draining = _delivery.Folder(), {}, (None, None), None, None
-    s.planned = None
+    s.live_plans = None
     for i in range(rows):
         if i % every == 0:
             steps = [_plan.Scheduled(_SaveStep(at), "all", False) for at in WIDTHS]

@@ -68,7 +68,7 @@ class WorkerState:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         self.logits_modules = sorted(p for p, m in self.modules.items() if isinstance(m, LogitsProcessor))
         self.plans: Dict[str, _plan.RequestPlan] = {}  # vLLM request id -> parsed plan
-        self.planned: Optional[Dict[str, bool]] = None  # compiled: live plans' ids -> whether each edits (_acting)
+        self.live_plans: Optional[Dict[str, bool]] = None  # compiled: live plans' ids -> whether each edits (_acting)
         self.copies = _rowqueue.HostCopies(self.device)  # saves' device -> host copies, without waiting
         self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self.copies.copy, wait=self.copies.wait,
                                        folder=_delivery.rows_folder())
@@ -156,7 +156,7 @@ class WorkerState:
             if new.req_id not in self.plans:
                 changed |= self._plan_of(new.req_id, new.sampling_params) is not None
         if changed:
-            self.steady = self.planned = None  # plans came, went or failed: the work is worked out afresh
+            self.steady = self.live_plans = None  # plans came, went or failed: the work is worked out afresh
             self._sync_hooks()
         self.in_step = bool(self.hooks)
         if self.compiled:  # taps are always in the graph; their bodies act only while a live plan acts
@@ -170,10 +170,10 @@ class WorkerState:
         edits. Per request, not per plan step: which step a request is at is the runner's count (_runner.Row),
         known only once its batch is built, and a tap must never be skipped where a step runs."""
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        if self.planned is None:  # live plans (whether each edits), kept until plans change: a step reads them
-            self.planned = {r: any(s.do != "save" for s in p.steps)
+        if self.live_plans is None:  # live plans (whether each edits), kept until plans change: a step reads them
+            self.live_plans = {r: any(s.do != "save" for s in p.steps)
                             for r, p in self.plans.items() if p is not None and not p.error}
-        live = [edits for r, edits in self.planned.items() if r in scheduled]
+        live = [edits for r, edits in self.live_plans.items() if r in scheduled]
         return bool(live), any(live)
 
     def _sync_hooks(self):
@@ -249,7 +249,7 @@ class WorkerState:
                     s.step.value = s.value.to(self.device)
             self.saves.open(plan.key, plan.error)
         self.plans[req_id] = plan
-        self.planned = None
+        self.live_plans = None
         return plan
 
     # ---- hooks --------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def state(folder, view, plans):
     s.fragmented, s.rules, s.leading_batch, s.copies = {}, {}, False, _rowqueue.HostCopies(torch.device("cpu"))
     s.saves = _saves.SavesStore(copy=s.copies.copy, wait=s.copies.wait, folder=folder)
     s.answers, s.plans, s.last_rows, s.steady, s.draining = _delivery.Folder(), {}, (None, None), None, None
-    s.planned = None
+    s.live_plans = None
     for req, steps in plans.items():
         if steps is None:
             s.plans[req] = None
