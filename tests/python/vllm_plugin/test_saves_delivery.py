@@ -41,6 +41,21 @@ def filled(keys=("a", "b", "c"), steps=5, width=6, dtype=torch.bfloat16, folder=
     return s, {k: torch.cat(v) for k, v in expected.items()}
 
 
+def counted_puts(store) -> list:
+    """The store's sink wrapped: each put's count of parts appended to the list returned."""
+    puts, real = [], store.rows.sink
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def put(self, *args):
+            puts.append(len(args[1]))
+            return real.put(*args)
+    store.rows.sink = Counting()
+    return puts
+
+
 class DeliveryTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="delivery-test-")
@@ -286,17 +301,7 @@ class RowFilesTest(unittest.TestCase):
         block = torch.arange(9.0).reshape(3, 3)
         parts = [("a", 0, 1), ("b", 1, 2), ("c", 2, 3)]
         batch = s.batch("h", block, parts)
-        puts = []
-        real = s.rows.sink
-
-        class Counting:  # the sink, its puts counted
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def put(self, *args):
-                puts.append(len(args[1]))
-                return real.put(*args)
-        s.rows.sink = Counting()
+        puts = counted_puts(s)
         for step in range(3):
             self.assertTrue(s.add_batch(batch, block + step, [[step] * 3], 3))
         self.assertEqual(puts, [3, 3, 3])
@@ -328,17 +333,7 @@ class RowFilesTest(unittest.TestCase):
         block = torch.arange(9.0).reshape(3, 3)  # a step: a's row 0, b's row 1, c's row 2
         parts = [("a", 0, 1), ("b", 1, 2), ("c", 2, 3)]
         batch = s.batch("h", block, parts)
-        puts = []
-        real = s.rows.sink
-
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def put(self, *args):
-                puts.append(len(args[1]))
-                return real.put(*args)
-        s.rows.sink = Counting()
+        puts = counted_puts(s)
         four = torch.cat([block + 100.0 * j for j in range(4)])  # steps 10..13 of the three requests
         self.assertTrue(s.add_batch(batch, four, [[10 + j] * 3 for j in range(4)], 3))
         self.assertEqual(puts, [12])  # one put: 4 steps x 3 requests
