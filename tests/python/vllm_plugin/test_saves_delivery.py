@@ -325,9 +325,9 @@ class RowFilesTest(unittest.TestCase):
     def test_several_steps_of_a_batch_in_one_put(self):
         """A drain's block holds several steps (_drain.SlotDrain): each step's rows of every request one after the
         other; one put hands them all to the sink, and each request's file has its rows in step order, each
-        row's step kept (a take's count of steps cuts there). A batch
-        that leaves a request out (taken) reads only its kept requests' steps; steps that would bring a request
-        past its cap are refused whole (nothing kept), as one step is."""
+        row's step kept (a take's count of steps cuts there). A batch that leaves a request out (taken) reads
+        only its kept requests' steps; steps that would bring a request past its cap are refused whole (nothing
+        kept), as one step is."""
         s = SavesStore(folder=self.dir)
         for key in ("a", "b", "c"):
             s.open(key)
