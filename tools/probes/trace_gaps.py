@@ -1,7 +1,7 @@
 """Where a profiled vLLM run's GPU waited: torch profiler traces (Chrome trace JSON, as vLLM's profiler writes
 them: bench/vllm_throughput.py --profile-dir) summed up, one line block per trace file.
 
-    python tools/probes/trace_gaps.py DIR_OR_FILE [...] [--gap-us 20] [--top 8]
+    python tools/probes/trace_gaps.py DIR_OR_FILE [...] [--gap-us 20] [--top 8] [--step-span NAME] [--json F]
 
 For each trace: the GPU's span (first kernel or copy to the last), its busy time (the union of kernels, copies and
 memsets on every stream) and idle time, the idle gaps longer than --gap-us (count, total, the largest), copies to
@@ -33,21 +33,8 @@ def load(path: str) -> list:
     return data.get("traceEvents", data) if isinstance(data, dict) else data
 
 
-def union_us(intervals) -> float:
-    """Total length of the union of (start, end) intervals."""
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
-
-
 def gaps_us(intervals) -> list:
-    """The idle stretches between the union's pieces, in order."""
+    """The idle stretches between the union's pieces, in order (the span less all of them: the busy time)."""
     out, end = [], None
     for a, b in sorted(intervals):
         if end is not None and a > end:
@@ -82,8 +69,9 @@ def summary(events: list, gap_us: float, top: int, step_span: str = "gpu_model_r
     out = {"gpu_events": len(gpu)}
     if spans:
         start, end = min(a for a, _ in spans), max(b for _, b in spans)
-        busy = union_us(spans)
-        gaps = [g for g in gaps_us(spans) if g > gap_us]
+        idle = gaps_us(spans)
+        busy = end - start - sum(idle)
+        gaps = [g for g in idle if g > gap_us]
         out.update(span_ms=(end - start) / 1e3, busy_ms=busy / 1e3, idle_ms=(end - start - busy) / 1e3,
                    gaps=len(gaps), gaps_ms=sum(gaps) / 1e3, largest_gaps_us=sorted(gaps, reverse=True)[:top])
     to_host = [e for e in gpu if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]

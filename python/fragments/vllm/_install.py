@@ -16,6 +16,8 @@ import os
 import threading
 from typing import List, Optional
 
+import torch
+
 from . import _vllm_api, _worker
 
 log = logging.getLogger("fragments.vllm")
@@ -24,8 +26,7 @@ _lock = threading.Lock()
 
 def _scope(name: str):
     """A named span in a torch profiler's trace while one runs (vLLM's profiler: bench/vllm_throughput.py
-    --profile-dir, summed by tools/probes/trace_gaps.py --host); nothing otherwise (one C call a step)."""
-    import torch
+    --profile-dir, summed by tools/probes/trace_gaps.py); nothing otherwise (one C call a step)."""
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()

@@ -203,13 +203,10 @@ class SavesStore:
             for r, size in zip(records, batch.bytes):
                 r.bytes += n * size
             self.bytes += n * batch.total
-            order = batch.order
-            if n == 1:  # a step of its own (the location-by-location way): the batch's lists as they are
-                step = steps[0] if order is None else [steps[0][i] for i in order]
-                self.rows.put_files(host, batch.files, batch.lo, batch.hi, step, None if pending else READY)
-                return True
-            lo = [a + j * count for j in range(n) for a in batch.lo]  # a file's parts in step order: the sink
-            hi = [b + j * count for j in range(n) for b in batch.hi]  # reserves its rows in that order
+            order, lo, hi = batch.order, batch.lo, batch.hi
+            if n > 1:  # a file's parts in step order: the sink reserves its rows in that order
+                lo = [a + j * count for j in range(n) for a in lo]
+                hi = [b + j * count for j in range(n) for b in hi]
             flat = [s for step in steps for s in (step if order is None else [step[i] for i in order])]
             self.rows.put_files(host, batch.files * n, lo, hi, flat, None if pending else READY)
         return True
