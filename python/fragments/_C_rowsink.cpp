@@ -15,9 +15,13 @@
 // written ahead of a part not yet written keep their block until it is, so that
 // should it fail, the file is cut at its row and every part after it is kept in
 // memory (spilled), in put order, all the same.
+// gather_rows (runtime/row_gather.h): the drain's per-step gathers of a
+// steady batch's rows, one launch for every tapped location (_drain.py).
 // Called from _C.cpp's module init (bind_row_sink).
 //
 //===----------------------------------------------------------------------===//
+#include "runtime/row_gather.h"
+
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -530,6 +534,11 @@ void bind_row_sink(py::module& m) {
       .def("close", &RowSink::close, py::arg("fid"),
            "Forgets the file: parts not yet written are skipped (a write in flight ends).")
       .def_property_readonly("pending", &RowSink::pending, "Blocks not yet written or skipped (released or not).");
+  m.def("gather_rows", &frag::runtime::gather_rows, py::arg("srcs"), py::arg("indices"), py::arg("outs"),
+        "outs[i] = srcs[i][indices[i]] for every i: on a GPU one kernel launch for all (where gather_rows_fused()), "
+        "else one index_select each. Indices are not bounds-checked on the GPU: the caller's to keep in range.");
+  m.def("gather_rows_fused", &frag::runtime::gather_rows_fused,
+        "Whether gather_rows on a GPU is one launch (this build has the CUDA kernel: CMake with nvcc).");
 }
 
 }  // namespace frag::python

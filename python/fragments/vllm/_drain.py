@@ -19,11 +19,17 @@ Why STEPS steps to a block: on the H100 (run37, vLLM's profiler) the decode step
 it, so every microsecond of the worker's shows in tokens/s; end_step took a median 365 us a step in the saving
 column against 12 us without plans, of which the torch ops (the gathers, the copy, views) were ~130 us and the rest
 Python: each location's save groups, the sink's puts, the block, the event. So a step now only gathers its rows into
-its place in the device block (one index_select each); every STEPS steps (fewer where rows are wide: RING_BYTES)
+its place in the device block; every STEPS steps (fewer where rows are wide: RING_BYTES)
 the block goes to the host in one copy and each location's rows of all those steps go to the sink in one put
 (_saves.SavesStore.add_batch over several steps). Steps gathered and not yet copied are `filled`; `settle` sends them
 on before anything else could put rows or read saves: a new batch or plan (_worker._work), finished requests
 (_worker._begin_step), a take (_worker.take_saves), a step the drain does not serve (`drain`).
+
+Why one gather a step: an index_select per location was a Python call and a kernel launch each (4 of the ~130 us
+of torch ops above, more with more locations); _C.gather_rows (runtime/row_gather.h) gathers every location's rows
+in one call, on a GPU one kernel launch (row_gather_cuda.cu, where the build had nvcc). It reads the slots as
+they were at `of` (a slot is one buffer, made at capture and written by every replay) and does not bound-check
+rows on the GPU: `of` does, once.
 
 It serves a step only where that is all a step does: one rank's value is the whole (no collective: tp 1, or a
 whole location), plain saves only (no edit, no indexed save, no Python step), rank 0 keeping rows that go to
@@ -37,6 +43,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .. import _C
 from . import _steady
 
 ALIGN = 64  # each location's bytes start on a 64-byte boundary of the block (any dtype's view fits)
@@ -86,16 +93,24 @@ class _Part:
 class SlotDrain:
     """A steady batch's gathers into one device block, STEPS steps of them, and one host copy of it (module
     docstring). `filled`: steps gathered since the last copy, `shifts`: their steps past the batch's first."""
-    __slots__ = ("parts", "steps", "device_block", "host_blocks", "filled", "shifts")
+    __slots__ = ("parts", "steps", "device_block", "host_blocks", "filled", "shifts", "srcs", "indices", "outs")
 
-    def __init__(self, parts: List[_Part], steps: int, device, host_block: Callable[[int], torch.Tensor]):
+    def __init__(self, parts: List[_Part], steps: int, srcs: List[torch.Tensor],
+                 host_block: Callable[[int], torch.Tensor]):
         self.parts, self.steps, self.filled, self.shifts = parts, steps, 0, []
         total = parts[-1].hi if parts else 0
+        device = srcs[0].device
         self.device_block = torch.empty(total, dtype=torch.uint8, device=device)
         self.host_blocks = HostBlocks(lambda: host_block(total))
+        # One gather a step for all locations (_C.gather_rows): each part's slot, its rows as an index on the
+        # device (a range too: one kernel serves both), and step j's view of the block for each.
+        self.srcs = srcs
+        self.indices = [torch.arange(p.where.start, p.where.stop, device=device) if isinstance(p.where, range)
+                        else p.where for p in parts]
         for p in parts:
             p.outs = [self.device_block[p.lo + j * p.size:p.lo + (j + 1) * p.size].view(p.dtype).view(p.shape)
                       for j in range(steps)]
+        self.outs = [[p.outs[j] for p in parts] for j in range(steps)]
 
     @staticmethod
     def of(slots: Dict[str, torch.Tensor], prepared: Dict[str, object], rules: Dict[str, object], copies) \
@@ -107,7 +122,8 @@ class SlotDrain:
         for location, prep in prepared.items():
             slot = slots[location]
             if rules.get(location) is not None or prep.edits or prep.rest or not prep.saves or slot.dim() < 2 \
-                    or not prep.rows or prep.rows[-1] >= slot.shape[0] or not copies.asynchronous(slot):
+                    or not prep.rows or min(prep.rows) < 0 or max(prep.rows) >= slot.shape[0] \
+                    or not copies.asynchronous(slot):  # (rows in range: the GPU's gather does not check them)
                 return None
             found.append((location, prep, slot, slot.element_size() * len(prep.rows) * slot[0].numel()))
         if not found:
@@ -119,18 +135,14 @@ class SlotDrain:
             parts.append(_Part(location, prep.where, len(prep.rows), size, offset, offset + steps * size, slot.dtype,
                                shape, prep.saves))
             offset += -(-(steps * size) // ALIGN) * ALIGN
-        return SlotDrain(parts, steps, found[0][2].device, copies.host_block)
+        return SlotDrain(parts, steps, [slot for _, _, slot, _ in found], copies.host_block)
 
-    def run(self, slots: Dict[str, torch.Tensor], shift: int, store, copies) -> None:
+    def run(self, shift: int, store, copies) -> None:
         """Gathers every location's rows from its slot into this step's place in the device block (`shift`: the
-        batch's steps so far, _steady.Steady.shift); once STEPS steps are there, `flush`."""
+        batch's steps so far, _steady.Steady.shift): one _C.gather_rows, on a GPU one kernel launch for every
+        location; once STEPS steps are there, `flush`."""
         j = self.filled
-        for p in self.parts:
-            slot = slots[p.location]
-            if isinstance(p.where, range):
-                p.outs[j].copy_(slot.narrow(0, p.where.start, p.count))
-            else:
-                torch.index_select(slot, 0, p.where, out=p.outs[j])
+        _C.gather_rows(self.srcs, self.indices, self.outs[j])
         self.shifts.append(shift)
         self.filled = j + 1
         if self.filled == self.steps:
@@ -198,7 +210,7 @@ def drain(state) -> None:
         settle(state)
     if kept is not None:
         t0 = time.perf_counter()
-        kept.run(state.slots, state.steady.shift[0], state.saves, state.copies)
+        kept.run(state.steady.shift[0], state.saves, state.copies)
         state.draining = kept if kept.filled else None
         state.host_s["act"] += time.perf_counter() - t0
         return

@@ -85,9 +85,14 @@ def state(folder, as_gpu, plans=None):
 
 
 def step(s, number):
-    """One decode step: each slot as large as a graph's (more rows than the batch), its values naming the step."""
+    """One decode step: each slot as large as a graph's (more rows than the batch), its values naming the step,
+    written into the slot's buffer as a graph's replay does (a slot is made once, at capture)."""
     for at, (w, dtype) in WIDTHS.items():
-        s.slots[at] = (torch.arange(8 * w, dtype=torch.float32).view(8, w) + 100.0 * number).to(dtype)
+        value = (torch.arange(8 * w, dtype=torch.float32).view(8, w) + 100.0 * number).to(dtype)
+        if at in s.slots:
+            s.slots[at].copy_(value)
+        else:
+            s.slots[at] = value
     s.step_work = None
     s.saves.flush()
     s._drain_slots()
