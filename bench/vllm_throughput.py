@@ -1,6 +1,6 @@
 """vLLM's throughput with fragments' plugin against plain vLLM (and nnsight's VLLM), CPU, one run.
 
-    python bench/vllm_throughput.py [--prompts 64 --prompt-len 32 --max-tokens 32 --rounds 6]
+    python bench/vllm_throughput.py [--prompts 64 --prompt-len 32 --max-tokens 32 --rounds 6 --repeat 1]
                                     [--nnsight] [--chunked-prefill on|off] [--json bench/results/....json]
 
 Load: vLLM's offline `LLM.generate` with all prompts at once (continuous batching over --prompts requests,
@@ -17,6 +17,8 @@ columns differ only by the plugin), chunked prefill as --chunked-prefill says in
   nnsight   nnsight 0.8.1's VLLM (bench/nnsight_vllm_shim.py: its CPU worker), the same prompts as
             invokes of one trace: nothing saved (nnsight_none), and every 4th invoke saving the same 4
             locations at every step (nnsight_quarter; every value checked to come back)
+--repeat N: each column's turn runs its requests N times back to back, timed as one (the issue's 64 prompts ×
+128 tokens take ~0.6 s on an H100: a single run's noise is larger than the effects; run38).
 Paired rotating rounds: each engine (plain, plugin, nnsight) starts once, in its own process, and stays;
 after one warm-up run of every column, each of --rounds rounds runs every column once, in an order rotated
 by one column per round, and takes each column's ratio to plain within the round. The report gives, per
@@ -133,7 +135,7 @@ def vllm_runner(args, mode):
     llm = LLM(args.model, **with_profiler(engine_settings(args, mode), args, mode))
     ps = [{"prompt_token_ids": p} for p in prompts(args.prompts, args.prompt_len)]
     sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    tokens = args.prompts * args.max_tokens
+    tokens = args.prompts * args.max_tokens * args.repeat
 
     def generate(column):
         """Runs the column's requests; returns (values saved, the outputs)."""
@@ -149,7 +151,7 @@ def vllm_runner(args, mode):
                 raise ValueError(f"column {column} is not run by a vLLM engine")
             outs = llm.generate(ps, SamplingParams(**sampling), use_tqdm=False)
             saved = 0
-        assert sum(len(o.outputs[0].token_ids) for o in outs) == tokens
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == args.prompts * args.max_tokens
         return saved, outs
 
     def stats():
@@ -180,12 +182,15 @@ def vllm_runner(args, mode):
             out = fv.generate(llm, ps[:1], [plan], **one)
             assert out[0].fragments_error is None and len(out[0].fragments) == len(LOCATIONS)
             return out
-        t0 = time.perf_counter()
-        once(1)
-        t1 = time.perf_counter()
-        once(1 + args.max_tokens)
-        t2 = time.perf_counter()
-        return args.max_tokens / ((t2 - t1) - (t1 - t0))
+        decode_s = 0.0
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            once(1)
+            t1 = time.perf_counter()
+            once(1 + args.max_tokens)
+            t2 = time.perf_counter()
+            decode_s += (t2 - t1) - (t1 - t0)
+        return args.repeat * args.max_tokens / decode_s
 
     def run(column):
         if column.startswith("b1_"):
@@ -193,8 +198,8 @@ def vllm_runner(args, mode):
             return rate, rate, int(column == "b1_quarter") * len(LOCATIONS), {}
         before = stats() if column == "quarter" else None
         out = {}
-        wall, cpu = timed(lambda: out.setdefault("run", generate(column)))
-        saved, outs = out["run"]
+        wall, cpu = timed(lambda: out.setdefault("runs", [generate(column) for _ in range(args.repeat)]))
+        saved, outs = sum(n for n, _ in out["runs"]), [o for _, os_ in out["runs"] for o in os_]
         detail = {} if before is None else dict(where_time_went(before, stats(), outs), wall_s=wall)
         return tokens / wall, tokens / cpu, saved, detail
 
@@ -222,8 +227,8 @@ def nnsight_runner(args):
     model = VLLM(args.model, dispatch=True, **settings)
     from vllm.inputs import TokensPrompt
     ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_len)]
-    tokens = args.prompts * args.max_tokens
-    expected = (args.prompts + 3) // 4 * len(LOCATIONS) * args.max_tokens
+    tokens = args.prompts * args.max_tokens * args.repeat
+    expected = (args.prompts + 3) // 4 * len(LOCATIONS) * args.max_tokens * args.repeat
 
     def envoy(loc):
         path, side = loc.rsplit(".", 1)
@@ -251,7 +256,7 @@ def nnsight_runner(args):
 
     def run(column):
         out = {}
-        wall, cpu = timed(lambda: out.setdefault("n", trace(column)))
+        wall, cpu = timed(lambda: out.setdefault("n", sum(trace(column) for _ in range(args.repeat))))
         if column == "nnsight_quarter" and out["n"] != expected:  # reported, not hidden: it saved nothing usable
             raise RuntimeError(f"nnsight_quarter: {out['n']} of {expected} values came back")
         return tokens / wall, tokens / cpu, out["n"], {}
@@ -288,7 +293,8 @@ class Engine:
             env["FRAGMENTS_VLLM"] = "0"  # belt and braces: no entry points on its path either
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--prompts",
                str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-               "--chunked-prefill", args.chunked_prefill, "--gpu", "on" if args.gpu else "off"] + \
+               "--chunked-prefill", args.chunked_prefill, "--gpu", "on" if args.gpu else "off",
+               "--repeat", str(args.repeat)] + \
             (["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else [])
         self.mode, self.log = mode, os.path.join(log_dir, f"{mode}.log")
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -421,6 +427,10 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6, help="rounds per pass")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="each column's turn in a round runs its requests this many times back to back, timed as "
+                         "one (batch 1: its decode this many times): less noise per round (run38: a 0.6 s run on "
+                         "the H100 varied by 16%%, more than the effects measured)")
     ap.add_argument("--start-orders", type=int, default=2,
                     help="passes, each starting the engines in another rotation (3 with --nnsight: each engine "
                          "first once)")
@@ -453,8 +463,8 @@ def main():
         os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the plugin's (same cost in each column)
     if args.child:
         return child(args)
-    if args.rounds < 1 or args.start_orders < 1:
-        ap.error("--rounds and --start-orders must be at least 1")
+    if args.rounds < 1 or args.start_orders < 1 or args.repeat < 1:
+        ap.error("--rounds, --start-orders and --repeat must be at least 1")
 
     sys.path.insert(0, os.path.join(ROOT, "tests", "python", "vllm_plugin"))
     from vllm_check import plugin_dist, remove_work, work_folder
@@ -490,7 +500,7 @@ def main():
     if args.gpu:
         import torch
         device = torch.cuda.get_device_name(0)
-    report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds",
+    report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds", "repeat",
                                                          "start_orders", "chunked_prefill", "settle", "gpu",
                                                          "layers")},
               "device": device,

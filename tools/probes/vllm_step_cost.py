@@ -21,7 +21,9 @@ With warm-up, here: 0.53 ms a step at full width, 0.09 ms at --width 8. On the H
 (0.32 at --width 8); with a step's saves drained in one block (_drain.py) 0.28 ms (0.18), of which the one
 pinned block from torch's allocator was 94 us. Run37 (the drain's own pool): 0.27 ms (0.15). Since run37 a step
 is the worker's whole begin_step and end_step (before: the drain and the flush alone), and the drain sends 8 steps
-at once: here at --width 8 --steps 2048, 0.105-0.159 ms a step before, 0.041-0.048 ms after (3 runs each).
+at once: here at --width 8 --steps 2048, 0.105-0.159 ms a step before, 0.041-0.048 ms after (3 runs each). On
+the H100's host (run38, --width 8): run37's code 0.147 ms, 8 steps to a block 0.094, and with one gather a step
+for every location (_C.gather_rows, one kernel launch) 0.049.
 Every run checks the first and last saving requests' rows against the slots' rows.
 """
 import argparse

@@ -34,7 +34,10 @@ def stats(state) -> dict:
                          if isinstance(m, TorchCompileWithNoGuardsWrapper)})
     return {"rank": state.rank, "compiled": state.compiled, "runner": state.view.kind, "graphs": state.graphs,
             "forwards": state.forwards, "tap_calls": dict(state.tap_calls), "model_code": model_code,
-            # host seconds by phase ("act" is also inside "end_step" where FULL graphs' slots are drained)
+            # host seconds by phase: "act" location by location (a tap's body in the forward, or after a graph's
+            # replay where no SlotDrain serves), "drain" a steady batch's SlotDrain (its gathers, copies and puts);
+            # both also inside "end_step" where they follow a replay, "drain" inside "begin_step" or "take_saves"
+            # where those send its steps on (_drain.settle)
             "host_s": dict(state.host_s), "steps": dict(state.step_counts),
             "dynamo_compiles": list(_dynamo_compiles),  # every frame Dynamo compiled here, in order
             "dynamo_graphs": int(counters["stats"]["unique_graphs"]),

@@ -174,7 +174,9 @@ def settle(state) -> None:
     another kind could reach the same files, or saves be read (module docstring)."""
     kept, state.draining = state.draining, None
     if kept is not None:
+        t0 = time.perf_counter()
         kept.flush(state.saves, state.copies)
+        state.host_s["drain"] += time.perf_counter() - t0
 
 
 def fill(state, location: str, x) -> None:
@@ -212,7 +214,7 @@ def drain(state) -> None:
         t0 = time.perf_counter()
         kept.run(state.steady.shift[0], state.saves, state.copies)
         state.draining = kept if kept.filled else None
-        state.host_s["act"] += time.perf_counter() - t0
+        state.host_s["drain"] += time.perf_counter() - t0
         return
     for location, located in acting.items():
         state._act(location, state._token_rows(state.slots[location]), located)

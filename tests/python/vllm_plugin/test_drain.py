@@ -131,6 +131,9 @@ class SlotDrainTest(unittest.TestCase):
         self.assertTrue(all(p.lo % _drain.ALIGN == 0 for p in drain.parts))
         t = self.run_steps(as_gpu=False)  # the CPU's way: location by location
         self.assertIsNone(t.steady.drain or None)
+        # the worker's host seconds name the way each step went (compile_stats' host_s; the benchmark's detail)
+        self.assertGreater(s.host_s["drain"], 0.0)
+        self.assertEqual((t.host_s["drain"], s.host_s["act"] > 0, t.host_s["act"] > 0), (0.0, False, True))
         got = ts.taken(s)
         self.assertEqual((s.copies.intos, drain.filled, s.draining), (3, 0, None))
         same_saves(self, got, ts.taken(t))

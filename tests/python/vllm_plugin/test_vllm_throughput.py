@@ -4,10 +4,10 @@ FRAG_SLOW=1 only (two vLLM engines, ~3-6 min on 2 shared cores); otherwise skipp
 tiny (8 prompts of 8 tokens, 4 new tokens, 2 passes of 2 rounds, no nnsight) and checks what it wrote: the
 engines started in another order in each pass, every column in every round, the order rotated between
 rounds, each round's ratios taken against that round's plain run, the balanced ratio the geometric mean of
-the passes' medians,
-the quarter column's saves all came back (2 requests x 4 locations), the other engines idle while a column ran
-(the settle pause after each run: vLLM's 1 s busy loop), and the summary's medians and spreads
-are those of the rounds. No speed is asserted: the ratios are the benchmark's to report, on a quiet machine.
+the passes' medians, the quarter column's saves all came back (2 requests x 4 locations, twice: --repeat 2),
+the other engines idle while a column ran (the settle pause after each run: vLLM's 1 s busy loop), and the
+summary's medians and spreads are those of the rounds. No speed is asserted: the ratios are the benchmark's to
+report, on a quiet machine.
 
     FRAG_SLOW=1 PYTHONPATH=python python tests/python/vllm_plugin/test_vllm_throughput.py
 """
@@ -38,7 +38,7 @@ class VllmThroughputSmokeTest(unittest.TestCase):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"),
                                                            os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vllm_throughput.py"), "--prompts", "8",
-                               "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2", "--start-orders", "2",
+                               "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2", "--start-orders", "2", "--repeat", "2",
                                "--json", out],
                               env=env, capture_output=True, text=True, timeout=1500)
         print(proc.stdout[-3000:])
@@ -57,7 +57,11 @@ class VllmThroughputSmokeTest(unittest.TestCase):
             for c in columns:
                 self.assertGreater(r["rows"][c]["tokens_per_s"], 0)
                 self.assertAlmostEqual(r["ratio"][c], r["rows"][c]["tokens_per_s"] / r["rows"]["plain"]["tokens_per_s"])
-            self.assertEqual(r["rows"]["quarter"]["saved"], 2 * 4, "every 4th of 8 requests saves 4 locations")
+            self.assertEqual(r["rows"]["quarter"]["saved"], 2 * 2 * 4,
+                             "twice (--repeat 2) every 4th of 8 requests saving 4 locations")
+            detail = r["rows"]["quarter"]["detail"]  # the worker's steps and bytes over both runs of the turn
+            self.assertEqual(detail["saved_rows"], [8 + 4 - 1])
+            self.assertGreater(detail["worker_act_s"], 0.0)
             self.assertEqual(r["rows"]["none"]["saved"], 0)
             for c in columns:  # the idle engines' CPU while a column ran (run_settled): they must be idle
                 self.assertGreaterEqual(r["rows"][c]["others_cpu_s"], 0.0)
@@ -71,7 +75,7 @@ class VllmThroughputSmokeTest(unittest.TestCase):
             self.assertEqual(s["ratio_median_per_pass"], per_pass)
             self.assertAlmostEqual(s["ratio_balanced"], statistics.geometric_mean(per_pass))
             self.assertEqual(s["others_cpu_s_max"], max(r["rows"][c]["others_cpu_s"] for r in rounds))
-        self.assertEqual(report["settings"]["settle"], 2.0)
+        self.assertEqual((report["settings"]["settle"], report["settings"]["repeat"]), (2.0, 2))
         self.assertEqual(report["summary"]["none"]["goal"], 0.97)
         self.assertEqual(report["summary"]["quarter"]["goal"], 0.85)
 
