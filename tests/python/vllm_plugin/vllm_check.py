@@ -76,6 +76,43 @@ _WORK = []  # folders work_folder made, removed at exit or by remove_work
 _IPC = []  # the folder of vLLM's IPC sockets (one, for the whole process), removed by remove_work() alone
 
 
+SHM_AGE_S = 10  # a segment younger than this may belong to an engine still starting: never removed
+
+
+def remove_stray_shm(folder="/dev/shm", now=None):
+    """vLLM CPU's shared-memory segments (its cpu_communicator: "{port}-{group}-cpushm_{rank}", 4 MB a rank) that
+    no live process maps and older than SHM_AGE_S: what workers leave when they do not exit cleanly (seen once in
+    CI at tp 2, 2026-12-07). Every process here shares /proc and /dev/shm (tests run in a network namespace of
+    their own at most), so a live engine's segments are always mapped and never taken. Removes them, says so on
+    one line (which check ended when they were found), and returns their paths."""
+    names = [n for n in os.listdir(folder) if "-cpushm_" in n] if os.path.isdir(folder) else []
+    if not names:
+        return []
+    mapped = set()
+    for maps in os.listdir("/proc"):
+        if maps.isdigit():
+            try:
+                with open(f"/proc/{maps}/maps") as f:
+                    mapped.update(line.split(None, 5)[5].strip() for line in f if "-cpushm_" in line)
+            except (OSError, IndexError):
+                continue  # a process gone meanwhile, or one we may not read
+    now = time.time() if now is None else now
+    stray = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if path not in mapped and now - os.stat(path).st_mtime >= SHM_AGE_S:
+                os.unlink(path)
+                stray.append(path)
+        except OSError:
+            continue  # removed by another check meanwhile
+    if stray:
+        print(f"removed {len(stray)} stray vLLM shared-memory segment(s) at the end of {os.path.basename(sys.argv[0])} "
+              f"(no process maps them: their workers did not exit cleanly): {', '.join(sorted(stray))}",
+              file=sys.stderr, flush=True)
+    return stray
+
+
 def work_folder(prefix):
     """A fresh folder for a check's or benchmark's files (checkpoint, plugin dist, compile cache): tests and
     scripts delete what they write, so it goes when the process ends, whatever the end. remove_work() before
@@ -98,11 +135,14 @@ def work_folder(prefix):
 
 def remove_work(path=None):
     """Removes `path` (default: every folder work_folder made, the sockets' folder, and the plugin's state
-    folder where this process made it: os._exit skips its exit hook too), or keeps it where FRAG_KEEP_WORK=1."""
+    folder where this process made it: os._exit skips its exit hook too), or keeps it where FRAG_KEEP_WORK=1.
+    Without `path`, also vLLM CPU's shared-memory segments nobody maps any more (remove_stray_shm)."""
     keep = os.environ.get("FRAG_KEEP_WORK") == "1"
     plugin = sys.modules.get("fragments.vllm")
     if path is None and plugin is not None and not keep:
         plugin.remove_state_dir()
+    if path is None and not keep:
+        remove_stray_shm()
     for folders in (_WORK, _IPC if path is None else []):
         for p in [q for q in folders if path in (None, q)]:
             folders.remove(p)
