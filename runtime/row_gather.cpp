@@ -18,6 +18,18 @@ namespace {
 
 std::atomic<detail::FusedGather> fused_gather{nullptr};
 
+// Whether each row of `t` (its dimensions after the first) is laid out as a contiguous tensor's, from its sizes
+// and strides: no select() per tensor and call (the drain calls this every decode step).
+bool rows_dense(const at::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    if (t.size(d) == 0) return true;  // empty rows: nothing to lay out
+    if (t.size(d) != 1 && t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
 void check(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& indices,
            const std::vector<at::Tensor>& outs) {
   if (indices.size() != srcs.size() || outs.size() != srcs.size())
@@ -38,7 +50,7 @@ void check(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& i
       fail("gather_rows: tensor {}: expected an output of {} rows of {} {}, found {} {}", i, index.size(0),
            fmt::join(src.sizes().slice(1), "x"), c10::toString(src.scalar_type()), fmt::join(out.sizes(), "x"),
            c10::toString(out.scalar_type()));
-    if (!out.is_contiguous() || (src.dim() > 1 && !src.select(0, 0).is_contiguous()))
+    if (!out.is_contiguous() || !rows_dense(src))
       fail("gather_rows: tensor {}: expected a dense output and dense source rows", i);
   }
 }

@@ -80,7 +80,7 @@ void gather_rows_cuda(const std::vector<at::Tensor>& srcs, const std::vector<at:
   for (size_t i = 0; i < srcs.size(); ++i) {
     const at::Tensor& src = srcs[i];
     const int64_t count = indices[i].size(0);
-    const int64_t row_bytes = src.numel() == 0 ? 0 : src[0].numel() * src.element_size();
+    const int64_t row_bytes = src.numel() == 0 ? 0 : src.numel() / src.size(0) * src.element_size();
     if (count == 0 || row_bytes == 0) continue;
     parts.part[n++] = Part{static_cast<const char*>(src.const_data_ptr()),
                            static_cast<char*>(outs[i].mutable_data_ptr()), indices[i].const_data_ptr<int64_t>(),

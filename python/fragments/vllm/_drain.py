@@ -81,13 +81,13 @@ class HostBlocks:
 
 class _Part:
     """One location's share: the rows read from its slot (a range or an index tensor), `size` bytes a step, its
-    bytes [lo, hi) of the block (`steps` steps: step j at lo + j * size), their dtype and one step's shape, its
-    save groups, and `outs`, each step's view of the device block."""
-    __slots__ = ("location", "where", "count", "size", "lo", "hi", "dtype", "shape", "groups", "outs")
+    bytes [lo, hi) of the block (`steps` steps: step j at lo + j * size), their dtype and one step's shape, and
+    its save groups."""
+    __slots__ = ("location", "where", "count", "size", "lo", "hi", "dtype", "shape", "groups")
 
     def __init__(self, location, where, count, size, lo, hi, dtype, shape, groups):
         self.location, self.where, self.count, self.size, self.lo, self.hi = location, where, count, size, lo, hi
-        self.dtype, self.shape, self.groups, self.outs = dtype, shape, groups, []
+        self.dtype, self.shape, self.groups = dtype, shape, groups
 
 
 class SlotDrain:
@@ -107,10 +107,8 @@ class SlotDrain:
         self.srcs = srcs
         self.indices = [torch.arange(p.where.start, p.where.stop, device=device) if isinstance(p.where, range)
                         else p.where for p in parts]
-        for p in parts:
-            p.outs = [self.device_block[p.lo + j * p.size:p.lo + (j + 1) * p.size].view(p.dtype).view(p.shape)
-                      for j in range(steps)]
-        self.outs = [[p.outs[j] for p in parts] for j in range(steps)]
+        self.outs = [[self.device_block[p.lo + j * p.size:p.lo + (j + 1) * p.size].view(p.dtype).view(p.shape)
+                      for p in parts] for j in range(steps)]
 
     @staticmethod
     def of(slots: Dict[str, torch.Tensor], prepared: Dict[str, object], rules: Dict[str, object], copies) \

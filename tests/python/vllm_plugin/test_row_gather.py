@@ -100,6 +100,8 @@ class GatherRowsTest(unittest.TestCase):
             "tensor 0: expected an output of 2 rows of 3 Float, found 2x3 Double":
                 ([src], [ix], [torch.zeros(2, 3, dtype=torch.float64)]),
             "tensor 0: expected a dense output": ([src], [ix], [torch.zeros(3, 2).t()]),
+            "tensor 0: expected a dense output and dense source rows":  # rows of [3, 2] stored as [2, 3]
+                ([torch.zeros(4, 2, 3).transpose(1, 2)], [ix], [torch.zeros(2, 3, 2)]),
         }
         for message, args in bad.items():
             with self.assertRaises(_C.FragError) as caught:
