@@ -29,7 +29,8 @@ shared machine), beside the issue's goals (none ≥ 0.97×, quarter ≥ 0.85×),
 --profile-dir DIR: after the rounds, one more run of plain, none and quarter each under vLLM's torch profiler
 (not counted in the rounds), its traces in DIR/<column>, with vLLM's own host spans (preprocess, forward,
 sample, ...) and the plugin's (begin_step, end_step) in every engine; tools/probes/trace_gaps.py DIR sums them up
-(where the GPU sat idle, copies to the host, CUDA calls, host time a step by span).
+(where the GPU sat idle, copies to the host, CUDA calls, host time a step by span). --profile-stack: with Python's
+stacks (trace_gaps.py --inside "fragments: end_step" then names the Python functions inside a span).
 """
 import argparse
 import json
@@ -114,13 +115,13 @@ def engine_settings(args, mode):
 
 
 def with_profiler(settings, args, mode):
-    """--profile-dir: vLLM's torch profiler in the engine (every step of a profiled run, no stacks: small traces),
-    traces under <dir>/<mode>."""
+    """--profile-dir: vLLM's torch profiler in the engine (every step of a profiled run; no stacks unless
+    --profile-stack: small traces), traces under <dir>/<mode>."""
     if not args.profile_dir:
         return settings
     return dict(settings, profiler_config={
         "profiler": "torch", "torch_profiler_dir": os.path.join(os.path.abspath(args.profile_dir), mode),
-        "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False})
+        "torch_profiler_with_stack": bool(args.profile_stack), "torch_profiler_dump_cuda_time_total": False})
 
 
 def prompts(n, length):
@@ -295,7 +296,8 @@ class Engine:
                str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
                "--chunked-prefill", args.chunked_prefill, "--gpu", "on" if args.gpu else "off",
                "--repeat", str(args.repeat)] + \
-            (["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else [])
+            (["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []) + \
+            (["--profile-stack"] if args.profile_stack else [])
         self.mode, self.log = mode, os.path.join(log_dir, f"{mode}.log")
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True)
@@ -448,6 +450,9 @@ def main():
     ap.add_argument("--batch1", action="store_true", help="also batch-1 decode per step (b1_* columns)")
     ap.add_argument("--profile-dir", help="after the rounds, one run of plain, none and quarter under vLLM's torch "
                     "profiler, traces here (summed up by tools/probes/trace_gaps.py)")
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="--profile-dir with Python's stacks: the traces hold every Python function's time "
+                    "(trace_gaps.py --inside sums a span's by self time); larger traces, slower profiled runs")
     ap.add_argument("--child")
     ap.add_argument("--model")
     args = ap.parse_args()

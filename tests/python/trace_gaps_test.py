@@ -60,6 +60,38 @@ class TraceGapsTest(unittest.TestCase):
         self.assertEqual((s["steps"], s["step_median_us"]), (2, 100.0))
         self.assertNotIn("steps", trace_gaps.summary(EVENTS, 20, 8, step_span="nothing"))
 
+    def test_inside_a_span_by_self_time(self):
+        # two end_steps; inside the first a Python function holding a copy, inside the second a copy alone; an op
+        # outside every end_step and one in another thread's time are not counted
+        events = [event("user_annotation", "fragments: end_step", 1000, 100),
+                  event("python_function", "_drain.py(120): run", 1010, 50),
+                  event("cpu_op", "aten::copy_", 1020, 30),
+                  event("cuda_runtime", "cudaMemcpyAsync", 1025, 10),
+                  event("user_annotation", "fragments: end_step", 2000, 20),
+                  event("cpu_op", "aten::copy_", 2005, 10),
+                  event("cpu_op", "aten::empty", 3000, 5),
+                  dict(event("cpu_op", "aten::empty", 1001, 90), tid=8)]
+        d = trace_gaps.summary(events, 20, 8, spans_inside=["fragments: end_step", "nothing"])["inside"]
+        self.assertEqual(d["nothing"], {"count": 0})
+        d = d["fragments: end_step"]
+        self.assertEqual((d["count"], d["total_ms"], d["median_us"]), (2, 0.12, 100.0))
+        self.assertEqual(d["longest"][0], (100.0, 0.0))  # at the trace's first event
+        self.assertEqual(dict((n, (ms, c)) for n, ms, c in d["self_ms"]),
+                         {"(the span's own)": (0.06, 2),  # 100 - 50 and 20 - 10
+                          "aten::copy_": (0.03, 2),  # 30 - 10 and 10
+                          "_drain.py(120): run": (0.02, 1), "cudaMemcpyAsync": (0.01, 1)})
+        out = subprocess.run([sys.executable, TOOL, self._write(events), "--inside", "fragments: end_step"],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("inside 'fragments: end_step': 2x, 0.12 ms; median 100.0 us", out.stdout)
+        self.assertIn("aten::copy_", out.stdout)
+
+    def _write(self, events):
+        path = os.path.join(self.dir, "t.json")
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+        return path
+
     def test_a_gzip_trace_in_a_folder(self):
         os.makedirs(os.path.join(self.dir, "plugin"))
         with gzip.open(os.path.join(self.dir, "plugin", "quarter_dp0_pp0_tp0.pt.trace.json.gz"), "wt") as f:

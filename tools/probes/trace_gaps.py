@@ -1,7 +1,8 @@
 """Where a profiled vLLM run's GPU waited: torch profiler traces (Chrome trace JSON, as vLLM's profiler writes
 them: bench/vllm_throughput.py --profile-dir) summed up, one line block per trace file.
 
-    python tools/probes/trace_gaps.py DIR_OR_FILE [...] [--gap-us 20] [--top 8] [--step-span NAME] [--json F]
+    python tools/probes/trace_gaps.py DIR_OR_FILE [...] [--gap-us 20] [--top 8] [--step-span NAME] [--inside NAME]
+                                      [--json F]
 
 For each trace: the GPU's span (first kernel or copy to the last), its busy time (the union of kernels, copies and
 memsets on every stream) and idle time, the idle gaps longer than --gap-us (count, total, the largest), copies to
@@ -10,6 +11,10 @@ took most host time (a cudaHostAlloc, a synchronize or an event wait there is th
 the host spans by total time (record_function's: vLLM's own under VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, the
 plugin's "fragments: begin_step"/"end_step") and the step's period: the time from one --step-span's start to the
 next (median, 90th percentile), the host's pace where the GPU waits on it.
+--inside NAME (repeatable): each such host span's instances (count, total, median, 90th percentile, the longest:
+one-off work such as a prefill's saves shows there, apart from the steady steps) and what ran inside them by self
+time (torch ops, CUDA calls, nested spans, and Python functions where the trace has stacks: vLLM's profiler with
+torch_profiler_with_stack, the bench's --profile-stack), summed over the instances.
 Why: in run36 the saving column's rounds lost more time than the worker's measured host phases; the trace says
 whether the GPU sat idle between steps, and behind what.
 """
@@ -63,7 +68,58 @@ def host_spans(events: list, step_span: str, top: int) -> dict:
     return out
 
 
-def summary(events: list, gap_us: float, top: int, step_span: str = "gpu_model_runner: preprocess") -> dict:
+HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "user_annotation", "cuda_driver")
+
+
+def self_times(events: list) -> list:
+    """[(event, its self time in us, the names of the host spans it is nested in)] for host events: its duration
+    less its direct children's on the same thread (events nest by time on one thread; a child sorts after its
+    parent)."""
+    threads = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATS and "dur" in e:
+            threads[(e.get("pid"), e.get("tid"))].append(e)
+    out = []
+    for evs in threads.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack = []  # entries of the events enclosing the current one: [event, self time, enclosing spans]
+        for e in evs:
+            while stack and float(stack[-1][0]["ts"]) + float(stack[-1][0]["dur"]) <= float(e["ts"]):
+                stack.pop()
+            if stack:
+                stack[-1][1] -= float(e["dur"])
+            names = tuple(x[0].get("name") for x in stack if x[0].get("cat") == "user_annotation")
+            entry = [e, float(e["dur"]), names]
+            out.append(entry)
+            stack.append(entry)
+    return [(e, max(0.0, t), names) for e, t, names in out]
+
+
+def inside(events: list, span: str, top: int) -> dict:
+    """The host span `span`'s instances and what ran inside them by self time (module docstring, --inside)."""
+    own = sorted((float(e["dur"]), float(e["ts"])) for e in events if e.get("ph") == "X" and
+                 e.get("cat") == "user_annotation" and e.get("name") == span and "dur" in e)
+    if not own:
+        return {"count": 0}
+    durations = [d for d, _ in own]
+    start = min(float(e["ts"]) for e in events if "ts" in e)
+    selfs, calls = collections.Counter(), collections.Counter()
+    for e, t, names in self_times(events):
+        if e.get("name") == span and e.get("cat") == "user_annotation":
+            selfs["(the span's own)"] += t
+            calls["(the span's own)"] += 1
+        elif span in names:
+            name = e.get("name", "?")[:90]
+            selfs[name] += t
+            calls[name] += 1
+    return {"count": len(own), "total_ms": sum(durations) / 1e3, "median_us": percentile(durations, 0.5),
+            "p90_us": percentile(durations, 0.9),
+            "longest": [(d, (ts - start) / 1e3) for d, ts in sorted(own, reverse=True)[:3]],
+            "self_ms": [(name, t / 1e3, calls[name]) for name, t in selfs.most_common(top)]}
+
+
+def summary(events: list, gap_us: float, top: int, step_span: str = "gpu_model_runner: preprocess",
+            spans_inside=()) -> dict:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
     out = {"gpu_events": len(gpu)}
@@ -91,6 +147,8 @@ def summary(events: list, gap_us: float, top: int, step_span: str = "gpu_model_r
             calls[e.get("name", "?")] += 1
     out["runtime_ms"] = [(name, t / 1e3, calls[name]) for name, t in runtime.most_common(top)]
     out.update(host_spans(events, step_span, top))
+    if spans_inside:
+        out["inside"] = {name: inside(events, name, top) for name in spans_inside}
     return out
 
 
@@ -111,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--step-span", default="gpu_model_runner: preprocess",
                     help="the host span that starts once a step (its period is the step's pace)")
+    ap.add_argument("--inside", action="append", default=[], metavar="NAME",
+                    help="a host span whose instances and contents (by self time) are summed up; repeatable")
     ap.add_argument("--json", help="also write the summaries here")
     args = ap.parse_args(argv)
     files = traces(args.paths)
@@ -120,7 +180,7 @@ def main(argv=None) -> int:
     results = {}
     for f in files:
         try:
-            s = summary(load(f), args.gap_us, args.top, args.step_span)
+            s = summary(load(f), args.gap_us, args.top, args.step_span, args.inside)
         except (OSError, ValueError) as e:
             print(f"trace_gaps: {f}: not a trace ({e})", file=sys.stderr)
             return 1
@@ -143,6 +203,15 @@ def main(argv=None) -> int:
                   f"(median; 90th percentile {s['step_p90_us']:.0f} us)")
         for name, ms, n in s["host_spans_ms"]:
             print(f"  host   {ms:9.2f} ms  {n:6d}x  {1e3 * ms / n:8.1f} us each  {name}")
+        for name, d in s.get("inside", {}).items():
+            if not d["count"]:
+                print(f"inside {name!r}: no such span")
+                continue
+            longest = ", ".join(f"{us:.0f} us at {ms:.1f} ms" for us, ms in d["longest"])
+            print(f"inside {name!r}: {d['count']}x, {d['total_ms']:.2f} ms; median {d['median_us']:.1f} us, "
+                  f"90th percentile {d['p90_us']:.1f} us; longest {longest}")
+            for inner, ms, n in d["self_ms"]:
+                print(f"  self   {ms:9.2f} ms  {n:6d}x  {1e3 * ms / n:8.1f} us each  {inner}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -100,45 +100,6 @@ def state(rows, every, dtype, device, folder):
     return s
 
 
-class _Done:
-    """A step's event whose copies are done (the CPU's copies are)."""
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-class _CopiesAsGpu(_rowqueue.HostCopies):
-    """HostCopies as on a GPU, on the CPU: a copy per block, queued rows, an event at each step's end."""
-    @staticmethod
-    def asynchronous(part):
-        return True
-
-    def copy(self, part):
-        self.stream = True
-        return part.detach().clone()
-
-    def into(self, host, part):
-        self.stream = True
-        return host.copy_(part)
-
-    def seal(self, store):
-        if self.stream is not None:
-            store.seal_step(_Done())
-            self.stream = None
-
-    def wait(self):
-        pass
-
-
-def as_gpu(s):
-    s.copies = _CopiesAsGpu(torch.device("cpu"))
-    s.saves._copy, s.saves._wait = s.copies.copy, s.copies.wait
-    if s.saves.rows is not None:
-        s.saves.rows._wait = s.copies.wait
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
@@ -162,7 +123,7 @@ def main():
     folder = None if args.memory else _delivery.rows_folder()
     s = state(args.rows, args.every, getattr(torch, args.dtype), args.device, folder)
     if args.as_gpu:
-        as_gpu(s)
+        _rowqueue.SimulatedDeviceCopies().attach(s)
     scheduled = types.SimpleNamespace(finished_req_ids=(), scheduled_new_reqs=(),
                                       num_scheduled_tokens=dict.fromkeys(s.view.req_ids, 1))
 

@@ -173,3 +173,55 @@ class HostCopies:
         if self.pending:
             torch.cuda.synchronize(self.device)
             self.pending = False
+
+
+class DoneEvent:
+    """A step's event whose copies are done: SimulatedDeviceCopies' (the CPU's copies are done when made)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class SimulatedDeviceCopies(HostCopies):
+    """HostCopies as on a GPU, on the CPU, for probes and tests of the GPU's way without one
+    (tools/probes/vllm_step_cost.py --as-gpu, tests/python/vllm_plugin/test_drain.py): every copy asynchronous, a
+    block of its own (`copy`) or into a kept one (`into`), sealed at the step's end with `event()` (DoneEvent; a
+    test may give one that is never done). `blocks`, `intos`: copies made, those into kept blocks."""
+
+    def __init__(self, device=None):
+        super().__init__(torch.device("cpu") if device is None else device)
+        self.blocks = self.intos = 0
+        self.event = DoneEvent
+
+    @staticmethod
+    def asynchronous(part) -> bool:
+        return True
+
+    def copy(self, part):
+        self.stream = True
+        self.blocks += 1
+        return part.detach().clone()
+
+    def into(self, host, part):
+        self.stream = True
+        self.blocks += 1
+        self.intos += 1
+        return host.copy_(part.detach())
+
+    def seal(self, store) -> None:
+        if self.stream is not None:
+            store.seal_step(self.event())
+            self.stream = None
+
+    def wait(self) -> None:
+        pass
+
+    def attach(self, state) -> None:
+        """These copies made a worker state's (_worker.WorkerState's): its store copies and waits through them."""
+        state.copies = self
+        state.saves._copy, state.saves._wait = self.copy, self.wait
+        if state.saves.rows is not None:
+            state.saves.rows._wait = self.wait

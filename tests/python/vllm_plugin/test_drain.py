@@ -23,52 +23,11 @@ from fragments.vllm import _delivery, _drain, _plan, _rowqueue
 WIDTHS = {"a.output": (3, torch.float32), "b.input": (5, torch.bfloat16), "c.output": (7, torch.float16)}
 
 
-class _Done:
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-class _NotDone(_Done):
+class _NotDone(_rowqueue.DoneEvent):
     """A step's event the device has not reached: its blocks stay unreleased until a take waits."""
 
     def query(self):
         return False
-
-
-class _CopiesAsGpu(_rowqueue.HostCopies):
-    """HostCopies as on a GPU, on the CPU: every copy a block of its own or into a kept one, asynchronous, sealed
-    at the step's end (`event`: what the step's event answers)."""
-
-    def __init__(self, device):
-        super().__init__(device)
-        self.blocks = self.intos = 0
-        self.event = _Done
-
-    @staticmethod
-    def asynchronous(part):
-        return True
-
-    def copy(self, part):
-        self.stream = True
-        self.blocks += 1
-        return part.detach().clone()
-
-    def into(self, host, part):
-        self.stream = True
-        self.blocks += 1
-        self.intos += 1
-        return host.copy_(part)
-
-    def seal(self, store):
-        if self.stream is not None:
-            store.seal_step(self.event())
-            self.stream = None
-
-    def wait(self):
-        pass
 
 
 def state(folder, as_gpu, plans=None):
@@ -78,9 +37,7 @@ def state(folder, as_gpu, plans=None):
     s = ts.state(folder, view, plans)
     s.taps = list(WIDTHS)
     if as_gpu:
-        s.copies = _CopiesAsGpu(torch.device("cpu"))
-        s.saves._copy, s.saves._wait = s.copies.copy, s.copies.wait
-        s.saves.rows._wait = s.copies.wait
+        _rowqueue.SimulatedDeviceCopies().attach(s)
     return s
 
 
