@@ -120,17 +120,17 @@ class SlotDrain:
         for location, prep in prepared.items():
             slot = slots[location]
             if rules.get(location) is not None or prep.edits or prep.rest or not prep.saves or slot.dim() < 2 \
-                    or not prep.rows or min(prep.rows) < 0 or max(prep.rows) >= slot.shape[0] \
+                    or not prep.count or prep.first < 0 or prep.last >= slot.shape[0] \
                     or not copies.asynchronous(slot):  # (rows in range: the GPU's gather does not check them)
                 return None
-            found.append((location, prep, slot, slot.element_size() * len(prep.rows) * slot[0].numel()))
+            found.append((location, prep, slot, slot.element_size() * prep.count * slot[0].numel()))
         if not found:
             return None
         steps = max(1, min(STEPS, RING_BYTES // max(1, sum(size for *_, size in found))))
         parts, offset = [], 0
         for location, prep, slot, size in found:
-            shape = (len(prep.rows),) + tuple(slot.shape[1:])
-            parts.append(_Part(location, prep.where, len(prep.rows), size, offset, offset + steps * size, slot.dtype,
+            shape = (prep.count,) + tuple(slot.shape[1:])
+            parts.append(_Part(location, prep.where, prep.count, size, offset, offset + steps * size, slot.dtype,
                                shape, prep.saves))
             offset += -(-(steps * size) // ALIGN) * ALIGN
         return SlotDrain(parts, steps, [slot for _, _, slot, _ in found], copies.host_block)
@@ -228,7 +228,7 @@ def _kept(state, acting) -> Optional[SlotDrain]:
         steady.drain = False
         if state.saves.keep and state.saves.folder:
             prepared = {loc: _steady.prepared(steady, state.step_work, loc, w,
-                                              lambda rows, d=state.slots[loc].device: state._where(rows, d))
+                                              lambda spans, d=state.slots[loc].device: state._where(spans, d))
                         for loc, w in acting.items()}
             steady.drain = SlotDrain.of(state.slots, prepared, state.rules, state.copies) or False
     return steady.drain or None

@@ -122,7 +122,7 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Scheduled]:
     if "format" in spec:  # the C++ parser refuses a version it does not read
         plan["format"] = spec["format"]
     parsed = [_typed(d) for d in _C.parse_plan(json.dumps(plan), "request plan", base,
-                                               json.dumps(record["table"]), record["qkv_attributes"])]
+                                               _table_text(record["table"]), record["qkv_attributes"])]
     module_set = modules if modules is not None else set(record["modules"])
     steps = []
     for i, d in enumerate(parsed):
@@ -149,6 +149,19 @@ def _parse(spec, record: dict, modules: Optional[set]) -> List[Scheduled]:
             _check_fits(d, (record.get("widths") or {}).get(at), where, named[i])
         steps.append(Scheduled(d, step_sets[i], path in record.get("logits_modules", ())))
     return steps
+
+
+_table_texts: dict = {}  # id(table) -> (the table, its JSON text): one model's table, written once
+
+
+def _table_text(table) -> str:
+    """The fragment table as the C++ parser reads it, written once per table (a worker parses every request's
+    plan with the same one; the parser reads it only for "segment"/"heads" steps)."""
+    kept = _table_texts.get(id(table))
+    if kept is None or kept[0] is not table:
+        _table_texts.clear()
+        kept = _table_texts[id(table)] = (table, json.dumps(table))
+    return kept[1]
 
 
 def _typed(d: dict) -> Step:

@@ -33,7 +33,8 @@ class SaveBatch:
     """Where one location's block of rows goes, for a fixed set of requests: the files of save `name` of
     `keys` (their store records), rows [lo, hi) each, `row_bytes` a row; `order`: which of the parts it was made
     from they are (None: all). Valid while its store's `generation` is unchanged (a request opened, taken, dropped or truncated)."""
-    __slots__ = ("name", "keys", "records", "order", "files", "lo", "hi", "bytes", "total", "largest", "generation")
+    __slots__ = ("name", "keys", "records", "order", "files", "lo", "hi", "bytes", "total", "largest", "generation",
+                 "_layouts")
 
     def __init__(self, name, keys, records, order, files, lo, hi, row_bytes, generation):
         self.name, self.keys, self.records, self.order = name, keys, records, order
@@ -41,6 +42,16 @@ class SaveBatch:
         self.bytes = [(h - l) * row_bytes for l, h in zip(lo, hi)]
         self.total, self.largest = sum(self.bytes), max(self.bytes, default=0)
         self.generation = generation
+        self._layouts: Dict[tuple, tuple] = {}
+
+    def layout(self, n: int, count: int) -> tuple:
+        """(files, lo, hi) of a block holding `n` steps of `count` rows each, one after the other: each file's
+        parts in step order. Made once per shape: a drain puts blocks of the same shape step after step."""
+        got = self._layouts.get((n, count))
+        if got is None:
+            got = self._layouts[(n, count)] = (self.files * n, [a + j * count for j in range(n) for a in self.lo],
+                                               [b + j * count for j in range(n) for b in self.hi])
+        return got
 
 
 class RowQueue:

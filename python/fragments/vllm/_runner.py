@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from . import _vllm_api
@@ -191,12 +192,13 @@ def describe(runner: Optional[Runner]) -> str:
     return runner.kind if runner is not None else "?"
 
 
-def row_index(rows: List[int], device) -> object:
-    """The forward's rows a location's work reads: a range when they are contiguous (a narrow view, no index
-    tensor), else an index tensor on the value's device, sent without waiting for the GPU."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        return range(rows[0], rows[-1] + 1)
-    index = torch.tensor(rows, dtype=torch.long)
+def row_index(spans: List[tuple], device) -> object:
+    """The forward's rows a location's work reads (`spans`: sorted disjoint [start, stop)): a range when they are
+    one span (a narrow view, no index tensor), else an index tensor on the value's device, sent without waiting
+    for the GPU."""
+    if len(spans) <= 1:
+        return range(*spans[0]) if spans else range(0)
+    index = torch.from_numpy(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans]))
     if device.type == "cuda":
         return index.pin_memory().to(device, non_blocking=True)
     return index

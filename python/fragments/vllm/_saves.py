@@ -203,12 +203,11 @@ class SavesStore:
             for r, size in zip(records, batch.bytes):
                 r.bytes += n * size
             self.bytes += n * batch.total
-            order, lo, hi = batch.order, batch.lo, batch.hi
-            if n > 1:  # a file's parts in step order: the sink reserves its rows in that order
-                lo = [a + j * count for j in range(n) for a in lo]
-                hi = [b + j * count for j in range(n) for b in hi]
-            flat = [s for step in steps for s in (step if order is None else [step[i] for i in order])]
-            self.rows.put_files(host, batch.files * n, lo, hi, flat, None if pending else READY)
+            files, lo, hi = batch.layout(n, count)  # a file's parts in step order: the sink reserves rows so
+            order = batch.order
+            flat = [s for step in steps for s in step] if order is None else \
+                [step[i] for step in steps for i in order]
+            self.rows.put_files(host, files, lo, hi, flat, None if pending else READY)
         return True
 
     def seal_step(self, event) -> None:

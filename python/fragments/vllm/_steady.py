@@ -10,6 +10,7 @@ a few array comparisons); each location's `Prepared` share is made at its first 
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Dict, List, Optional
 
@@ -71,15 +72,23 @@ class SaveGroup:
 
 
 class Prepared:
-    """A location's share of a step's work: the rows it reads (`rows`, `where`: a range or an index tensor,
-    `position` of each row in the block), whether any step edits, the save groups (plain saves, served from one
-    host block) and the rest (indexed saves, edits, Python steps), each run as before."""
-    __slots__ = ("rows", "where", "position", "edits", "saves", "rest")
+    """A location's share of a step's work: the rows it reads, as `spans` (sorted disjoint [start, stop) of the
+    forward's rows: a request's rows are one span) and `where` (a range or an index tensor), `count` rows from
+    `first` to `last`, whether any step edits, the save groups (plain saves, served from one host block) and the
+    rest (indexed saves, edits, Python steps), each run as before. Why spans, not a list of rows: a prefill's
+    requests hold thousands of rows each (run39's profile: a set and a dict of 2048 rows cost 0.28 ms a location)."""
+    __slots__ = ("spans", "offsets", "count", "first", "last", "where", "edits", "saves", "rest")
 
     def __init__(self, work: List[Work], where_of):
-        self.rows = sorted({r for w in work for r in range(w.start, w.stop)})
-        self.where = where_of(self.rows)
-        self.position = {r: k for k, r in enumerate(self.rows)}
+        self.spans = _merged(sorted({(w.start, w.stop) for w in work if w.stop > w.start}))
+        self.offsets, n = [], 0  # each span's first position in the block
+        for a, b in self.spans:
+            self.offsets.append(n)
+            n += b - a
+        self.count = n
+        self.first = self.spans[0][0] if self.spans else 0
+        self.last = self.spans[-1][1] - 1 if self.spans else -1
+        self.where = where_of(self.spans)
         self.edits = any(w.step.do != "save" for w in work)
         groups: Dict[str, SaveGroup] = {}
         self.rest: List[Work] = []
@@ -89,10 +98,28 @@ class Prepared:
                 if g is None:
                     g = groups[w.step.as_] = SaveGroup(w.step.as_)
                 g.work.append(w)
-                g.parts.append((w.key, self.position[w.start], self.position[w.stop - 1] + 1))
+                g.parts.append((w.key,) + self.block_rows(w))
             else:
                 self.rest.append(w)
         self.saves = list(groups.values())
+
+    def block_rows(self, w: Work) -> tuple:
+        """(first, past the last) of `w`'s rows in the block: its rows lie in one span."""
+        k = bisect.bisect_right(self.spans, (w.start, float("inf"))) - 1
+        a = self.offsets[k] + w.start - self.spans[k][0]
+        return a, a + (w.stop - w.start)
+
+
+def _merged(spans: List[tuple]) -> List[tuple]:
+    """Sorted [start, stop) spans with overlapping or touching ones joined (a request's rows, seen by several
+    steps, are one span; neighbouring requests' rows one span: a range where the whole batch saves)."""
+    out: List[list] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(x) for x in out]
 
 
 class Steady:

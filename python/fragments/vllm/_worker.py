@@ -72,7 +72,7 @@ class WorkerState:
         self.copies = _rowqueue.HostCopies(self.device)  # saves' device -> host copies, without waiting
         self.saves = _saves.SavesStore(keep=self.rank == 0, copy=self.copies.copy, wait=self.copies.wait,
                                        folder=_delivery.rows_folder())
-        self.last_rows: tuple = (None, None)  # _where's last (rows, device) and _runner.row_index's index
+        self.last_rows: tuple = (None, None)  # _where's last (row spans, device) and _runner.row_index's index
         self.answers = _delivery.Folder()  # where takes' answers go as files (the caller on this machine)
         self.in_step = False
         self.acting = False  # compiled: a live plan acts at this step
@@ -336,16 +336,16 @@ class WorkerState:
             return None
         rule = self.rules.get(location)
         prep = _steady.prepared(self.steady, self.step_work, location, work,
-                                lambda rows: self._where(rows, value.device))
-        rows, where, position = prep.rows, prep.where, prep.position
-        if rows and rows[-1] >= value.shape[0]:
+                                lambda spans: self._where(spans, value.device))
+        where = prep.where
+        if prep.count and prep.last >= value.shape[0]:
             # a tensor laid out other than [tokens, ...]: the requests fail alike on every rank, vLLM goes on
             for w in work:
                 self._fail(w.key, f"{location} holds {list(value.shape)}, not one row per token of this step "
-                           f"({rows[-1] + 1} or more): a layout the plugin does not read")
+                           f"({prep.last + 1} or more): a layout the plugin does not read")
             return None
         edits = prep.edits
-        piece = value.narrow(0, where.start, len(rows)) if isinstance(where, range) else value.index_select(0, where)
+        piece = value.narrow(0, where.start, prep.count) if isinstance(where, range) else value.index_select(0, where)
         if rule is None:
             whole = piece.clone() if edits and isinstance(where, range) else piece  # edits never touch `value`
         elif location in self.partial_sums:
@@ -361,10 +361,10 @@ class WorkerState:
             whole if self.saves.folder and not self.copies.asynchronous(whole) else self.copies.copy(whole)
         for w in (work if host is None else prep.rest):
             s = w.step
-            view = whole[position[w.start]:position[w.stop - 1] + 1]
+            view = whole[slice(*prep.block_rows(w))]
             if s.do == "python":  # fragments.vllm.VLLM's Python steps (_python.py); they fail their request alone
                 edited |= _python.run(self, location, s, w, view, lambda key: next(
-                    (whole[position[x.start]:position[x.stop - 1] + 1] for x in work if x.key == key), None))
+                    (whole[slice(*prep.block_rows(x))] for x in work if x.key == key), None))
                 continue
             # A step that cannot run (an index out of range, a value of the wrong shape) fails its request
             # only; whole values are the same on every rank, so every rank fails it alike.
@@ -381,11 +381,11 @@ class WorkerState:
         new_piece = whole if rule is None else rule.piece_of_whole(whole, self.rank)
         return where, new_piece.to(value.dtype)
 
-    def _where(self, rows: List[int], device) -> object:
+    def _where(self, spans: List[tuple], device) -> object:
         """_runner.row_index, kept while the batch's rows stay the same (decode: every location, step after step)."""
-        key = (tuple(rows), device)
+        key = (tuple(spans), device)
         if self.last_rows[0] != key:
-            self.last_rows = (key, _runner.row_index(rows, device))
+            self.last_rows = (key, _runner.row_index(spans, device))
         return self.last_rows[1]
 
     def _step(self, location: str, s, w: _Work, view) -> bool:

@@ -167,6 +167,26 @@ class SteadyTest(unittest.TestCase):
         self.assertIsNone(_steady.Steady.of((["a", "b"], np.array([0, 1, 5]), np.array([3, 0])), [0], {}, [0], []))
         self.assertIsNotNone(_steady.Steady.of((["a", "b"], np.array([0, 1, 2]), np.array([3, 4])), [0], {}, [0], []))
 
+    def test_a_prefills_rows_as_spans(self):
+        """A prefill's requests hold many rows each: a location's rows are kept as spans (a request's rows read by
+        several steps once; neighbouring requests' rows one span), each work's rows found in the block by its
+        span, and the index the forward reads is every row of every span in order."""
+        shift = [0]
+        work = [_worker._Work("k0", 0, 4, _Save("a.output"), 0, shift),
+                _worker._Work("k0", 0, 4, _Save("a.output", "again"), 0, shift),  # the same rows, another save
+                _worker._Work("k1", 4, 9, _Save("a.output"), 0, shift),  # touches k0's: one span
+                _worker._Work("k2", 12, 15, _Save("a.output"), 0, shift)]
+        prep = _steady.Prepared(work, lambda spans: _runner.row_index(spans, torch.device("cpu")))
+        self.assertEqual((prep.spans, prep.count, prep.first, prep.last), ([(0, 9), (12, 15)], 12, 0, 14))
+        self.assertEqual([prep.block_rows(w) for w in work], [(0, 4), (0, 4), (4, 9), (9, 12)])
+        self.assertEqual(prep.where.tolist(), list(range(9)) + [12, 13, 14])
+        self.assertEqual({g.name: g.parts for g in prep.saves},
+                         {"a.output": [("k0", 0, 4), ("k1", 4, 9), ("k2", 9, 12)], "again": [("k0", 0, 4)]})
+        one = _steady.Prepared(work[2:3], lambda spans: _runner.row_index(spans, torch.device("cpu")))
+        self.assertEqual((one.where, one.count), (range(4, 9), 5))  # one span: a narrow view, no index tensor
+        none = _steady.Prepared([], lambda spans: _runner.row_index(spans, torch.device("cpu")))
+        self.assertEqual((none.count, none.where), (0, range(0)))
+
 
 if __name__ == "__main__":
     unittest.main()
