@@ -24,7 +24,9 @@ is the worker's whole begin_step and end_step (before: the drain and the flush a
 at once: here at --width 8 --steps 2048, 0.105-0.159 ms a step before, 0.041-0.048 ms after (3 runs each). On
 the H100's host (run38, --width 8): run37's code 0.147 ms, 8 steps to a block 0.094, and with one gather a step
 for every location (_C.gather_rows, one kernel launch) 0.049.
-Every run checks the first and last saving requests' rows against the slots' rows.
+--every 0: no request saves (the bench's none column): 0.003 ms a step here (run39's profile, with Python's stacks
+inflating every call, had put 70 us of begin_step there). Every run checks the first and last saving requests'
+rows against the slots' rows.
 """
 import argparse
 import collections
@@ -85,7 +87,7 @@ def state(rows, every, dtype, device, folder):
     s.answers, s.plans, s.last_rows, s.steady, s.draining = _delivery.Folder(), {}, (None, None), None, None
     s.live_plans = None
     for i in range(rows):
-        if i % every == 0:
+        if every and i % every == 0:
             steps = [_plan.Scheduled(_SaveStep(at), "all", False) for at in WIDTHS]
             s.plans[f"r{i}"] = _plan.RequestPlan(f"k{i}", steps, None)
             s.saves.open(f"k{i}")
@@ -103,7 +105,8 @@ def state(rows, every, dtype, device, folder):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--every", type=int, default=4, help="every N-th request saves; 0: none does (the bench's none "
+                    "column: the plugin's cost a step with no plan)")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=16, help="steps run before the timed ones (not timed): the first "
                     "pinned blocks, CUDA's lazy setup, the sink's files")
@@ -162,7 +165,7 @@ def main():
     read = {k: _delivery.tensors(v) for k, v in out.items()}
     t2 = time.perf_counter()
     assert all(len(r) == len(WIDTHS) for r in read.values())
-    for i in (0, args.every * (len(keys) - 1)):  # the first and last saving requests: their row at every step
+    for i in ((0, args.every * (len(keys) - 1)) if keys else ()):  # the first and last saving requests: each step's row
         for at, got in read[f"k{i}"].items():
             want = s.slots[at][i].cpu().expand(args.warmup + args.steps, -1)
             assert torch.equal(got, want), f"request {i} at {at}: saved rows differ from the slot's row"
