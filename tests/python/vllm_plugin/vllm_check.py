@@ -82,7 +82,11 @@ SHM_AGE_S = 10  # a segment younger than this may belong to an engine still star
 def remove_stray_shm(folder="/dev/shm", now=None):
     """vLLM CPU's shared-memory segments (its cpu_communicator: "{port}-{group}-cpushm_{rank}", 4 MB a rank) that
     no live process maps and older than SHM_AGE_S: what workers leave when they do not exit cleanly (seen once in
-    CI at tp 2, 2026-12-07). Every process here shares /proc and /dev/shm (tests run in a network namespace of
+    CI at tp 2, 2026-12-07). Why they can: vLLM unlinks them only in a worker's clean exit, and its executor's
+    shutdown sends SIGTERM and then SIGKILL to workers that have not exited within
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS and 4 s more (a loaded machine: CI's two cores). Tried by hand (stop 55):
+    a tp 2 engine's processes killed with SIGKILL leave exactly this pair; torch's own segments (psm_*) and the
+    semaphores go with Python's resource tracker. Every process here shares /proc and /dev/shm (tests run in a network namespace of
     their own at most), so a live engine's segments are always mapped and never taken. Removes them, says so on
     one line (which check ended when they were found), and returns their paths."""
     names = [n for n in os.listdir(folder) if "-cpushm_" in n] if os.path.isdir(folder) else []
