@@ -203,7 +203,7 @@ class SavesStore:
             for r, size in zip(records, batch.bytes):
                 r.bytes += n * size
             self.bytes += n * batch.total
-            files, lo, hi = batch.layout(n, count)  # a file's parts in step order: the sink reserves rows so
+            files, lo, hi = batch.layout(n, count)  # each file's parts in step order: the sink reserves its rows
             order = batch.order
             flat = [s for step in steps for s in step] if order is None else \
                 [step[i] for step in steps for i in order]

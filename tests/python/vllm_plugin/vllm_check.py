@@ -86,9 +86,9 @@ def remove_stray_shm(folder="/dev/shm", now=None):
     shutdown sends SIGTERM and then SIGKILL to workers that have not exited within
     VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS and 4 s more (a loaded machine: CI's two cores). Tried by hand (stop 55):
     a tp 2 engine's processes killed with SIGKILL leave exactly this pair; torch's own segments (psm_*) and the
-    semaphores go with Python's resource tracker. Every process here shares /proc and /dev/shm (tests run in a network namespace of
-    their own at most), so a live engine's segments are always mapped and never taken. Removes them, says so on
-    one line (which check ended when they were found), and returns their paths."""
+    semaphores go with Python's resource tracker. Every process here shares /proc and /dev/shm (tests run in a
+    network namespace of their own at most), so a live engine's segments are always mapped and never taken.
+    Removes them, says so on one line (which check ended when they were found), and returns their paths."""
     names = [n for n in os.listdir(folder) if "-cpushm_" in n] if os.path.isdir(folder) else []
     if not names:
         return []
