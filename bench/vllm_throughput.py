@@ -31,10 +31,17 @@ shared machine), beside the issue's goals (none ≥ 0.97×, quarter ≥ 0.85×),
 sample, ...) and the plugin's (begin_step, end_step) in every engine; tools/probes/trace_gaps.py DIR sums them up
 (where the GPU sat idle, copies to the host, CUDA calls, host time a step by span). --profile-stack: with Python's
 stacks (trace_gaps.py --inside "fragments: end_step" then names the Python functions inside a span).
+--control: a second plain vLLM engine (column plain_b), run like plain: its ratio to plain is what two identical
+engines differ by on this machine (where they sit, which started first), the floor under the none column's gap.
+--deadline S: no round (or pass, or profiled run) starts that would end more than S seconds after the bench
+started, judged by the longest round (and engine start) so far; the report covers the rounds done and says the
+run was cut short. SIGTERM (a device call's `timeout`) ends the rounds alike, the report written, exit 143:
+run40's 64 rounds outran a 570 s call (its engines took 229 s to start) and left a log but no JSON.
 """
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -148,7 +155,7 @@ def vllm_runner(args, mode):
             assert all(len(o.fragments) == 4 for o in outs[::4])
             saved = sum(len(o.fragments) for o in outs)
         else:
-            if column not in ("plain", "none"):
+            if column not in ("plain", "plain_b", "none"):
                 raise ValueError(f"column {column} is not run by a vLLM engine")
             outs = llm.generate(ps, SamplingParams(**sampling), use_tqdm=False)
             saved = 0
@@ -159,10 +166,14 @@ def vllm_runner(args, mode):
         return llm.collective_rpc("fragments_compile_stats")[0] or {}
 
     def where_time_went(before, after, outs):
-        """The saving column's run: the worker's host seconds by phase, its steps (and how many replayed a FULL
+        """The saving column's run: the worker's host seconds by phase (and begin_step's and end_step's calls:
+        median, 90th percentile, longest, the longest three's sum), its steps (and how many replayed a FULL
         graph), the front end's fetch of the saves (fv.timings) and their size; read outside the timed run."""
         from fragments import vllm as fv
+        from fragments.vllm import _durations
         detail = {f"worker_{k}_s": v - before.get("host_s", {}).get(k, 0.0) for k, v in after.get("host_s", {}).items()}
+        # begin_step's and end_step's calls in the run: a typical step's (median) apart from its longest three
+        detail.update(_durations.between(before.get("step_s", {}), after.get("step_s", {})))
         detail.update({f"{k}_steps": v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()})
         detail.update(fv.timings)
         detail["saved_mb"] = sum(t.numel() * t.element_size() for o in outs for t in o.fragments.values()) / 2**20
@@ -299,8 +310,9 @@ class Engine:
             (["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []) + \
             (["--profile-stack"] if args.profile_stack else [])
         self.mode, self.log = mode, os.path.join(log_dir, f"{mode}.log")
+        # its own process group: an engine stopped before it is ready goes with vLLM's engine core and workers
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.log, "w"), text=True)
+                                     stderr=open(self.log, "w"), text=True, start_new_session=True)
         self.start_s = None
 
     def ready(self):
@@ -327,15 +339,41 @@ class Engine:
         return self._answer()
 
     def close(self):
+        """Quits a ready engine (it reads the line once its run in hand ends); one not ready yet (the bench
+        stopped while engines started) or not quitting in 120 s is stopped with its process group."""
         try:
+            if self.start_s is None:
+                raise OSError("not ready")
             self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
             self.proc.stdin.close()
             self.proc.wait(120)
         except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+            self._stop_group()
+
+    def _stop_group(self, grace=15.0):
+        """SIGTERM to the engine's process group, SIGKILL to what is left after `grace` seconds. Not SIGKILL
+        first: Python's resource tracker (in the group; it ignores SIGTERM) unlinks the torch shared-memory
+        segments and semaphores of processes that died, once they are gone; killed with them, it leaves those
+        in /dev/shm (tried: psm_* and sem.mp-* left after a SIGKILL of the group)."""
+        def signal_group(sig):
+            try:
+                os.killpg(self.proc.pid, sig)
+                return True
+            except ProcessLookupError:
+                return False
+        signal_group(signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            self.proc.poll()
+            if not signal_group(0):  # the group is empty
+                break
+            time.sleep(0.2)
+        else:
+            signal_group(signal.SIGKILL)
+        self.proc.wait()
 
 
-OWNER = {"plain": "plain", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",
+OWNER = {"plain": "plain", "plain_b": "plain_b", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",
          "nnsight_quarter": "nnsight", "b1_plain": "plain", "b1_none": "plugin", "b1_quarter": "plugin"}
 BASE = {"b1_plain": "b1_plain", "b1_none": "b1_plain", "b1_quarter": "b1_plain"}  # batch-1 columns: × plain's batch 1
 GOALS = {"none": 0.97, "quarter": 0.85}  # issue 27: × plain vLLM's tokens/s
@@ -366,15 +404,57 @@ def run_settled(engines, column, settle):
     return row
 
 
-def run_pass(args, columns, started, site, work, start_s, index):
+class Stopped(Exception):
+    """SIGTERM while the rounds run: the rounds so far are reported (module docstring)."""
+
+
+def stop_on_sigterm():
+    """SIGTERM raises Stopped in the main thread, once (a second one while the engines close is ignored)."""
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Stopped("SIGTERM")
+    signal.signal(signal.SIGTERM, handler)
+
+
+class Deadline:
+    """--deadline: whether another round (or pass) fits, judged by the longest seen so far; `cut`: why the
+    rounds stopped early (None while they did not)."""
+
+    def __init__(self, seconds, clock=time.monotonic):
+        self.seconds, self.clock, self.start, self.cut = seconds, clock, clock(), None
+        self.longest = {}  # what -> its longest duration seen
+
+    def timed(self, what, fn):
+        t0 = self.clock()
+        try:
+            return fn()
+        finally:
+            self.longest[what] = max(self.longest.get(what, 0.0), self.clock() - t0)
+
+    def allows(self, *whats) -> bool:
+        """Whether `whats` (each as long as its longest so far) would end within the deadline; notes the cut."""
+        if self.seconds is None or self.cut is not None:
+            return self.cut is None
+        left = self.seconds - (self.clock() - self.start)
+        need = sum(self.longest.get(w, 0.0) for w in whats)
+        if need > left:
+            self.cut = f"--deadline {self.seconds:g} s: {left:.0f} s left, the next {' and '.join(whats)} " \
+                       f"would take ~{need:.0f} s"
+        return self.cut is None
+
+
+def run_pass(args, columns, started, site, work, start_s, index, rounds, deadline, engine=None):
     """One pass: the engines started in `started`'s order and kept; a warm-up of every column, then
     --rounds rounds, every column once per round in an order rotated by one each round (no column always
     runs first or after the same neighbour), ratios to plain taken within the round (a slow spell of the
-    machine lands on a round's columns alike)."""
-    engines, rounds = {}, []
+    machine lands on a round's columns alike). Rounds are appended to `rounds` as they end, so that a pass
+    cut short (`deadline`, SIGTERM: Stopped, noted in deadline.cut) leaves the ones done. `engine`: makes an
+    engine (Engine; a test's fake)."""
+    engine = engine or Engine
+    engines = {}
     try:
         for mode in started:
-            engines[mode] = Engine(args, mode, site, work)
+            engines[mode] = engine(args, mode, site, work)
             if not args.gpu:  # one engine starting at a time on 2 cores
                 engines[mode].ready()
         for mode in started:
@@ -385,8 +465,10 @@ def run_pass(args, columns, started, site, work, start_s, index):
             engines[OWNER[c]].run(c)
             time.sleep(args.settle)
         for r in range(args.rounds):
+            if not deadline.allows("round"):
+                break
             order = columns[r % len(columns):] + columns[:r % len(columns)]
-            rows = {c: run_settled(engines, c, args.settle) for c in order}
+            rows = deadline.timed("round", lambda: {c: run_settled(engines, c, args.settle) for c in order})
             ratio = {c: rows[c]["tokens_per_s"] / rows[BASE.get(c, "plain")]["tokens_per_s"] for c in columns}
             ratio_cpu = {c: rows[c]["tokens_per_cpu_s"] / rows[BASE.get(c, "plain")]["tokens_per_cpu_s"]
                          for c in columns}
@@ -400,8 +482,9 @@ def run_pass(args, columns, started, site, work, start_s, index):
             if rows.get("quarter", {}).get("detail"):  # where the plugin's saving column spent its time
                 print("  quarter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
                                                 for k, v in sorted(rows["quarter"]["detail"].items())), flush=True)
-        if args.profile_dir:  # after the rounds: one run of each vLLM column under the profiler, traces kept
-            for c in [c for c in columns if c in ("plain", "none", "quarter")]:
+        if args.profile_dir and deadline.allows("round", "round"):  # after the rounds: one profiled run of each
+            # vLLM column (a profiled run takes several times a plain one), traces kept
+            for c in [c for c in columns if c in ("plain", "plain_b", "none", "quarter")]:
                 traces = os.path.join(args.profile_dir, OWNER[c])
                 before = set(os.listdir(traces)) if os.path.isdir(traces) else set()
                 engines[OWNER[c]].run(c, profile=True)
@@ -410,10 +493,11 @@ def run_pass(args, columns, started, site, work, start_s, index):
                     if ".trace." in name:
                         os.replace(os.path.join(traces, name), os.path.join(args.profile_dir, c, name))
                 print(f"profiled {c}: traces in {os.path.join(args.profile_dir, c)}", flush=True)
+    except Stopped as e:
+        deadline.cut = f"{e} after {len(rounds)} round(s)"
     finally:
         for e in engines.values():
             e.close()
-    return rounds
 
 
 def balanced(rounds, column, key):
@@ -453,6 +537,11 @@ def main():
     ap.add_argument("--profile-stack", action="store_true",
                     help="--profile-dir with Python's stacks: the traces hold every Python function's time "
                     "(trace_gaps.py --inside sums a span's by self time); larger traces, slower profiled runs")
+    ap.add_argument("--control", action="store_true",
+                    help="a second plain vLLM engine, column plain_b: what two identical engines differ by")
+    ap.add_argument("--deadline", type=float,
+                    help="seconds: no round, pass or profiled run starts that would end later (the report covers "
+                         "the rounds done)")
     ap.add_argument("--child")
     ap.add_argument("--model")
     args = ap.parse_args()
@@ -477,7 +566,7 @@ def main():
     args.model = os.path.join(work, "model")
     write_model(args.model, args.gpu, args.layers)
     site = plugin_dist(os.path.join(work, "site"))
-    columns = ["plain", "none", "quarter"] + (["nnsight_none", "nnsight_quarter"] if args.nnsight else []) + \
+    columns = ["plain"] + (["plain_b"] if args.control else []) + ["none", "quarter"] + (["nnsight_none", "nnsight_quarter"] if args.nnsight else []) + \
         (["b1_plain", "b1_none", "b1_quarter"] if args.batch1 else [])
     load_before = os.getloadavg()
     modes = list(dict.fromkeys(OWNER[c] for c in columns))
@@ -485,10 +574,35 @@ def main():
     # Each pass starts the engines in another rotation and the headline is the geometric mean of the passes'
     # median ratios, so no engine is always the first started (s37 saw start order move the ratios; the
     # interference run_settled takes out explained most of it, bench/README.md).
+    deadline = Deadline(args.deadline)
+    stop_on_sigterm()
     for p in range(args.start_orders):
+        if p:  # another pass starts its engines again: as long as the slowest start so far, and a round
+            deadline.longest["engine start"] = max(max(v) for v in start_s.values())
+            if not deadline.allows("engine start", "round"):
+                break
         started = modes[p % len(modes):] + modes[:p % len(modes)]
         print(f"pass {p + 1}/{args.start_orders}: engines started {', '.join(started)}", flush=True)
-        rounds += run_pass(args, columns, started, site, work, start_s, p)
+        run_pass(args, columns, started, site, work, start_s, p, rounds, deadline)
+        if deadline.cut and deadline.cut.startswith("SIGTERM"):
+            break
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if not rounds:
+        print(f"vllm_throughput: no round ran ({deadline.cut or 'no engine started'}); nothing written",
+              file=sys.stderr)
+        remove_work()
+        return 143 if deadline.cut and deadline.cut.startswith("SIGTERM") else 1
+    report = summarize(args, columns, rounds, start_s, load_before, deadline.cut)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.json}")
+    remove_work()
+    return 143 if deadline.cut and deadline.cut.startswith("SIGTERM") else 0
+
+
+def summarize(args, columns, rounds, start_s, load_before, cut):
+    """The report of the rounds done (printed as a table, returned for --json); `cut`: why they stopped early."""
     summary = {}
     for c in columns:
         med, lo, hi, iqr = spread([r["ratio"][c] for r in rounds])
@@ -510,8 +624,10 @@ def main():
                                                          "layers")},
               "device": device,
               "engine_start_s": start_s,
-              "load_before": load_before, "load_after": os.getloadavg(), "summary": summary, "rounds": rounds}
-    print(f"\n{args.start_orders} pass(es) of {args.rounds} paired rounds (ratios to plain taken within each "
+              "load_before": load_before, "load_after": os.getloadavg(), "summary": summary, "rounds": rounds,
+              "cut_short": cut, "rounds_done": len(rounds)}
+    passes = len({r["pass"] for r in rounds})
+    print(f"\n{passes} pass(es) of {args.rounds} paired rounds (ratios to plain taken within each "
           "round; balanced: geometric mean of the passes' medians; then all rounds' median [min–max], IQR):")
     print("| column | median tokens/s | × plain, balanced (per pass) | × plain (wall) | spread | IQR | "
           "× plain (per CPU s) | spread | goal |")
@@ -525,12 +641,13 @@ def main():
               f"{v['ratio_per_cpu_s_min']:.3f}–{v['ratio_per_cpu_s_max']:.3f} | "
               f"{'≥ %.2f' % v['goal'] if v['goal'] else ''} |")
     print(f"load average before {load_before[0]:.1f}, after {report['load_after'][0]:.1f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.json}")
-    remove_work()
+    if "plain_b" in summary:
+        print(f"control: a second plain engine reads {summary['plain_b']['ratio_median']:.3f} x plain (IQR "
+              f"{summary['plain_b']['ratio_iqr'] or 0:.3f}): what two identical engines differ by here")
+    if cut:
+        print(f"cut short: {len(rounds)} of {args.rounds * args.start_orders} rounds ({cut})")
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""bench/vllm_throughput.py's rounds without vLLM: engines faked, the clock too. A --deadline ends the rounds
+before one that would not fit (judged by the longest round so far) and the report covers the rounds done and
+says why they stopped; another pass is not started when its engines' start would not fit; SIGTERM (a device
+call's `timeout`) ends the rounds alike and closes every engine; the --control column is a second plain engine's
+run, its ratio to plain taken within the round; the summary's medians are those of the rounds done.
+(run40 on an H200: 64 rounds outran a 570 s call and left a log but no JSON.)"""
+import os
+import signal
+import sys
+import types
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import vllm_throughput as bench  # noqa: E402
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeEngine:
+    """An engine whose runs take `run_s` on the fake clock; `rates`: tokens/s by column; `on_run(n)`: called at
+    its n-th run (a SIGTERM sent from it)."""
+    made = []
+
+    def __init__(self, args, mode, site, work, clock=None, rates=None, run_s=2.0, on_run=None):
+        self.mode, self.clock, self.rates, self.run_s, self.on_run = mode, clock, rates or {}, run_s, on_run
+        self.start_s, self.closed, self.runs = None, False, 0
+        FakeEngine.made.append(self)
+
+    def ready(self):
+        self.start_s = 30.0
+
+    def cpu_seconds(self):
+        return 0.0
+
+    def run(self, column, profile=False):
+        self.runs += 1
+        self.clock.now += self.run_s
+        if self.on_run is not None:
+            self.on_run(self.runs)
+        rate = self.rates.get(column, 100.0)
+        return {"column": column, "tokens_per_s": rate, "tokens_per_cpu_s": rate / 2, "saved": 0, "detail": {}}
+
+    def close(self):
+        self.closed = True
+
+
+def args(**kw):
+    a = dict(rounds=10, settle=0.0, gpu=True, profile_dir=None, start_orders=1, prompts=64, prompt_len=128,
+             max_tokens=128, repeat=1, chunked_prefill="off", layers=8)
+    a.update(kw)
+    return types.SimpleNamespace(**a)
+
+
+class RoundsTest(unittest.TestCase):
+    def setUp(self):
+        FakeEngine.made = []
+        self.clock = Clock()
+
+    def engine(self, **kw):
+        return lambda a, mode, site, work: FakeEngine(a, mode, site, work, clock=self.clock, **kw)
+
+    def test_deadline_stops_before_a_round_that_would_not_fit(self):
+        columns = ["plain", "none", "quarter"]
+        deadline = bench.Deadline(20.0, clock=self.clock)
+        rounds, start_s = [], {}
+        # warm-up 6 s (t=6); round 1 to t=12 (6 s, the longest); round 2 to t=18; 2 s left < 6: cut
+        bench.run_pass(args(), columns, ["plain", "plugin"], None, None, start_s, 0, rounds, deadline,
+                       engine=self.engine())
+        self.assertEqual(len(rounds), 2)
+        self.assertIn("--deadline 20 s", deadline.cut)
+        self.assertIn("round would take ~6 s", deadline.cut)
+        self.assertTrue(all(e.closed for e in FakeEngine.made))
+        self.assertEqual(start_s, {"plain": [30.0], "plugin": [30.0]})
+        report = bench.summarize(args(gpu=False), columns, rounds, start_s, (0.0, 0.0, 0.0), deadline.cut)
+        self.assertEqual((report["rounds_done"], report["cut_short"]), (2, deadline.cut))
+
+    def test_no_deadline_runs_every_round(self):
+        deadline = bench.Deadline(None, clock=self.clock)
+        rounds = []
+        bench.run_pass(args(rounds=4), ["plain", "none"], ["plain", "plugin"], None, None, {}, 0, rounds, deadline,
+                       engine=self.engine())
+        self.assertEqual((len(rounds), deadline.cut), (4, None))
+
+    def test_another_pass_needs_room_for_its_engines_start(self):
+        deadline = bench.Deadline(100.0, clock=self.clock)
+        deadline.longest["round"] = 6.0
+        self.clock.now = 60.0
+        deadline.longest["engine start"] = 30.0
+        self.assertTrue(deadline.allows("engine start", "round"))  # 40 s left, 36 needed
+        self.clock.now = 70.0
+        self.assertFalse(deadline.allows("engine start", "round"))  # 30 s left
+        self.assertIn("engine start and round", deadline.cut)
+        self.assertFalse(deadline.allows("round"), "once cut, nothing more starts")
+
+    def test_sigterm_ends_the_rounds_and_closes_the_engines(self):
+        deadline = bench.Deadline(None, clock=self.clock)
+        rounds = []
+
+        def term(n):
+            if n == 5:  # the plugin engine's 5th run: its warm-up (2 columns) and rounds 1-3 of "none", "quarter"
+                os.kill(os.getpid(), signal.SIGTERM)
+        previous = signal.getsignal(signal.SIGTERM)
+        bench.stop_on_sigterm()
+        try:
+            made = {"plain": self.engine(), "plugin": self.engine(on_run=term)}
+            bench.run_pass(args(), ["plain", "none", "quarter"], ["plain", "plugin"], None, None, {}, 0, rounds,
+                           deadline, engine=lambda a, mode, site, work: made[mode](a, mode, site, work))
+            self.assertEqual(signal.getsignal(signal.SIGTERM), signal.SIG_IGN, "a second SIGTERM is ignored")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        self.assertTrue(deadline.cut.startswith("SIGTERM"), deadline.cut)
+        self.assertLess(len(rounds), 10)
+        self.assertGreaterEqual(len(rounds), 1)
+        self.assertIn(f"after {len(rounds)} round(s)", deadline.cut)
+        self.assertTrue(all(e.closed for e in FakeEngine.made))
+
+    def test_control_column_is_a_second_plain_engine(self):
+        columns = ["plain", "plain_b", "none", "quarter"]
+        deadline = bench.Deadline(None, clock=self.clock)
+        rounds, start_s = [], {}
+        modes = list(dict.fromkeys(bench.OWNER[c] for c in columns))
+        self.assertEqual(modes, ["plain", "plain_b", "plugin"])
+        bench.run_pass(args(rounds=3), columns, modes, None, None, start_s, 0, rounds, deadline,
+                       engine=self.engine(rates={"plain": 100.0, "plain_b": 97.0, "none": 96.0, "quarter": 88.0}))
+        self.assertEqual(sorted(e.mode for e in FakeEngine.made), ["plain", "plain_b", "plugin"])
+        self.assertEqual([e.runs for e in FakeEngine.made if e.mode == "plain_b"], [4])  # warm-up and 3 rounds
+        for r in rounds:
+            self.assertAlmostEqual(r["ratio"]["plain_b"], 0.97)
+            self.assertAlmostEqual(r["ratio"]["quarter"], 0.88)
+        report = bench.summarize(args(rounds=3, gpu=False), columns, rounds, start_s, (0.0, 0.0, 0.0), None)
+        self.assertAlmostEqual(report["summary"]["plain_b"]["ratio_median"], 0.97)
+        self.assertIsNone(report["summary"]["plain_b"]["goal"])
+        self.assertEqual(report["summary"]["none"]["goal"], 0.97)  # the CPU's (gpu=False: no device named)
+        self.assertEqual((report["cut_short"], report["rounds_done"]), (None, 3))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
