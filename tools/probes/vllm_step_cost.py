@@ -26,7 +26,9 @@ the H100's host (run38, --width 8): run37's code 0.147 ms, 8 steps to a block 0.
 for every location (_C.gather_rows, one kernel launch) 0.049.
 --every 0: no request saves (the bench's none column): 0.003 ms a step here (run39's profile, with Python's stacks
 inflating every call, had put 70 us of begin_step there). Every run checks the first and last saving requests'
-rows against the slots' rows.
+rows against the slots' rows. It also prints each begin_step and end_step call's median, 90th percentile and
+longest (_durations.py, as the bench's detail): here at --width 8 --as-gpu, end_step's median 10 us and 90th
+percentile 97 us, the latter the steps that send a block on (one in STEPS).
 """
 import argparse
 import collections
@@ -41,7 +43,7 @@ sys.path.append(os.path.join(ROOT, "python"))  # after PYTHONPATH (the GPU machi
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fragments.vllm import _delivery, _plan, _rowqueue, _runner, _saves, _worker  # noqa: E402
+from fragments.vllm import _delivery, _durations, _plan, _rowqueue, _runner, _saves, _worker  # noqa: E402
 
 WIDTHS = {"model.layers.0.self_attn.qkv_proj.output": 6144, "model.layers.1.mlp.down_proj.input": 14336,
           "model.layers.2.output": 4096, "model.norm.output": 4096}
@@ -96,6 +98,7 @@ def state(rows, every, dtype, device, folder):
     s.taps = list(WIDTHS)
     s.slots = {at: torch.randn(512, w, device=device).to(dtype) for at, w in WIDTHS.items()}
     s.tap_calls, s.host_s, s.step_counts = collections.Counter(), collections.Counter(), collections.Counter()
+    s.durations = _durations.StepDurations()
     s.in_step, s.executing, s.logits_done = True, True, set()
     # what begin_step and end_step read: a compiled engine with taps in slots, its FULL graph replayed each step
     s.compiled, s.graphs, s.hooks, s._failed, s.py_forward, s.forwards = True, "slots", {}, False, 0, 0
@@ -150,10 +153,12 @@ def main():
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
+    before = s.durations.report()
     t0 = time.perf_counter()
     for n in range(args.warmup, args.warmup + args.steps):
         step(n)
     t_host = time.perf_counter() - t0  # the stepping thread's time: what vLLM's loop waits for
+    calls = _durations.between(before, s.durations.report())  # each call's, as the bench's detail has them
     if args.device == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -176,6 +181,8 @@ def main():
           f"{t_host / args.steps * 1e3:.3f} ms per step on the stepping thread ({(t1 - t0) / args.steps * 1e3:.3f} with "
           f"the device's queue drained; {args.warmup} warm-up steps untimed), take and read {t2 - t1:.3f} s for {mb:.0f} MiB "
           f"({mb / max(t2 - t1, 1e-9):.0f} MiB/s)" + ("" if t_first is None else f"; the batch's first step {t_first * 1e3:.2f} ms"))
+    print("  each call (us): " + ", ".join(f"{p} median {calls[p + '_median_us']:.1f} p90 {calls[p + '_p90_us']:.1f} "
+                                         f"max {calls[p + '_max_us']:.0f}" for p in ("begin_step", "end_step")))
 
 
 if __name__ == "__main__":

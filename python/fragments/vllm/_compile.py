@@ -39,6 +39,7 @@ def stats(state) -> dict:
             # both also inside "end_step" where they follow a replay, "drain" inside "begin_step" or "take_saves"
             # where those send its steps on (_drain.settle)
             "host_s": dict(state.host_s), "steps": dict(state.step_counts),
+            "step_s": state.durations.report(),  # begin_step's and end_step's last calls, each (_durations.py)
             "dynamo_compiles": list(_dynamo_compiles),  # every frame Dynamo compiled here, in order
             "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
             "vllm_compiles": {k: int(getattr(cc, k)) for k in ("num_aot_compiles", "num_aot_artifacts_loaded",

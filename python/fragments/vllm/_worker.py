@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ..core import executor
-from . import _delivery, _drain, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _steady, _tap, _vllm_api
+from . import _delivery, _drain, _durations, _layers, _plan, _python, _rowqueue, _runner, _saves, _stages, _steady, _tap, _vllm_api
 
 log = logging.getLogger("fragments.vllm")
 
@@ -96,6 +96,7 @@ class WorkerState:
         self.tap_calls: Dict[str, int] = {}
         self.forwards = 0  # compiled mode: forwards in which a plan acted
         self.host_s, self.step_counts = Counter(), Counter()  # host seconds by phase, steps (compile_stats)
+        self.durations = _durations.StepDurations()  # begin_step's and end_step's last calls (compile_stats)
         # every stage's locations (a collective over the pipeline group at pp > 1: _stages.exchange)
         self._record = _stages.exchange(self._local_record())
         self.stage_of: Dict[str, int] = self._record.get("stage", {})
@@ -133,7 +134,9 @@ class WorkerState:
         t0 = time.perf_counter()
         self.saves.flush()  # earlier steps' rows whose copies are done go to their files, while the GPU works
         self._begin_step(scheduler_output)
-        self.host_s["begin_step"] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.host_s["begin_step"] += took
+        self.durations.add("begin_step", took)
         self.step_counts["all"] += 1  # (Counter.update's keywords cost a few microseconds a step)
         self.step_counts["acting"] += int(self.in_step)
 
@@ -194,7 +197,9 @@ class WorkerState:
             self.step_counts[self.view.graph.lower()] += 1
             self._drain_slots()
         self.copies.seal(self.saves)
-        self.host_s["end_step"] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.host_s["end_step"] += took
+        self.durations.add("end_step", took)
         self.in_step = self.executing = self.acting = self.editing = False
         self.step_work = None
 

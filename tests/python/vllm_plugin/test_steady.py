@@ -14,7 +14,7 @@ import unittest
 import numpy as np
 import torch
 
-from fragments.vllm import _delivery, _plan, _rowqueue, _runner, _saves, _steady, _worker
+from fragments.vllm import _delivery, _durations, _plan, _rowqueue, _runner, _saves, _steady, _worker
 
 WIDTHS = {"a.output": 3, "b.input": 5}
 
@@ -64,6 +64,7 @@ def state(folder, view, plans):
     s.taps = list(WIDTHS)
     s.slots = {}
     s.tap_calls, s.host_s, s.step_counts = collections.Counter(), collections.Counter(), collections.Counter()
+    s.durations = _durations.StepDurations()
     s.in_step, s.executing, s.logits_done = True, True, set()
     return s
 

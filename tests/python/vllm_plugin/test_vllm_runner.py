@@ -182,10 +182,11 @@ class SlotsTest(unittest.TestCase):
 
     def state(self, graphs, largest=8):
         from collections import Counter
-        from fragments.vllm import _worker
+        from fragments.vllm import _durations, _worker
         s = ns(slots={}, graphs=graphs, refused={}, publish=None, _record={"refused": {}}, leading_batch=False,
                runner=ns(vllm_config=ns(compilation_config=ns(max_cudagraph_capture_size=largest))),
-               step_counts=Counter(), host_s=Counter(), taps=["a.output"], tap_calls={"a.output": 0},
+               step_counts=Counter(), host_s=Counter(), durations=_durations.StepDurations(), taps=["a.output"],
+               tap_calls={"a.output": 0},
                copies=ns(seal=lambda saves: None), saves=None, in_step=True, executing=True, acting=True,
                editing=False, step_work=None, steady=None, draining=None)
         for name in ("_slot_copy", "_token_rows", "_drain_slots", "end_step", "tap_opaque"):
