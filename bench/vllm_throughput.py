@@ -418,11 +418,12 @@ def stop_on_sigterm():
 
 class Deadline:
     """--deadline: whether another round (or pass) fits, judged by the longest seen so far; `cut`: why the
-    rounds stopped early (None while they did not)."""
+    rounds stopped early (None while they did not: the deadline, or SIGTERM)."""
 
     def __init__(self, seconds, clock=time.monotonic):
         self.seconds, self.clock, self.start, self.cut = seconds, clock, clock(), None
         self.longest = {}  # what -> its longest duration seen
+        self.signalled = False  # the rounds stopped by SIGTERM (exit 143), not by the deadline
 
     def timed(self, what, fn):
         t0 = self.clock()
@@ -448,8 +449,8 @@ def run_pass(args, columns, started, site, work, start_s, index, rounds, deadlin
     --rounds rounds, every column once per round in an order rotated by one each round (no column always
     runs first or after the same neighbour), ratios to plain taken within the round (a slow spell of the
     machine lands on a round's columns alike). Rounds are appended to `rounds` as they end, so that a pass
-    cut short (`deadline`, SIGTERM: Stopped, noted in deadline.cut) leaves the ones done. `engine`: makes an
-    engine (Engine; a test's fake)."""
+    cut short by `deadline` leaves the ones done; on SIGTERM (Stopped) the engines close and Stopped goes on to
+    run_passes. `engine`: makes an engine (Engine; a test's fake)."""
     engine = engine or Engine
     engines = {}
     try:
@@ -493,11 +494,26 @@ def run_pass(args, columns, started, site, work, start_s, index, rounds, deadlin
                     if ".trace." in name:
                         os.replace(os.path.join(traces, name), os.path.join(args.profile_dir, c, name))
                 print(f"profiled {c}: traces in {os.path.join(args.profile_dir, c)}", flush=True)
-    except Stopped as e:
-        deadline.cut = f"{e} after {len(rounds)} round(s)"
     finally:
         for e in engines.values():
             e.close()
+
+
+def run_passes(args, columns, site, work, rounds, start_s, deadline, engine=None):
+    """--start-orders passes (run_pass), each starting the engines in another rotation, while the deadline
+    allows; SIGTERM (stop_on_sigterm) ends them, the engines closed, noted in `deadline`."""
+    modes = list(dict.fromkeys(OWNER[c] for c in columns))
+    try:
+        for p in range(args.start_orders):
+            if p:  # another pass starts its engines again: as long as the slowest start so far, and a round
+                deadline.longest["engine start"] = max(max(v) for v in start_s.values())
+                if not deadline.allows("engine start", "round"):
+                    break
+            started = modes[p % len(modes):] + modes[:p % len(modes)]
+            print(f"pass {p + 1}/{args.start_orders}: engines started {', '.join(started)}", flush=True)
+            run_pass(args, columns, started, site, work, start_s, p, rounds, deadline, engine)
+    except Stopped as e:
+        deadline.cut, deadline.signalled = f"{e} after {len(rounds)} round(s)", True
 
 
 def balanced(rounds, column, key):
@@ -566,39 +582,30 @@ def main():
     args.model = os.path.join(work, "model")
     write_model(args.model, args.gpu, args.layers)
     site = plugin_dist(os.path.join(work, "site"))
-    columns = ["plain"] + (["plain_b"] if args.control else []) + ["none", "quarter"] + (["nnsight_none", "nnsight_quarter"] if args.nnsight else []) + \
+    columns = ["plain"] + (["plain_b"] if args.control else []) + ["none", "quarter"] + \
+        (["nnsight_none", "nnsight_quarter"] if args.nnsight else []) + \
         (["b1_plain", "b1_none", "b1_quarter"] if args.batch1 else [])
     load_before = os.getloadavg()
-    modes = list(dict.fromkeys(OWNER[c] for c in columns))
     rounds, start_s = [], {}
     # Each pass starts the engines in another rotation and the headline is the geometric mean of the passes'
     # median ratios, so no engine is always the first started (s37 saw start order move the ratios; the
     # interference run_settled takes out explained most of it, bench/README.md).
     deadline = Deadline(args.deadline)
     stop_on_sigterm()
-    for p in range(args.start_orders):
-        if p:  # another pass starts its engines again: as long as the slowest start so far, and a round
-            deadline.longest["engine start"] = max(max(v) for v in start_s.values())
-            if not deadline.allows("engine start", "round"):
-                break
-        started = modes[p % len(modes):] + modes[:p % len(modes)]
-        print(f"pass {p + 1}/{args.start_orders}: engines started {', '.join(started)}", flush=True)
-        run_pass(args, columns, started, site, work, start_s, p, rounds, deadline)
-        if deadline.cut and deadline.cut.startswith("SIGTERM"):
-            break
+    run_passes(args, columns, site, work, rounds, start_s, deadline)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = 143 if deadline.signalled else 0
     if not rounds:
-        print(f"vllm_throughput: no round ran ({deadline.cut or 'no engine started'}); nothing written",
-              file=sys.stderr)
+        print(f"vllm_throughput: no round ran ({deadline.cut}); nothing written", file=sys.stderr)
         remove_work()
-        return 143 if deadline.cut and deadline.cut.startswith("SIGTERM") else 1
+        return code or 1
     report = summarize(args, columns, rounds, start_s, load_before, deadline.cut)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.json}")
     remove_work()
-    return 143 if deadline.cut and deadline.cut.startswith("SIGTERM") else 0
+    return code
 
 
 def summarize(args, columns, rounds, start_s, load_before, cut):

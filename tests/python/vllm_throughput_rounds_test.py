@@ -81,6 +81,16 @@ class RoundsTest(unittest.TestCase):
         report = bench.summarize(args(gpu=False), columns, rounds, start_s, (0.0, 0.0, 0.0), deadline.cut)
         self.assertEqual((report["rounds_done"], report["cut_short"]), (2, deadline.cut))
 
+    def test_a_second_pass_is_not_started_past_the_deadline(self):
+        deadline = bench.Deadline(50.0, clock=self.clock)
+        rounds, start_s = [], {}
+        # pass 1: warm-up 4 s, 5 rounds of 4 s (t=24); pass 2 would need its engines' start (30 s) and a round
+        bench.run_passes(args(rounds=5, start_orders=2), ["plain", "none"], None, None, rounds, start_s, deadline,
+                         engine=self.engine())
+        self.assertEqual((len(rounds), len(FakeEngine.made)), (5, 2))
+        self.assertFalse(deadline.signalled)
+        self.assertIn("engine start and round would take ~34 s", deadline.cut)
+
     def test_no_deadline_runs_every_round(self):
         deadline = bench.Deadline(None, clock=self.clock)
         rounds = []
@@ -110,12 +120,14 @@ class RoundsTest(unittest.TestCase):
         bench.stop_on_sigterm()
         try:
             made = {"plain": self.engine(), "plugin": self.engine(on_run=term)}
-            bench.run_pass(args(), ["plain", "none", "quarter"], ["plain", "plugin"], None, None, {}, 0, rounds,
-                           deadline, engine=lambda a, mode, site, work: made[mode](a, mode, site, work))
+            bench.run_passes(args(start_orders=2), ["plain", "none", "quarter"], None, None, rounds, {}, deadline,
+                             engine=lambda a, mode, site, work: made[mode](a, mode, site, work))
             self.assertEqual(signal.getsignal(signal.SIGTERM), signal.SIG_IGN, "a second SIGTERM is ignored")
         finally:
             signal.signal(signal.SIGTERM, previous)
+        self.assertTrue(deadline.signalled)
         self.assertTrue(deadline.cut.startswith("SIGTERM"), deadline.cut)
+        self.assertEqual(len(FakeEngine.made), 2, "the second pass was not started")
         self.assertLess(len(rounds), 10)
         self.assertGreaterEqual(len(rounds), 1)
         self.assertIn(f"after {len(rounds)} round(s)", deadline.cut)

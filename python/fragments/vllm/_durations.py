@@ -43,12 +43,12 @@ def between(before: Dict[str, dict], after: Dict[str, dict], longest: int = 3) -
         n = now["calls"] - before.get(phase, {}).get("calls", 0)
         if n <= 0:
             continue
-        runs = sorted(now["last"][-n:])
-        top = runs[-longest:]
+        took = sorted(now["last"][-n:])
+        top = took[-longest:]
         out[f"{phase}_calls"] = n
-        out[f"{phase}_median_us"] = statistics.median(runs) * 1e6
-        out[f"{phase}_p90_us"] = runs[min(len(runs) - 1, int(0.9 * len(runs)))] * 1e6
-        out[f"{phase}_max_us"] = runs[-1] * 1e6
+        out[f"{phase}_median_us"] = statistics.median(took) * 1e6
+        out[f"{phase}_p90_us"] = took[min(len(took) - 1, int(0.9 * len(took)))] * 1e6
+        out[f"{phase}_max_us"] = took[-1] * 1e6
         out[f"{phase}_top{longest}_ms"] = sum(top) * 1e3
-        out[f"{phase}_rest_ms"] = sum(runs[:-longest]) * 1e3 if len(runs) > longest else 0.0
+        out[f"{phase}_rest_ms"] = sum(took[:-longest]) * 1e3 if len(took) > longest else 0.0
     return out
