@@ -33,6 +33,7 @@ sample, ...) and the plugin's (begin_step, end_step) in every engine; tools/prob
 stacks (trace_gaps.py --inside "fragments: end_step" then names the Python functions inside a span).
 --control: a second plain vLLM engine (column plain_b), run like plain: its ratio to plain is what two identical
 engines differ by on this machine (where they sit, which started first), the floor under the none column's gap.
+On a GPU it starts once plain is up, and loads the graphs plain compiled from vLLM's compile cache.
 --deadline S: no round (or pass, or profiled run) starts that would end more than S seconds after the bench
 started, judged by the longest round (and engine start) so far; the report covers the rounds done and says the
 run was cut short. SIGTERM (a device call's `timeout`) ends the rounds alike, the report written, exit 143:
@@ -376,6 +377,8 @@ class Engine:
 OWNER = {"plain": "plain", "plain_b": "plain_b", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",
          "nnsight_quarter": "nnsight", "b1_plain": "plain", "b1_none": "plugin", "b1_quarter": "plugin"}
 BASE = {"b1_plain": "b1_plain", "b1_none": "b1_plain", "b1_quarter": "b1_plain"}  # batch-1 columns: × plain's batch 1
+TWIN = {"plain_b": "plain", "plain": "plain_b"}  # engines of the same settings: the later one starts once the
+# earlier is up, and loads vLLM's compile cache that one wrote
 GOALS = {"none": 0.97, "quarter": 0.85}  # issue 27: × plain vLLM's tokens/s
 GOALS_GPU = {"none": 0.98, "quarter": 0.90, "b1_none": 0.98}  # issue 39, CUDA graphs on in every engine
 
@@ -455,6 +458,9 @@ def run_pass(args, columns, started, site, work, start_s, index, rounds, deadlin
     engines = {}
     try:
         for mode in started:
+            twin = engines.get(TWIN.get(mode))
+            if twin is not None and twin.start_s is None:  # its compiled graphs are the twin's: loaded, not
+                twin.ready()  # compiled again (a fresh GPU machine's engines took 229 s to compile in run40)
             engines[mode] = engine(args, mode, site, work)
             if not args.gpu:  # one engine starting at a time on 2 cores
                 engines[mode].ready()

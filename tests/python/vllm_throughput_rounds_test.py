@@ -25,16 +25,18 @@ class Clock:
 
 class FakeEngine:
     """An engine whose runs take `run_s` on the fake clock; `rates`: tokens/s by column; `on_run(n)`: called at
-    its n-th run (a SIGTERM sent from it)."""
-    made = []
+    its n-th run (a SIGTERM sent from it). `events`: ("start" or "ready", mode) in order."""
+    made, events = [], []
 
     def __init__(self, args, mode, site, work, clock=None, rates=None, run_s=2.0, on_run=None):
         self.mode, self.clock, self.rates, self.run_s, self.on_run = mode, clock, rates or {}, run_s, on_run
         self.start_s, self.closed, self.runs = None, False, 0
         FakeEngine.made.append(self)
+        FakeEngine.events.append(("start", mode))
 
     def ready(self):
         self.start_s = 30.0
+        FakeEngine.events.append(("ready", self.mode))
 
     def cpu_seconds(self):
         return 0.0
@@ -60,7 +62,7 @@ def args(**kw):
 
 class RoundsTest(unittest.TestCase):
     def setUp(self):
-        FakeEngine.made = []
+        FakeEngine.made, FakeEngine.events = [], []
         self.clock = Clock()
 
     def engine(self, **kw):
@@ -142,6 +144,10 @@ class RoundsTest(unittest.TestCase):
         bench.run_pass(args(rounds=3), columns, modes, None, None, start_s, 0, rounds, deadline,
                        engine=self.engine(rates={"plain": 100.0, "plain_b": 97.0, "none": 96.0, "quarter": 88.0}))
         self.assertEqual(sorted(e.mode for e in FakeEngine.made), ["plain", "plain_b", "plugin"])
+        # on a GPU the engines start side by side, but the control waits for plain: it loads plain's compiled
+        # graphs from vLLM's cache instead of compiling them again beside it
+        self.assertEqual(FakeEngine.events, [("start", "plain"), ("ready", "plain"), ("start", "plain_b"),
+                                             ("start", "plugin"), ("ready", "plain_b"), ("ready", "plugin")])
         self.assertEqual([e.runs for e in FakeEngine.made if e.mode == "plain_b"], [4])  # warm-up and 3 rounds
         for r in rounds:
             self.assertAlmostEqual(r["ratio"]["plain_b"], 0.97)
