@@ -144,10 +144,10 @@ class RoundsTest(unittest.TestCase):
         bench.run_pass(args(rounds=3), columns, modes, None, None, start_s, 0, rounds, deadline,
                        engine=self.engine(rates={"plain": 100.0, "plain_b": 97.0, "none": 96.0, "quarter": 88.0}))
         self.assertEqual(sorted(e.mode for e in FakeEngine.made), ["plain", "plain_b", "plugin"])
-        # on a GPU the engines start side by side, but the control waits for plain: it loads plain's compiled
-        # graphs from vLLM's cache instead of compiling them again beside it
-        self.assertEqual(FakeEngine.events, [("start", "plain"), ("ready", "plain"), ("start", "plain_b"),
-                                             ("start", "plugin"), ("ready", "plain_b"), ("ready", "plugin")])
+        # on a GPU the engines start side by side, but the control last, once plain is up: it loads plain's
+        # compiled graphs from vLLM's cache instead of compiling them again beside it
+        self.assertEqual(FakeEngine.events, [("start", "plain"), ("start", "plugin"), ("ready", "plain"),
+                                             ("start", "plain_b"), ("ready", "plain_b"), ("ready", "plugin")])
         self.assertEqual([e.runs for e in FakeEngine.made if e.mode == "plain_b"], [4])  # warm-up and 3 rounds
         for r in rounds:
             self.assertAlmostEqual(r["ratio"]["plain_b"], 0.97)
