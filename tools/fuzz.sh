@@ -37,12 +37,15 @@ passed=0
 for t in "${targets[@]}"; do
   work="$out/corpus/$t"; crashes="$out/crashes/$t"; mkdir -p "$work"
   rm -rf "$crashes"; mkdir -p "$crashes"  # this run's findings only
+  # The target's scratch folders (tests/fuzz/fuzz_input.h) and libFuzzer's fork-mode jobs under a TMPDIR of its
+  # own, removed after it: a child that dies on an input cannot remove its own.
+  scratch="$out/tmp/$t"; rm -rf "$scratch"; mkdir -p "$scratch"
   limit=(-max_total_time="$seconds"); [ "$mode" = runs ] && limit=(-runs="$runs")
   log="$out/$t.log"
   # -timeout: an input that takes longer than 10 s is a hang, reported like a crash.
   # A fixed seed (FRAG_FUZZ_SEED, default 1) makes CI's short runs repeatable; FRAG_FUZZ_SEED=0 draws a random one.
   # shellcheck disable=SC2086
-  "$bin/${t}_fuzzer" "$work" "tests/fuzz/corpus/$t" "${limit[@]}" -seed="${FRAG_FUZZ_SEED:-1}" -timeout=10 \
+  TMPDIR="$scratch" "$bin/${t}_fuzzer" "$work" "tests/fuzz/corpus/$t" "${limit[@]}" -seed="${FRAG_FUZZ_SEED:-1}" -timeout=10 \
        -rss_limit_mb=4096 -max_len=65536 -artifact_prefix="$crashes/" -print_final_stats=1 \
        ${run_flags[$t]:-} > "$log" 2>&1
   rc=$?
@@ -54,7 +57,7 @@ for t in "${targets[@]}"; do
       [ -e "$f" ] || continue
       case "$(basename "$f")" in
         crash-*)
-          "$bin/${t}_fuzzer" "$f" -rss_limit_mb=4096 > "$f.replay.log" 2>&1
+          TMPDIR="$scratch" "$bin/${t}_fuzzer" "$f" -rss_limit_mb=4096 > "$f.replay.log" 2>&1
           if grep -qE "^SUMMARY: AddressSanitizer: (out-of-memory|allocation-size-too-big)" "$f.replay.log"; then
             set_aside=$((set_aside + 1))
           else failure="crash on $f"; log="$f.replay.log"; fi ;;
@@ -65,6 +68,7 @@ for t in "${targets[@]}"; do
     done
   elif [ $rc -ne 0 ]; then failure="exit $rc"
   fi
+  rm -rf "$scratch"
   if [ -z "$failure" ]; then
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     secs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
@@ -82,6 +86,7 @@ for t in "${targets[@]}"; do
     status=1
   fi
 done
+rmdir "$out/tmp" 2>/dev/null
 [ $status -eq 0 ] && echo "fuzz: ${#targets[@]} targets clean"
 # GoogleTest's summary lines, which tools/summarize_tests.py counts (one test per target).
 echo "[  PASSED  ] $passed tests."

@@ -15,18 +15,32 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
 
 namespace frag::fuzz {
 
-/// A per-process scratch folder (removed by the OS's tmp cleaning; fuzz runs are short-lived).
+/// A per-process scratch folder under $TMPDIR (else /tmp), removed at a normal exit. tools/fuzz.sh gives each
+/// target a TMPDIR of its own and removes it after: a fork-mode child that dies on an input leaves its folder
+/// there, not in /tmp (CI had left four folders in /tmp per run).
 inline const std::string& scratch() {
   static const std::string folder = [] {
-    std::string pattern = "/tmp/frag-fuzz-XXXXXX";
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/frag-fuzz-XXXXXX";
     if (mkdtemp(pattern.data()) == nullptr) std::abort();
     return pattern;
   }();
+  // Registered once `folder` is made, so that it runs before `folder` is destroyed.
+  static const bool removed_at_exit = [] {
+    std::atexit([] {
+      std::error_code ignored;
+      std::filesystem::remove_all(scratch(), ignored);
+    });
+    return true;
+  }();
+  (void)removed_at_exit;
   return folder;
 }
 
