@@ -341,7 +341,8 @@ class Engine:
 
     def close(self):
         """Quits a ready engine (it reads the line once its run in hand ends); one not ready yet (the bench
-        stopped while engines started) or not quitting in 120 s is stopped with its process group."""
+        stopped while engines started) or not quitting in 120 s is stopped with its process group
+        (vllm_check.stop_process_group: SIGTERM first, so that its shared memory is cleared)."""
         try:
             if self.start_s is None:
                 raise OSError("not ready")
@@ -349,29 +350,8 @@ class Engine:
             self.proc.stdin.close()
             self.proc.wait(120)
         except (OSError, subprocess.TimeoutExpired):
-            self._stop_group()
-
-    def _stop_group(self, grace=15.0):
-        """SIGTERM to the engine's process group, SIGKILL to what is left after `grace` seconds. Not SIGKILL
-        first: Python's resource tracker (in the group; it ignores SIGTERM) unlinks the torch shared-memory
-        segments and semaphores of processes that died, once they are gone; killed with them, it leaves those
-        in /dev/shm (tried: psm_* and sem.mp-* left after a SIGKILL of the group)."""
-        def signal_group(sig):
-            try:
-                os.killpg(self.proc.pid, sig)
-                return True
-            except ProcessLookupError:
-                return False
-        signal_group(signal.SIGTERM)
-        end = time.monotonic() + grace
-        while time.monotonic() < end:
-            self.proc.poll()
-            if not signal_group(0):  # the group is empty
-                break
-            time.sleep(0.2)
-        else:
-            signal_group(signal.SIGKILL)
-        self.proc.wait()
+            from vllm_check import stop_process_group  # tests/python/vllm_plugin, on the path since main()
+            stop_process_group(self.proc)
 
 
 OWNER = {"plain": "plain", "plain_b": "plain_b", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",

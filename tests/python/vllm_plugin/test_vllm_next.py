@@ -14,7 +14,6 @@ FRAG_VLLM_NEXT_PART=eager|compiled|server runs one part (Bazel: three targets, e
     FRAG_SLOW=1 python tests/python/vllm_plugin/test_vllm_next.py      # any Python: the checks use the venv's
 """
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path.insert(0, HERE)
 
 import child_output  # noqa: E402
 import next_env  # noqa: E402
+import vllm_check  # noqa: E402  (stop_process_group)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gpt_neox")  # families.FAMILIES (no vLLM import)
 CASES = {  # part -> [(test name, script, arguments)]
@@ -57,11 +57,7 @@ def _run(cmd, env, folder):
         try:
             proc.wait(timeout=1500)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            vllm_check.stop_process_group(proc)  # SIGTERM first: its shared memory is cleared
     with open(out) as o, open(err) as e:
         return subprocess.CompletedProcess(cmd, proc.returncode, o.read(), e.read())
 
