@@ -166,16 +166,19 @@ def vllm_runner(args, mode):
     def stats():
         return llm.collective_rpc("fragments_compile_stats")[0] or {}
 
-    def where_time_went(before, after, outs):
-        """The saving column's run: the worker's host seconds by phase (and begin_step's and end_step's calls:
+    def where_time_went(column, before, after, outs):
+        """A plugin column's run: the worker's host seconds by phase (and begin_step's and end_step's calls:
         median, 90th percentile, longest, the longest three's sum), its steps (and how many replayed a FULL
-        graph), the front end's fetch of the saves (fv.timings) and their size; read outside the timed run."""
+        graph); the saving column's also the front end's fetch of the saves (fv.timings) and their size; read
+        outside the timed run."""
         from fragments import vllm as fv
         from fragments.vllm import _durations
         detail = {f"worker_{k}_s": v - before.get("host_s", {}).get(k, 0.0) for k, v in after.get("host_s", {}).items()}
         # begin_step's and end_step's calls in the run: a typical step's (median) apart from its longest three
         detail.update(_durations.between(before.get("step_s", {}), after.get("step_s", {})))
         detail.update({f"{k}_steps": v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()})
+        if column != "quarter":  # (the none column: what the plugin's worker does a step with no plan)
+            return detail
         detail.update(fv.timings)
         detail["saved_mb"] = sum(t.numel() * t.element_size() for o in outs for t in o.fragments.values()) / 2**20
         detail["saved_rows"] = sorted({t.shape[0] for o in outs for t in o.fragments.values()})  # prompt + new - 1
@@ -209,11 +212,11 @@ def vllm_runner(args, mode):
         if column.startswith("b1_"):
             rate = step_rate(column)
             return rate, rate, int(column == "b1_quarter") * len(LOCATIONS), {}
-        before = stats() if column == "quarter" else None
+        before = stats() if column in DETAILED else None
         out = {}
         wall, cpu = timed(lambda: out.setdefault("runs", [generate(column) for _ in range(args.repeat)]))
         saved, outs = sum(n for n, _ in out["runs"]), [o for _, os_ in out["runs"] for o in os_]
-        detail = {} if before is None else dict(where_time_went(before, stats(), outs), wall_s=wall)
+        detail = {} if before is None else dict(where_time_went(column, before, stats(), outs), wall_s=wall)
         return tokens / wall, tokens / cpu, saved, detail
 
     def profiled(column):
@@ -357,6 +360,7 @@ class Engine:
 OWNER = {"plain": "plain", "plain_b": "plain_b", "none": "plugin", "quarter": "plugin", "nnsight_none": "nnsight",
          "nnsight_quarter": "nnsight", "b1_plain": "plain", "b1_none": "plugin", "b1_quarter": "plugin"}
 BASE = {"b1_plain": "b1_plain", "b1_none": "b1_plain", "b1_quarter": "b1_plain"}  # batch-1 columns: × plain's batch 1
+DETAILED = ("none", "quarter")  # the plugin's columns: its worker's time by phase reported each run
 TWIN = {"plain_b": "plain", "plain": "plain_b"}  # engines of the same settings (run_pass starts the later one last)
 GOALS = {"none": 0.97, "quarter": 0.85}  # issue 27: × plain vLLM's tokens/s
 GOALS_GPU = {"none": 0.98, "quarter": 0.90, "b1_none": 0.98}  # issue 39, CUDA graphs on in every engine
@@ -468,9 +472,9 @@ def run_pass(args, columns, started, site, work, start_s, index, rounds, deadlin
                   f" × plain ({rows['plain']['tokens_per_s']:.0f} tokens/s); load {rounds[-1]['load']:.1f}; "
                   f"other engines' CPU during a run ≤ {max(x['others_cpu_s'] for x in rows.values()):.2f} s",
                   flush=True)
-            if rows.get("quarter", {}).get("detail"):  # where the plugin's saving column spent its time
-                print("  quarter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
-                                                for k, v in sorted(rows["quarter"]["detail"].items())), flush=True)
+            for c in [c for c in DETAILED if rows.get(c, {}).get("detail")]:  # where the plugin's worker spent
+                print(f"  {c}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                                             for k, v in sorted(rows[c]["detail"].items())), flush=True)
         if args.profile_dir and deadline.allows("round", "round"):  # after the rounds: one profiled run of each
             # vLLM column (a profiled run takes several times a plain one), traces kept
             for c in [c for c in columns if c in ("plain", "plain_b", "none", "quarter")]:
@@ -610,6 +614,10 @@ def summarize(args, columns, rounds, start_s, load_before, cut):
                       "ratio_median": med, "ratio_min": lo, "ratio_max": hi, "ratio_iqr": iqr,
                       "ratio_per_cpu_s_median": cmed, "ratio_per_cpu_s_min": clo, "ratio_per_cpu_s_max": chi,
                       "ratio_per_cpu_s_iqr": ciqr, "goal": (GOALS_GPU if args.gpu else GOALS).get(c)}
+        details = [r["rows"][c].get("detail") or {} for r in rounds]
+        numeric = [k for k in details[0] if all(isinstance(d.get(k), (int, float)) for d in details)]
+        if numeric:  # the plugin's worker a run, the rounds' median of each figure (--json has every round's)
+            summary[c]["detail_median"] = {k: statistics.median(d[k] for d in details) for k in numeric}
     device = "cpu"
     if args.gpu:
         import torch
@@ -639,6 +647,9 @@ def summarize(args, columns, rounds, start_s, load_before, cut):
     if "plain_b" in summary:
         print(f"control: a second plain engine reads {summary['plain_b']['ratio_median']:.3f} x plain (IQR "
               f"{summary['plain_b']['ratio_iqr'] or 0:.3f}): what two identical engines differ by here")
+    for c in [c for c in DETAILED if "detail_median" in summary.get(c, {})]:
+        print(f"{c}, the worker a run (rounds' medians): " + ", ".join(
+            f"{k} {v:.3g}" for k, v in sorted(summary[c]["detail_median"].items())))
     if cut:
         print(f"cut short: {len(rounds)} of {args.rounds * args.start_orders} rounds ({cut})")
     return report

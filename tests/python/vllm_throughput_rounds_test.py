@@ -28,8 +28,9 @@ class FakeEngine:
     its n-th run (a SIGTERM sent from it). `events`: ("start" or "ready", mode) in order."""
     made, events = [], []
 
-    def __init__(self, args, mode, site, work, clock=None, rates=None, run_s=2.0, on_run=None):
+    def __init__(self, args, mode, site, work, clock=None, rates=None, run_s=2.0, on_run=None, details=None):
         self.mode, self.clock, self.rates, self.run_s, self.on_run = mode, clock, rates or {}, run_s, on_run
+        self.details = details
         self.start_s, self.closed, self.runs = None, False, 0
         FakeEngine.made.append(self)
         FakeEngine.events.append(("start", mode))
@@ -47,7 +48,8 @@ class FakeEngine:
         if self.on_run is not None:
             self.on_run(self.runs)
         rate = self.rates.get(column, 100.0)
-        return {"column": column, "tokens_per_s": rate, "tokens_per_cpu_s": rate / 2, "saved": 0, "detail": {}}
+        detail = self.details(column, self.runs) if self.details else {}
+        return {"column": column, "tokens_per_s": rate, "tokens_per_cpu_s": rate / 2, "saved": 0, "detail": detail}
 
     def close(self):
         self.closed = True
@@ -157,6 +159,25 @@ class RoundsTest(unittest.TestCase):
         self.assertIsNone(report["summary"]["plain_b"]["goal"])
         self.assertEqual(report["summary"]["none"]["goal"], 0.97)  # the CPU's (gpu=False: no device named)
         self.assertEqual((report["cut_short"], report["rounds_done"]), (None, 3))
+
+
+    def test_worker_detail_is_summed_up_by_its_rounds_median(self):
+        columns = ["plain", "none", "quarter"]
+
+        def details(column, run):  # the engine's run count: warm-ups are runs 1 and 2 of the plugin's engine
+            if column == "quarter":  # a figure every round, one only in some, one not a number
+                return dict({"end_step_s": 0.01 * run, "saved_rows": [255]}, **({"load_s": 1.0} if run > 4 else {}))
+            return {"end_step_s": 0.001 * run} if column == "none" else {}
+        rounds, start_s = [], {}
+        bench.run_pass(args(rounds=3), columns, ["plain", "plugin"], None, None, start_s, 0, rounds,
+                       bench.Deadline(None, clock=self.clock), engine=self.engine(details=details))
+        report = bench.summarize(args(rounds=3, gpu=False), columns, rounds, start_s, (0.0, 0.0, 0.0), None)["summary"]
+        # the plugin's engine ran none and quarter in turn: each column's rounds were runs 3-8 of that engine
+        quarter = sorted(r["rows"]["quarter"]["detail"]["end_step_s"] for r in rounds)
+        self.assertEqual(report["quarter"]["detail_median"], {"end_step_s": quarter[1]})
+        none = sorted(r["rows"]["none"]["detail"]["end_step_s"] for r in rounds)
+        self.assertEqual(report["none"]["detail_median"], {"end_step_s": none[1]})
+        self.assertNotIn("detail_median", report["plain"])
 
 
 if __name__ == "__main__":
