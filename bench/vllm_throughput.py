@@ -40,6 +40,7 @@ run was cut short. SIGTERM (a device call's `timeout`) ends the rounds alike, th
 run40's 64 rounds outran a 570 s call (its engines took 229 s to start) and left a log but no JSON.
 """
 import argparse
+import functools
 import json
 import os
 import signal
@@ -342,15 +343,25 @@ class Engine:
         self.proc.stdin.flush()
         return self._answer()
 
+    def quit(self):
+        """Asks a ready engine to quit (it reads the line once its run in hand ends), without waiting: the bench
+        asks every engine first, then waits for each (close), so that their shutdowns overlap."""
+        if self.start_s is None or self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
     def close(self):
-        """Quits a ready engine (it reads the line once its run in hand ends); one not ready yet (the bench
-        stopped while engines started) or not quitting in 120 s is stopped with its process group
-        (vllm_check.stop_process_group: SIGTERM first, so that its shared memory is cleared)."""
+        """Waits for a ready engine to quit; one not ready yet (the bench stopped while engines started) or not
+        quitting in 120 s is stopped with its process group (vllm_check.stop_process_group: SIGTERM first, so
+        that its shared memory is cleared)."""
         try:
             if self.start_s is None:
                 raise OSError("not ready")
-            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-            self.proc.stdin.close()
+            self.quit()
             self.proc.wait(120)
         except (OSError, subprocess.TimeoutExpired):
             from vllm_check import stop_process_group  # tests/python/vllm_plugin, on the path since main()
@@ -430,13 +441,14 @@ class Deadline:
         return self.cut is None
 
 
-def run_pass(args, columns, started, site, work, start_s, index, rounds, deadline, engine=None):
+def run_pass(args, columns, started, site, work, start_s, index, rounds, deadline, engine=None, on_round=None):
     """One pass: the engines started in `started`'s order and kept; a warm-up of every column, then
     --rounds rounds, every column once per round in an order rotated by one each round (no column always
     runs first or after the same neighbour), ratios to plain taken within the round (a slow spell of the
     machine lands on a round's columns alike). Rounds are appended to `rounds` as they end, so that a pass
-    cut short by `deadline` leaves the ones done; on SIGTERM (Stopped) the engines close and Stopped goes on to
-    run_passes. `engine`: makes an engine (Engine; a test's fake)."""
+    cut short by `deadline` leaves the ones done, and `on_round()` follows each (main: the report so far written);
+    on SIGTERM (Stopped) the engines close and Stopped goes on to run_passes. `engine`: makes an engine (Engine;
+    a test's fake)."""
     engine = engine or Engine
     engines = {}
     try:
@@ -475,6 +487,8 @@ def run_pass(args, columns, started, site, work, start_s, index, rounds, deadlin
             for c in [c for c in DETAILED if rows.get(c, {}).get("detail")]:  # where the plugin's worker spent
                 print(f"  {c}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
                                              for k, v in sorted(rows[c]["detail"].items())), flush=True)
+            if on_round is not None:
+                on_round()
         if args.profile_dir and deadline.allows("round", "round"):  # after the rounds: one profiled run of each
             # vLLM column (a profiled run takes several times a plain one), traces kept
             for c in [c for c in columns if c in ("plain", "plain_b", "none", "quarter")]:
@@ -487,11 +501,13 @@ def run_pass(args, columns, started, site, work, start_s, index, rounds, deadlin
                         os.replace(os.path.join(traces, name), os.path.join(args.profile_dir, c, name))
                 print(f"profiled {c}: traces in {os.path.join(args.profile_dir, c)}", flush=True)
     finally:
+        for e in engines.values():  # every engine asked first: their shutdowns overlap (run41: the call's limit
+            e.quit()                # came while the engines closed one after another)
         for e in engines.values():
             e.close()
 
 
-def run_passes(args, columns, site, work, rounds, start_s, deadline, engine=None):
+def run_passes(args, columns, site, work, rounds, start_s, deadline, engine=None, on_round=None):
     """--start-orders passes (run_pass), each starting the engines in another rotation, while the deadline
     allows; SIGTERM (stop_on_sigterm) ends them, the engines closed, noted in `deadline`."""
     modes = list(dict.fromkeys(OWNER[c] for c in columns))
@@ -503,7 +519,7 @@ def run_passes(args, columns, site, work, rounds, start_s, deadline, engine=None
                     break
             started = modes[p % len(modes):] + modes[:p % len(modes)]
             print(f"pass {p + 1}/{args.start_orders}: engines started {', '.join(started)}", flush=True)
-            run_pass(args, columns, started, site, work, start_s, p, rounds, deadline, engine)
+            run_pass(args, columns, started, site, work, start_s, p, rounds, deadline, engine, on_round)
     except Stopped as e:
         deadline.cut, deadline.signalled = f"{e} after {len(rounds)} round(s)", True
 
@@ -583,8 +599,13 @@ def main():
     # median ratios, so no engine is always the first started (s37 saw start order move the ratios; the
     # interference run_settled takes out explained most of it, bench/README.md).
     deadline = Deadline(args.deadline)
+
+    def on_round():  # the report so far, after every round: whatever ends the bench later (a device call's limit
+        # while the engines close: run41) leaves the rounds done in --json ("complete": false until the end)
+        write_report(args.json, dict(summarize(args, columns, rounds, start_s, load_before, deadline.cut,
+                                               show=False), complete=False))
     stop_on_sigterm()
-    run_passes(args, columns, site, work, rounds, start_s, deadline)
+    run_passes(args, columns, site, work, rounds, start_s, deadline, on_round=on_round)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = 143 if deadline.signalled else 0
     if not rounds:
@@ -592,16 +613,32 @@ def main():
         remove_work()
         return code or 1
     report = summarize(args, columns, rounds, start_s, load_before, deadline.cut)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.json, dict(report, complete=True))
     print(f"wrote {args.json}")
     remove_work()
     return code
 
 
-def summarize(args, columns, rounds, start_s, load_before, cut):
-    """The report of the rounds done (printed as a table, returned for --json); `cut`: why they stopped early."""
+@functools.lru_cache(maxsize=None)
+def device_name():
+    """The GPU's name, asked once (the report is written after every round)."""
+    import torch
+    return torch.cuda.get_device_name(0)
+
+
+def write_report(path, report):
+    """The report as JSON, whole or not at all: written beside `path`, then renamed over it (the bench may be
+    killed while it writes)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    part = path + ".part"
+    with open(part, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(part, path)
+
+
+def summarize(args, columns, rounds, start_s, load_before, cut, show=True):
+    """The report of the rounds done (printed as a table where `show`, returned for --json); `cut`: why they
+    stopped early."""
     summary = {}
     for c in columns:
         med, lo, hi, iqr = spread([r["ratio"][c] for r in rounds])
@@ -618,10 +655,7 @@ def summarize(args, columns, rounds, start_s, load_before, cut):
         numeric = [k for k in details[0] if all(isinstance(d.get(k), (int, float)) for d in details)]
         if numeric:  # the plugin's worker a run, the rounds' median of each figure (--json has every round's)
             summary[c]["detail_median"] = {k: statistics.median(d[k] for d in details) for k in numeric}
-    device = "cpu"
-    if args.gpu:
-        import torch
-        device = torch.cuda.get_device_name(0)
+    device = device_name() if args.gpu else "cpu"
     report = {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "max_tokens", "rounds", "repeat",
                                                          "start_orders", "chunked_prefill", "settle", "gpu",
                                                          "layers")},
@@ -629,6 +663,8 @@ def summarize(args, columns, rounds, start_s, load_before, cut):
               "engine_start_s": start_s,
               "load_before": load_before, "load_after": os.getloadavg(), "summary": summary, "rounds": rounds,
               "cut_short": cut, "rounds_done": len(rounds)}
+    if not show:
+        return report
     passes = len({r["pass"] for r in rounds})
     print(f"\n{passes} pass(es) of {args.rounds} paired rounds (ratios to plain taken within each "
           "round; balanced: geometric mean of the passes' medians; then all rounds' median [min–max], IQR):")

@@ -2,11 +2,16 @@
 before one that would not fit (judged by the longest round so far) and the report covers the rounds done and
 says why they stopped; another pass is not started when its engines' start would not fit; SIGTERM (a device
 call's `timeout`) ends the rounds alike and closes every engine; the --control column is a second plain engine's
-run, its ratio to plain taken within the round; the summary's medians are those of the rounds done.
-(run40 on an H200: 64 rounds outran a 570 s call and left a log but no JSON.)"""
+run, its ratio to plain taken within the round; the summary's medians are those of the rounds done; the report so
+far is written after every round, and the engines are all asked to quit before any is waited for. (run40 on an
+H200: 64 rounds outran a 570 s call and left a log but no JSON; run41 on an H100: the call's limit came while the
+engines closed one after another, after the last round, before the report.)"""
+import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import types
 import unittest
 
@@ -51,7 +56,11 @@ class FakeEngine:
         detail = self.details(column, self.runs) if self.details else {}
         return {"column": column, "tokens_per_s": rate, "tokens_per_cpu_s": rate / 2, "saved": 0, "detail": detail}
 
+    def quit(self):
+        FakeEngine.events.append(("quit", self.mode))
+
     def close(self):
+        FakeEngine.events.append(("close", self.mode))
         self.closed = True
 
 
@@ -136,6 +145,31 @@ class RoundsTest(unittest.TestCase):
         self.assertGreaterEqual(len(rounds), 1)
         self.assertIn(f"after {len(rounds)} round(s)", deadline.cut)
         self.assertTrue(all(e.closed for e in FakeEngine.made))
+        ends = [e for e in FakeEngine.events if e[0] in ("quit", "close")]
+        self.assertEqual(ends, [("quit", "plain"), ("quit", "plugin"), ("close", "plain"), ("close", "plugin")],
+                         "every engine asked to quit before any is waited for: their shutdowns overlap")
+
+    def test_the_report_so_far_is_written_after_every_round(self):
+        folder = tempfile.mkdtemp(prefix="frag-rounds-test-")
+        self.addCleanup(shutil.rmtree, folder)
+        path = os.path.join(folder, "out.json")
+        rounds, start_s, seen = [], {}, []
+        deadline = bench.Deadline(None, clock=self.clock)
+        columns = ["plain", "none"]
+
+        def on_round():  # as main's: the report so far, then what the file holds at that moment
+            bench.write_report(path, dict(bench.summarize(args(rounds=3, gpu=False), columns, rounds, start_s,
+                                                          (0.0, 0.0, 0.0), deadline.cut, show=False),
+                                          complete=False))
+            with open(path) as f:
+                seen.append(json.load(f)["rounds_done"])
+        bench.run_pass(args(rounds=3), columns, ["plain", "plugin"], None, None, start_s, 0, rounds, deadline,
+                       engine=self.engine(rates={"none": 90.0}), on_round=on_round)
+        self.assertEqual(seen, [1, 2, 3])
+        self.assertEqual(os.listdir(folder), ["out.json"], "written beside, then renamed: no part file left")
+        with open(path) as f:
+            report = json.load(f)
+        self.assertEqual((report["complete"], report["summary"]["none"]["ratio_median"]), (False, 0.9))
 
     def test_control_column_is_a_second_plain_engine(self):
         columns = ["plain", "plain_b", "none", "quarter"]
@@ -148,7 +182,7 @@ class RoundsTest(unittest.TestCase):
         self.assertEqual(sorted(e.mode for e in FakeEngine.made), ["plain", "plain_b", "plugin"])
         # on a GPU the engines start side by side, but the control last, once plain is up: it loads plain's
         # compiled graphs from vLLM's cache instead of compiling them again beside it
-        self.assertEqual(FakeEngine.events, [("start", "plain"), ("start", "plugin"), ("ready", "plain"),
+        self.assertEqual([e for e in FakeEngine.events if e[0] in ("start", "ready")], [("start", "plain"), ("start", "plugin"), ("ready", "plain"),
                                              ("start", "plain_b"), ("ready", "plain_b"), ("ready", "plugin")])
         self.assertEqual([e.runs for e in FakeEngine.made if e.mode == "plain_b"], [4])  # warm-up and 3 rounds
         for r in rounds:
