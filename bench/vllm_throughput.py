@@ -599,6 +599,8 @@ def main():
     # median ratios, so no engine is always the first started (s37 saw start order move the ratios; the
     # interference run_settled takes out explained most of it, bench/README.md).
     deadline = Deadline(args.deadline)
+    if args.gpu:
+        device_name()  # asked before the engines start, not between two rounds (CUDA's start in this process)
 
     def on_round():  # the report so far, after every round: whatever ends the bench later (a device call's limit
         # while the engines close: run41) leaves the rounds done in --json ("complete": false until the end)
