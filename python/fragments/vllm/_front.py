@@ -69,7 +69,7 @@ def generate(llm, prompts, plans: Optional[List[Any]] = None, use_tqdm: bool = F
         raise ValueError(f"fragments: {len(plans)} plans for {len(prompts)} prompts")
     params = [sampling_params(p, **sampling_kwargs) for p in plans]
     specs = [p.extra_args.get(EXTRA_KEY) if p.extra_args else None for p in params]
-    record = _record(llm) if any(specs) else None  # this engine's locations and widths
+    record = record_of(llm) if any(specs) else None  # this engine's locations and widths
     refused = {i: RequestPlan.parse(spec, spec["key"], record).error for i, spec in enumerate(specs) if spec}
     refused = {i: error for i, error in refused.items() if error}
     run = [i for i in range(len(prompts)) if i not in refused]
@@ -88,9 +88,10 @@ def generate(llm, prompts, plans: Optional[List[Any]] = None, use_tqdm: bool = F
 _records: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _record(llm) -> dict:
-    """inspect(llm), asked once per engine: its model's locations and widths do not change while it runs, and
-    the RPC took ~1-1.5 ms a generate call on the CPU build (a GPU host's is slower)."""
+def record_of(llm) -> dict:
+    """inspect(llm), asked once per engine (generate's check of each plan, a VLLM trace's tree): its model's
+    locations and widths do not change while it runs, and the RPC took ~1-1.5 ms a generate call on the CPU
+    build (a GPU host's is slower). A None answer (no plugin in the workers) is asked again next time."""
     try:
         record = _records.get(llm)
     except TypeError:  # an engine that cannot be weakly referenced: asked every time

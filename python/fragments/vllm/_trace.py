@@ -67,7 +67,7 @@ from ..core.step import PythonStep
 from ..tracing.envoy import TracedModel
 from ..tracing.tracer import Tracer
 from ..tracing.tree import ModelTree, rank_local_reason
-from ._front import generate, inspect
+from ._front import generate, record_of
 from ._tap import TAPS_KEY
 
 
@@ -83,7 +83,7 @@ class VLLM(TracedModel):
             raise FragmentsError("VLLM(llm=..., taps=...): an engine's taps are fixed when it starts; give them to "
                                  f'LLM(..., additional_config={{"{TAPS_KEY}": [...]}})')
         self.llm = llm
-        record = inspect(llm)
+        record = record_of(llm)  # the one its traces' generate calls then use
         if record is None:
             raise FragmentsError("fragments' vLLM plugin is not loaded in this engine's workers (VLLM_PLUGINS "
                                  "unset or listing 'fragments', and FRAGMENTS_VLLM not 0)")

@@ -50,6 +50,12 @@ class RecordTest(unittest.TestCase):
         _front.generate(other, [{"prompt_token_ids": [1]}], [PLAN], max_tokens=1)
         self.assertEqual((llm.asked, other.asked), (1, 1))
 
+    def test_a_trace_and_generate_share_the_record(self):
+        llm = FakeLLM()  # fragments.vllm.VLLM asks record_of at its start; its traces' generate calls follow
+        self.assertIs(_front.record_of(llm), RECORD)
+        _front.generate(llm, [{"prompt_token_ids": [1]}], [PLAN], max_tokens=1)
+        self.assertEqual(llm.asked, 1)
+
     def test_no_plan_asks_nothing(self):
         llm = FakeLLM()
         llm.generate = lambda prompts, params, use_tqdm=False: []
