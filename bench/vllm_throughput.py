@@ -37,7 +37,9 @@ On a GPU it starts once plain is up, and loads the graphs plain compiled from vL
 --deadline S: no round (or pass, or profiled run) starts that would end more than S seconds after the bench
 started, judged by the longest round (and engine start) so far; the report covers the rounds done and says the
 run was cut short. SIGTERM (a device call's `timeout`) ends the rounds alike, the report written, exit 143:
-run40's 64 rounds outran a 570 s call (its engines took 229 s to start) and left a log but no JSON.
+run40's 64 rounds outran a 570 s call (its engines took 229 s to start) and left a log but no JSON. --json is
+also written after every round ("complete": false until the end): run41's call limit came while its engines
+closed, after the last round and before the report.
 """
 import argparse
 import functools
